@@ -1,0 +1,113 @@
+"""Starting and stopping a local mlxserve server (for --spawn-server and the tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from client.client import GenerationClient
+
+# client/bench/server.py -> the repository root, where `python -m service` resolves.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def mlx_env() -> dict[str, str]:
+    """This environment plus OpenBLAS preloaded for MLX's CPU backend (SPEC §8)."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    try:
+        # Imported here, not at module level: the client image has no server code.
+        from service.blas import blas_env
+    except ImportError:
+        return env
+    extra = blas_env()
+    if "LD_PRELOAD" in extra and env.get("LD_PRELOAD"):
+        extra["LD_PRELOAD"] = f"{extra['LD_PRELOAD']}:{env['LD_PRELOAD']}"
+    env.update(extra)
+    return env
+
+
+class ServerProcess:
+    """`python -m service --port P` as a subprocess, SERVING on entry, stopped on exit."""
+
+    def __init__(
+        self,
+        extra_args: Sequence[str] = (),
+        *,
+        log_path: Path | None = None,
+        ready_timeout: float = 180.0,
+    ) -> None:
+        self.port = free_port()
+        self.target = f"localhost:{self.port}"
+        self.command = [sys.executable, "-m", "service", "--port", str(self.port), *extra_args]
+        self.log_path = log_path
+        self.ready_timeout = ready_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(
+                self.command, cwd=REPO_ROOT, env=mlx_env(), stdout=log, stderr=subprocess.STDOUT
+            )
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()  # the child keeps its own descriptor
+        self._wait_serving()
+
+    def _wait_serving(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        with GenerationClient(self.target) as client:
+            while True:
+                # Check the process between short waits, so a crash fails fast with its log.
+                if self._proc is None or self._proc.poll() is not None:
+                    code = self._proc.returncode if self._proc else None
+                    raise RuntimeError(f"server exited ({code}) during start-up\n{self.log_tail()}")
+                try:
+                    client.wait_ready(min(2.0, max(deadline - time.monotonic(), 0.1)))
+                    return
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        self.stop()
+                        raise
+
+    def stop(self, grace: float = 30.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)  # lets the server drain and exit cleanly
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

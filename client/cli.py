@@ -1,0 +1,306 @@
+"""Command-line client: `python -m client [--target HOST:PORT] COMMAND ...`.
+
+Commands: generate, stream, stats, info, tokenize, bench. gRPC failures print one line,
+`error: CODE: details`, on stderr and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from client.client import DEFAULT_TARGET, GenerationClient, build_request
+from mlxserve.v1 import generation_pb2 as pb
+
+TARGET_ENV = "MLXSERVE_TARGET"
+
+
+def _metadata_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.lower(), value  # gRPC metadata keys must be lower case
+
+
+def _rpc_options() -> argparse.ArgumentParser:
+    """Options every RPC command takes (also accepted after the command name)."""
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS keeps a --target given before the command from being overwritten here.
+    common.add_argument("--target", default=argparse.SUPPRESS, help="server address host:port")
+    common.add_argument("--timeout", type=float, default=None, help="RPC deadline in seconds")
+    common.add_argument("--json", action="store_true", help="print responses as JSON")
+    common.add_argument(
+        "--metadata",
+        type=_metadata_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="gRPC metadata to send (repeatable)",
+    )
+    return common
+
+
+def _generation_options() -> argparse.ArgumentParser:
+    gen = argparse.ArgumentParser(add_help=False)
+    gen.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
+    gen.add_argument(
+        "--raw", action="store_true", help="send the prompt as raw text, not as a user chat turn"
+    )
+    gen.add_argument("--system", help="a system chat turn before the prompt (chat mode)")
+    gen.add_argument("--max-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--min-p", type=float)
+    gen.add_argument("--repetition-penalty", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--priority", type=int, default=0, help="higher is more urgent")
+    gen.add_argument("--logprobs", action="store_true")
+    gen.add_argument("--top-logprobs", type=int, default=0)
+    gen.add_argument("--request-id", default="")
+    gen.add_argument(
+        "--no-cache-prompt", action="store_true", help="bypass the server's prompt-prefix cache"
+    )
+    return gen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from client.bench.cli import add_bench_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    parser.add_argument(
+        "--target",
+        default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
+        help=f"server address host:port (env {TARGET_ENV}; default {DEFAULT_TARGET})",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    rpc, gen = _rpc_options(), _generation_options()
+    commands.add_parser("generate", parents=[rpc, gen], help="one unary Generate call")
+    commands.add_parser("stream", parents=[rpc, gen], help="StreamGenerate, printing as it goes")
+    commands.add_parser("stats", parents=[rpc], help="KV cache and batch state (CacheStats)")
+    commands.add_parser("info", parents=[rpc], help="the loaded model (GetModelInfo)")
+    tokenize = commands.add_parser("tokenize", parents=[rpc], help="prompt token ids (Tokenize)")
+    tokenize.add_argument("prompt", nargs="?", help="text; read from stdin when omitted")
+    tokenize.add_argument("--raw", action="store_true", help="raw text instead of a chat turn")
+    tokenize.add_argument("--system", help="a system chat turn before the prompt (chat mode)")
+    bench = commands.add_parser(
+        "bench", help="load generator: concurrency sweep with TTFT/ITL, optional peer"
+    )
+    bench.add_argument("--target", default=argparse.SUPPRESS, help="server address host:port")
+    add_bench_arguments(bench)
+    return parser
+
+
+# -- request building and output --------------------------------------------------------------
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    return args.prompt if args.prompt is not None else sys.stdin.read()
+
+
+def _chat_turns(args: argparse.Namespace, prompt: str) -> list[tuple[str, str]]:
+    turns = [("system", args.system)] if args.system else []
+    return [*turns, ("user", prompt)]
+
+
+def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
+    prompt = _read_prompt(args)
+    # Default to chat: the embedded model is an instruct model and answers chats, not raw text.
+    prompt_or_chat: dict[str, Any] = (
+        {"prompt": prompt} if args.raw else {"chat": _chat_turns(args, prompt)}
+    )
+    return build_request(
+        **prompt_or_chat,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        priority=args.priority,
+        logprobs=args.logprobs,
+        top_logprobs=args.top_logprobs,
+        request_id=args.request_id,
+        cache_prompt=False if args.no_cache_prompt else None,
+    )
+
+
+def to_json(message: Message, *, indent: int | None = 2) -> str:
+    return json_format.MessageToJson(
+        message, preserving_proto_field_name=True, indent=indent, ensure_ascii=False
+    )
+
+
+def finish_reason_name(reason: int) -> str:
+    return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+def usage_line(request_id: str, finish_reason: int, usage: pb.Usage, timing: pb.Timing) -> str:
+    """One line of what the server reports about a finished request."""
+    decode_seconds = timing.total_seconds - timing.time_to_first_token_seconds
+    # The first token comes from prefill; the rest are decode steps.
+    decode_rate = (
+        f" decode={(usage.completion_tokens - 1) / decode_seconds:.1f}tok/s"
+        if usage.completion_tokens > 1 and decode_seconds > 0
+        else ""
+    )
+    return (
+        f"[{request_id} finish={finish_reason_name(finish_reason)}"
+        f" prompt={usage.prompt_tokens} completion={usage.completion_tokens}"
+        f" cached={usage.cached_tokens} queue={timing.queue_seconds:.3f}s"
+        f" ttft={timing.time_to_first_token_seconds:.3f}s"
+        f" total={timing.total_seconds:.3f}s{decode_rate}]"
+    )
+
+
+def _field_text(message: Message, field: FieldDescriptor) -> str:
+    value = getattr(message, field.name)
+    if field.message_type is not None and isinstance(value, Message):
+        return to_json(value, indent=None)
+    # Repeated fields come back as containers; show them comma-separated.
+    values = [value] if isinstance(value, bool | int | float | str) else list(value)
+    if field.enum_type is not None:
+        values = [field.enum_type.values_by_number[v].name for v in values]
+    return ", ".join(str(v) for v in values)
+
+
+def key_value_lines(message: Message, skip: Sequence[str] = ()) -> list[str]:
+    """All fields in declaration order (zeros included), as aligned `key: value` lines."""
+    fields = [f for f in message.DESCRIPTOR.fields if f.name not in skip]
+    width = max((len(f.name) for f in fields), default=0)
+    return [f"{f.name + ':':<{width + 1}} {_field_text(message, f)}" for f in fields]
+
+
+def slots_table(slots: Sequence[pb.SlotInfo]) -> list[str]:
+    header = ("request_id", "state", "priority", "generated", "context")
+    rows = [
+        (
+            s.request_id,
+            pb.SlotState.Name(s.state).removeprefix("SLOT_STATE_").lower(),
+            str(s.priority),
+            str(s.generated_tokens),
+            str(s.context_tokens),
+        )
+        for s in slots
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(
+            cell.ljust(w) if i < 2 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in [header, *rows]
+    ]
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def _call_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"timeout": args.timeout, "metadata": args.metadata or None}
+
+
+def cmd_generate(client: GenerationClient, args: argparse.Namespace) -> int:
+    response = client.generate(request_from_args(args), **_call_options(args))
+    if args.json:
+        print(to_json(response))
+        return 0
+    print(response.text)
+    print(
+        usage_line(response.request_id, response.finish_reason, response.usage, response.timing),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_stream(client: GenerationClient, args: argparse.Namespace) -> int:
+    final: pb.StreamGenerateResponse | None = None
+    for message in client.stream(request_from_args(args), **_call_options(args)):
+        if args.json:
+            print(to_json(message, indent=None), flush=True)  # one JSON object per line
+        elif message.text:
+            sys.stdout.write(message.text)
+            sys.stdout.flush()
+        if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            final = message
+    if not args.json:
+        print()
+        if final is not None:
+            print(
+                usage_line(final.request_id, final.finish_reason, final.usage, final.timing),
+                file=sys.stderr,
+            )
+    return 0
+
+
+def cmd_stats(client: GenerationClient, args: argparse.Namespace) -> int:
+    stats = client.cache_stats(**_call_options(args))
+    if args.json:
+        print(to_json(stats))
+        return 0
+    print("\n".join(key_value_lines(stats, skip=("slots",))))
+    if stats.slots:
+        print()
+        print("\n".join(slots_table(stats.slots)))
+    return 0
+
+
+def cmd_info(client: GenerationClient, args: argparse.Namespace) -> int:
+    info = client.model_info(**_call_options(args))
+    print(to_json(info) if args.json else "\n".join(key_value_lines(info)))
+    return 0
+
+
+def cmd_tokenize(client: GenerationClient, args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    if args.raw:
+        response = client.tokenize(prompt, **_call_options(args))
+    else:
+        response = client.tokenize(chat=_chat_turns(args, prompt), **_call_options(args))
+    if args.json:
+        print(to_json(response))
+    else:
+        print(" ".join(str(t) for t in response.token_ids))
+        print(f"[{len(response.token_ids)} tokens] {list(response.tokens)!r}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "stream": cmd_stream,
+    "stats": cmd_stats,
+    "info": cmd_info,
+    "tokenize": cmd_tokenize,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "bench":
+            from client.bench.cli import run_bench
+
+            return run_bench(args)
+        with GenerationClient(args.target) as client:
+            return COMMANDS[args.command](client, args)
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except (TimeoutError, ValueError, OSError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,352 @@
+"""Sync and asyncio clients for mlxserve's GenerationService.
+
+Only grpcio, grpcio-health-checking and the generated stubs are imported here, so the
+client runs anywhere (no MLX, no server code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeAlias
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "localhost:50051"
+SERVICE_NAME = "mlxserve.v1.GenerationService"
+
+ChatLike: TypeAlias = Sequence[tuple[str, str]] | Sequence[Mapping[str, str]]
+RequestLike: TypeAlias = pb.GenerateRequest | pb.StreamGenerateRequest | str
+Metadata: TypeAlias = Sequence[tuple[str, str]] | None
+
+# Generations are long-lived and the bench sends many at once: lift gRPC's small defaults.
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+def _chat_messages(chat: ChatLike) -> list[pb.ChatMessage]:
+    messages = []
+    for turn in chat:
+        if isinstance(turn, Mapping):
+            messages.append(pb.ChatMessage(role=turn["role"], content=turn["content"]))
+        else:
+            role, content = turn
+            messages.append(pb.ChatMessage(role=role, content=content))
+    return messages
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    chat: ChatLike | None = None,
+    token_ids: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    seed: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    stop: Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    priority: int = 0,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    request_id: str = "",
+    cache_prompt: bool | None = None,
+) -> pb.GenerateRequest:
+    """A GenerateRequest from exactly one input (raw `prompt`, `chat` or `token_ids`).
+
+    Parameters left as None stay unset, so the server applies its defaults.
+    """
+    inputs_given = sum(x is not None for x in (prompt, chat, token_ids))
+    if inputs_given != 1:
+        raise ValueError("give exactly one of prompt, chat or token_ids")
+    req = pb.GenerateRequest(
+        request_id=request_id, priority=priority, logprobs=logprobs, top_logprobs=top_logprobs
+    )
+    if prompt is not None:
+        req.text = prompt
+    elif chat is not None:
+        req.chat.messages.extend(_chat_messages(chat))
+    else:
+        req.token_ids.ids.extend(token_ids or [])
+
+    sampling = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "seed": seed,
+    }
+    for name, value in sampling.items():
+        if value is not None:
+            setattr(req.sampling, name, value)
+    if logit_bias:
+        for token_id, bias in logit_bias.items():
+            req.sampling.logit_bias[int(token_id)] = float(bias)
+
+    if max_tokens is not None:
+        req.stopping.max_tokens = max_tokens
+    if stop:
+        req.stopping.stop.extend(stop)
+    if stop_token_ids:
+        req.stopping.stop_token_ids.extend(stop_token_ids)
+    if ignore_eos:
+        req.stopping.ignore_eos = True
+    if cache_prompt is not None:
+        req.cache_prompt = cache_prompt
+    return req
+
+
+def to_stream_request(request: pb.GenerateRequest) -> pb.StreamGenerateRequest:
+    """The same request for StreamGenerate (the two messages share field names and numbers)."""
+    return pb.StreamGenerateRequest.FromString(request.SerializeToString())
+
+
+def to_generate_request(request: pb.StreamGenerateRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest.FromString(request.SerializeToString())
+
+
+def _unary_request(request: RequestLike, params: dict[str, Any]) -> pb.GenerateRequest:
+    if isinstance(request, str):
+        return build_request(request, **params)
+    if params:
+        raise TypeError("request parameters are only accepted together with a prompt string")
+    if isinstance(request, pb.StreamGenerateRequest):
+        return to_generate_request(request)
+    return request
+
+
+def _stream_request(request: RequestLike, params: dict[str, Any]) -> pb.StreamGenerateRequest:
+    if isinstance(request, pb.StreamGenerateRequest):
+        if params:
+            raise TypeError("request parameters are only accepted together with a prompt string")
+        return request
+    return to_stream_request(_unary_request(request, params))
+
+
+def _tokenize_request(text: str | None, chat: ChatLike | None) -> pb.TokenizeRequest:
+    if (text is None) == (chat is None):
+        raise ValueError("give exactly one of text or chat")
+    if text is not None:
+        return pb.TokenizeRequest(text=text)
+    return pb.TokenizeRequest(chat=pb.ChatInput(messages=_chat_messages(chat or [])))
+
+
+def _is_serving(response: health_pb2.HealthCheckResponse) -> bool:
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class GenerationClient:
+    """Blocking client. `request` arguments take a GenerateRequest, or a raw prompt string
+    plus `build_request` keyword arguments (e.g. `client.generate("Hi", max_tokens=8)`)."""
+
+    def __init__(
+        self, target: str = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = ()
+    ) -> None:
+        self.target = target
+        self._channel = grpc.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *options])
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(
+        self,
+        request: RequestLike,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = None,
+        **params: Any,
+    ) -> pb.GenerateResponse:
+        return self._stub.Generate(
+            _unary_request(request, params), timeout=timeout, metadata=metadata
+        )
+
+    def stream(
+        self,
+        request: RequestLike,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = None,
+        **params: Any,
+    ) -> Iterator[pb.StreamGenerateResponse]:
+        """Yields one message per decode step; leaving the loop early cancels the RPC."""
+        call = self._stub.StreamGenerate(
+            _stream_request(request, params), timeout=timeout, metadata=metadata
+        )
+        try:
+            yield from call
+        finally:
+            call.cancel()  # a no-op once the stream has ended; frees the server's slot otherwise
+
+    def cache_stats(
+        self, *, timeout: float | None = None, metadata: Metadata = None
+    ) -> pb.CacheStatsResponse:
+        return self._stub.CacheStats(pb.CacheStatsRequest(), timeout=timeout, metadata=metadata)
+
+    def model_info(
+        self, *, timeout: float | None = None, metadata: Metadata = None
+    ) -> pb.GetModelInfoResponse:
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=metadata)
+
+    def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        chat: ChatLike | None = None,
+        timeout: float | None = None,
+        metadata: Metadata = None,
+    ) -> pb.TokenizeResponse:
+        return self._stub.Tokenize(
+            _tokenize_request(text, chat), timeout=timeout, metadata=metadata
+        )
+
+    def wait_ready(self, timeout: float = 120.0, *, service: str = "") -> None:
+        """Block until grpc.health reports SERVING for `service` ("" = the whole server).
+
+        Raises TimeoutError if it does not within `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        last_error = "no answer"
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                response = self._health.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=min(left, 5.0)
+                )
+                if _is_serving(response):
+                    return
+                last_error = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            except grpc.RpcError as err:  # not listening yet, or the service not registered yet
+                last_error = f"{err.code().name}: {err.details()}"
+            time.sleep(min(0.25, max(deadline - time.monotonic(), 0)))
+        raise TimeoutError(f"{self.target} not SERVING after {timeout:.0f}s ({last_error})")
+
+
+class AsyncGenerationClient:
+    """asyncio client (grpc.aio); the same methods as GenerationClient, awaitable."""
+
+    def __init__(
+        self, target: str = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = ()
+    ) -> None:
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *options])
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def __aenter__(self) -> AsyncGenerationClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(
+        self,
+        request: RequestLike,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = None,
+        **params: Any,
+    ) -> pb.GenerateResponse:
+        return await self._stub.Generate(
+            _unary_request(request, params), timeout=timeout, metadata=metadata
+        )
+
+    async def stream(
+        self,
+        request: RequestLike,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = None,
+        **params: Any,
+    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        """Yields one message per decode step; closing the iterator early cancels the RPC."""
+        call = self._stub.StreamGenerate(
+            _stream_request(request, params), timeout=timeout, metadata=metadata
+        )
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()
+
+    async def cache_stats(
+        self, *, timeout: float | None = None, metadata: Metadata = None
+    ) -> pb.CacheStatsResponse:
+        return await self._stub.CacheStats(
+            pb.CacheStatsRequest(), timeout=timeout, metadata=metadata
+        )
+
+    async def model_info(
+        self, *, timeout: float | None = None, metadata: Metadata = None
+    ) -> pb.GetModelInfoResponse:
+        return await self._stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=metadata
+        )
+
+    async def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        chat: ChatLike | None = None,
+        timeout: float | None = None,
+        metadata: Metadata = None,
+    ) -> pb.TokenizeResponse:
+        return await self._stub.Tokenize(
+            _tokenize_request(text, chat), timeout=timeout, metadata=metadata
+        )
+
+    async def wait_ready(self, timeout: float = 120.0, *, service: str = "") -> None:
+        """Wait until grpc.health reports SERVING; raises TimeoutError otherwise."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last_error = "no answer"
+        while (left := deadline - loop.time()) > 0:
+            try:
+                response = await self._health.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=min(left, 5.0)
+                )
+                if _is_serving(response):
+                    return
+                last_error = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            except grpc.RpcError as err:
+                last_error = f"{err.code().name}: {err.details()}"
+            await asyncio.sleep(min(0.25, max(deadline - loop.time(), 0)))
+        raise TimeoutError(f"{self.target} not SERVING after {timeout:.0f}s ({last_error})")

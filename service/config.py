@@ -1,0 +1,152 @@
+"""Server configuration: command-line flags, each with an MLXSERVE_* environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+MIN_SLOT_CONTEXT = 512
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    model: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    parallel: int = 4
+    max_batch_size: int | None = None
+    max_queue_depth: int = 32
+    prefill_chunk_size: int | None = None
+    prefill_grant_interval: int = 16
+    max_batch_prefill: int = 4
+    max_batch_prefill_tokens: int | None = None
+    enable_preemption: bool = False
+    preemption_policy: str = "longest-first"
+    no_batch: bool = False
+    decode_storage_backend: str = "auto"
+    kv_cache_budget: str = "auto"
+    kv_admission_watermark: float = 0.01
+    ctx_size: int | None = None
+    no_prompt_cache: bool = False
+    default_max_tokens: int = 512
+    deterministic: bool = False
+    log_level: str = "info"
+    log_format: str = "auto"
+    metrics_port: int | None = None
+    drain_seconds: float = 10.0
+
+    @property
+    def batch_size(self) -> int:
+        if self.no_batch:
+            return 1
+        return self.max_batch_size or self.parallel
+
+    def slot_context(self, model_max_context: int) -> int:
+        """Tokens one sequence may hold: --ctx-size shared by the slots, else the model's limit."""
+        if self.ctx_size is None:
+            return model_max_context
+        per_slot = self.ctx_size // self.batch_size
+        if per_slot < MIN_SLOT_CONTEXT:
+            raise ConfigError(
+                f"--ctx-size {self.ctx_size} gives each of the {self.batch_size} slots "
+                f"{per_slot} tokens; a slot needs at least {MIN_SLOT_CONTEXT}"
+            )
+        return min(per_slot, model_max_context)
+
+    def validate(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port} is not a TCP port")
+        if self.parallel < 1 or (self.max_batch_size is not None and self.max_batch_size < 1):
+            raise ConfigError("--parallel and --max-batch-size must be at least 1")
+        if self.max_queue_depth < 0:
+            raise ConfigError("--max-queue-depth must be >= 0")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 0:
+            raise ConfigError("--prefill-chunk-size must be >= 0")
+        if self.preemption_policy not in ("longest-first", "lowest-priority"):
+            raise ConfigError("--preemption-policy must be longest-first or lowest-priority")
+        if self.decode_storage_backend not in ("auto", "dense", "paged"):
+            raise ConfigError("--decode-storage-backend must be auto, dense or paged")
+        if not 0.0 <= self.kv_admission_watermark <= 0.5:
+            raise ConfigError("--kv-admission-watermark must be within [0, 0.5]")
+        if self.ctx_size is not None and self.ctx_size <= 0:
+            raise ConfigError("--ctx-size must be positive")
+        if self.default_max_tokens < 1:
+            raise ConfigError("--default-max-tokens must be at least 1")
+
+
+def _env(name: str, default: object) -> object:
+    return os.environ.get(f"MLXSERVE_{name.upper()}", default)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(f"MLXSERVE_{name.upper()}", "").lower() in ("1", "true", "yes", "on")
+
+
+def _optional_int(value: str | None) -> int | None:
+    return None if value in (None, "") else int(value)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    a = parser.add_argument
+    a("--host", default=_env("host", d.host), help="address to bind (MLXSERVE_HOST)")
+    a("--port", type=int, default=int(_env("port", d.port)), help="gRPC port (MLXSERVE_PORT)")
+    a("--model", default=_env("model", None),
+      help="mlx-lm / Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct")
+    a("--dtype", default=_env("dtype", d.dtype), help="auto|float32|bfloat16|float16")
+    a("--load-format", default=_env("load_format", d.load_format),
+      help="auto, or dummy:PRESET for random weights of a preset's shape")
+    a("--parallel", "-np", type=int, default=int(_env("parallel", d.parallel)),
+      help="sequence slots (MLXSERVE_PARALLEL)")
+    a("--max-batch-size", type=int, default=_optional_int(_env("max_batch_size", None)),
+      help="rows per decode step (default: --parallel)")
+    a("--max-queue-depth", type=int, default=int(_env("max_queue_depth", d.max_queue_depth)),
+      help="waiting requests before RESOURCE_EXHAUSTED")
+    a("--prefill-chunk-size", "-b", type=int,
+      default=_optional_int(_env("prefill_chunk", None) or _env("prefill_chunk_size", None)),
+      help="tokens per prefill chunk (default adaptive: 2048 idle, 512 while decoding; 0 = off)")
+    a("--prefill-grant-interval", type=int,
+      default=int(_env("prefill_grant_interval", d.prefill_grant_interval)),
+      help="decode ticks a parked prefill chunk yields before it is guaranteed a turn")
+    a("--max-batch-prefill", type=int, default=int(_env("max_batch_prefill", d.max_batch_prefill)),
+      help="waiting requests prefilled together")
+    a("--max-batch-prefill-tokens", type=int,
+      default=_optional_int(_env("max_batch_prefill_tokens", None)),
+      help="token cap of one batched prefill (default 2*max_batch_prefill*min(chunk,512))")
+    a("--enable-preemption", action="store_true", default=_env_flag("enable_preemption"))
+    a("--preemption-policy", default=_env("preemption_policy", d.preemption_policy),
+      help="longest-first | lowest-priority")
+    a("--no-batch", action="store_true", default=_env_flag("no_batch"),
+      help="serve with a sequential worker (one request at a time)")
+    a("--decode-storage-backend", default=_env("decode_storage_backend", d.decode_storage_backend),
+      help="auto | dense | paged")
+    a("--kv-cache-budget", default=_env("kv_cache_budget", d.kv_cache_budget),
+      help="auto | BYTES | none")
+    a("--kv-admission-watermark", type=float,
+      default=float(_env("kv_admission_watermark", d.kv_admission_watermark)))
+    a("--ctx-size", "-c", type=int, default=_optional_int(_env("ctx_size", None)),
+      help="total context shared by the slots (each gets ctx_size // max_batch_size)")
+    a("--no-prompt-cache", action="store_true", default=_env_flag("no_prompt_cache"))
+    a("--default-max-tokens", type=int,
+      default=int(_env("default_max_tokens", d.default_max_tokens)),
+      help="max_tokens of a request that sets none")
+    a("--deterministic", action="store_true", default=_env_flag("deterministic"),
+      help="reproducible greedy decoding (also MLXSERVE_DETERMINISTIC=1)")
+    a("--log-level", default=_env("log_level", d.log_level))
+    a("--log-format", default=_env("log_format", d.log_format), help="auto | json | console")
+    a("--metrics-port", type=int, default=_optional_int(_env("metrics_port", None)),
+      help="serve Prometheus metrics on this port (/metrics)")
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    fields = ServerConfig.__dataclass_fields__
+    config = ServerConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    config.validate()
+    return config

@@ -1,0 +1,99 @@
+"""A per-step view that lets mlx-lm's model code run a ragged batch over our storage.
+
+mlx-lm's attention layers call `cache.update_and_fetch(keys, values)`, read
+`cache.offset` for RoPE, and ask `cache.make_mask(N)` for the attention mask.
+`BatchView` answers those calls for one forward of B rows, where row i has
+`starts[i]` tokens cached already and `lengths[i]` new tokens (right-padded to
+N). The storage writes each row's new K/V into that row's own memory and
+returns the rows' K/V right-padded to the longest; the boolean mask hides the
+padding. Nothing of another row is copied or touched when a row joins or leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+
+class KVStorage(Protocol):
+    """Where sequences' K/V live (dense per-sequence arrays, or a paged block pool)."""
+
+    def write_and_gather(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]: ...
+
+
+@dataclass
+class StepLayout:
+    """The shape of one forward: which sequences, where each row starts, how many new tokens."""
+
+    handles: list[Any]  # storage-specific per-sequence handles
+    starts: list[int]
+    lengths: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.handles)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def total_lengths(self) -> list[int]:
+        return [s + n for s, n in zip(self.starts, self.lengths)]
+
+
+class BatchView:
+    """The cache object handed to one layer of the model for one step."""
+
+    def __init__(self, storage: KVStorage, layout: StepLayout, layer: int, shared: _StepShared):
+        self._storage = storage
+        self._layout = layout
+        self._layer = layer
+        self._shared = shared
+
+    @property
+    def offset(self) -> int | mx.array:
+        return self._shared.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self._storage.write_and_gather(self._layer, self._layout, keys, values)
+
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported by BatchView")
+        return self._shared.mask
+
+    # mlx-lm checks truthiness of the cache object before asking for a mask.
+    def __bool__(self) -> bool:
+        return True
+
+
+class _StepShared:
+    """RoPE offsets and the attention mask, computed once per step for all layers."""
+
+    def __init__(self, layout: StepLayout) -> None:
+        b, n = layout.batch_size, layout.width
+        if b == 1:
+            # A single row needs no padding: plain int offset and the fused causal mask,
+            # exactly what a lone mlx-lm forward would use.
+            self.offset: int | mx.array = layout.starts[0]
+            self.mask: mx.array | str | None = "causal" if n > 1 else None
+            return
+        self.offset = mx.array(layout.starts, dtype=mx.int32)
+        total = max(layout.total_lengths)
+        starts = mx.array(layout.starts)[:, None, None]
+        ends = mx.array(layout.total_lengths)[:, None, None]
+        query_pos = starts + mx.arange(n)[None, :, None]  # [B, N, 1]
+        key_pos = mx.arange(total)[None, None, :]  # [1, 1, T]
+        self.mask = ((key_pos <= query_pos) & (key_pos < ends))[:, None]  # [B, 1, N, T]
+
+
+def make_views(storage: KVStorage, layout: StepLayout, num_layers: int) -> list[BatchView]:
+    shared = _StepShared(layout)
+    return [BatchView(storage, layout, layer, shared) for layer in range(num_layers)]

@@ -1,0 +1,269 @@
+"""The engine: runs forwards the scheduler asks for. Mechanism, no policy.
+
+`submit(rows)` builds one forward for any mix of rows (prefill chunks of any
+length and single decode tokens), samples the rows that need a token, and
+queues the work on the device without waiting. `finish_rows(pending)` is the
+evaluation boundary: it reads the sampled tokens, and if the device raises,
+retries the rows one by one so that only the failing rows end in error.
+`prefill` and `step` are the synchronous conveniences built on the pair.
+A decode row may feed the token its previous step sampled before that token is
+read: that is what lets the scheduler queue step N+1 before reading step N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import structlog
+
+from service.engine.batch_view import KVStorage, StepLayout, make_views
+from service.engine.sampler import RowSamplerState, SamplingParams, sample
+
+log = structlog.get_logger(__name__)
+
+
+class EngineError(RuntimeError):
+    """An evaluation failed for a row; the message is safe to show to the caller."""
+
+
+@dataclass(eq=False)
+class EngineSequence:
+    """Engine-side state of one sequence: its KV handle, sampler state and cache length."""
+
+    seq_id: str
+    kv: Any
+    sampler: RowSamplerState
+    num_cached: int = 0  # tokens whose K/V are stored
+    next_input: mx.array | None = None  # token sampled by the last step, maybe not yet read
+    top_logprobs: int = 0
+    want_logprobs: bool = False
+
+
+@dataclass
+class StepRow:
+    """One row of a forward: new tokens to feed (None = the last sampled token)."""
+
+    seq: EngineSequence
+    tokens: Sequence[int] | None = None
+    sample: bool = True
+    inputs: list[int] | mx.array | None = None  # resolved at submit; kept for a replay
+
+
+@dataclass
+class RowResult:
+    seq: EngineSequence
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class PendingStep:
+    rows: list[StepRow]
+    sampled_rows: list[int]  # indices into rows of the rows that sampled
+    tokens: mx.array | None
+    logprobs: mx.array | None  # [S] chosen-token logprobs, when any row asked
+    top: tuple[mx.array, mx.array] | None  # ([S, K] ids, [S, K] logprobs)
+    hidden: mx.array | None  # set when no row sampled: what must be evaluated
+
+
+FaultInjector = Callable[[EngineSequence], bool]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        storage: KVStorage,
+        num_layers: int,
+        *,
+        batched: bool = True,
+        fault_injector: FaultInjector | None = None,
+    ) -> None:
+        self.model = model
+        self.storage = storage
+        self.num_layers = num_layers
+        self.batched = batched
+        self.decode_path = "batched" if batched else "per-row"
+        self._fault_injector = fault_injector
+        self._head = ModelHead(model)
+
+    # -- sequences -------------------------------------------------------------------
+    def add_sequence(
+        self,
+        seq_id: str,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        *,
+        want_logprobs: bool = False,
+        top_logprobs: int = 0,
+    ) -> EngineSequence:
+        state = RowSamplerState(params, prompt_token_ids=list(prompt_token_ids))
+        return EngineSequence(
+            seq_id,
+            self.storage.new_sequence(),
+            state,
+            want_logprobs=want_logprobs,
+            top_logprobs=top_logprobs,
+        )
+
+    def release(self, seq: EngineSequence) -> None:
+        self.storage.release(seq.kv)
+        seq.next_input = None
+        seq.num_cached = 0
+
+    # -- forwards --------------------------------------------------------------------
+    def submit(self, rows: list[StepRow]) -> PendingStep:
+        """Queue one forward for `rows` and return without waiting for the device."""
+        if not self.batched and len(rows) > 1:
+            raise ValueError("this engine runs one row per forward (per-row path)")
+        for r in rows:
+            r.inputs = self._row_input(r)
+        lengths = [len(r.inputs) if isinstance(r.inputs, list) else 1 for r in rows]
+        width = max(lengths)
+        layout = StepLayout(
+            handles=[r.seq.kv for r in rows],
+            starts=[r.seq.num_cached for r in rows],
+            lengths=lengths,
+        )
+        tokens = mx.stack([self._pad_row(r.inputs, width) for r in rows])  # [B, N]
+        views = make_views(self.storage, layout, self.num_layers)
+        hidden = self._head.hidden(tokens, views)  # [B, N, H]
+        for r, n in zip(rows, lengths):
+            r.seq.num_cached += n
+
+        sampled = [i for i, r in enumerate(rows) if r.sample]
+        if not sampled:
+            # Evaluating the last hidden state forces every layer's K/V write.
+            mx.async_eval(hidden)
+            return PendingStep(rows, [], None, None, None, hidden)
+        if width == 1:
+            last_hidden = hidden[mx.array(sampled), 0] if len(sampled) < len(rows) else hidden[:, 0]
+        else:
+            last = mx.array([lengths[i] - 1 for i in sampled])
+            last_hidden = hidden[mx.array(sampled), last]  # [S, H]
+        last_logits = self._head.logits(last_hidden)  # [S, V]
+        states = [rows[i].seq.sampler for i in sampled]
+        drawn, processed = sample(last_logits, states)
+        logprobs = top = None
+        if any(rows[i].seq.want_logprobs for i in sampled):
+            all_lp = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
+            logprobs = mx.take_along_axis(all_lp, drawn[:, None], axis=-1)[:, 0]
+            k = max(rows[i].seq.top_logprobs for i in sampled)
+            if k > 0:
+                top_ids = mx.argsort(-all_lp, axis=-1)[:, :k]
+                top = (top_ids, mx.take_along_axis(all_lp, top_ids, axis=-1))
+        for j, i in enumerate(sampled):
+            rows[i].seq.next_input = drawn[j : j + 1]
+        outputs = [drawn, *(x for x in (logprobs,) if x is not None), *(top or ())]
+        mx.async_eval(outputs)
+        return PendingStep(rows, sampled, drawn, logprobs, top, None)
+
+    def finish_rows(self, pending: PendingStep) -> list[RowResult]:
+        """Read a submitted step's tokens (the evaluation boundary). One result per sampled row."""
+        if pending.tokens is None:
+            mx.eval(pending.hidden)
+            return []
+        try:
+            self._check_faults(pending)
+            token_ids = pending.tokens.tolist()
+        except Exception as exc:  # noqa: BLE001 - any device error must stay with its rows
+            log.warning("batched evaluation failed; retrying rows one by one", error=str(exc))
+            return self._finish_rows_one_by_one(pending)
+        results = []
+        lps = pending.logprobs.tolist() if pending.logprobs is not None else None
+        tops = (pending.top[0].tolist(), pending.top[1].tolist()) if pending.top else None
+        for j, i in enumerate(pending.sampled_rows):
+            seq = pending.rows[i].seq
+            result = RowResult(seq, token_id=int(token_ids[j]))
+            if seq.want_logprobs and lps is not None:
+                result.logprob = float(lps[j])
+                if tops and seq.top_logprobs:
+                    k = seq.top_logprobs
+                    result.top_logprobs = list(zip(tops[0][j][:k], tops[1][j][:k]))
+            seq.sampler.record(result.token_id)
+            results.append(result)
+        return results
+
+    def prefill(self, rows: list[StepRow]) -> list[RowResult]:
+        return self.finish_rows(self.submit(rows))
+
+    def step(self, rows: list[StepRow]) -> list[RowResult]:
+        """One forward for any number of rows; a single request is a batch of one."""
+        if self.batched or len(rows) <= 1:
+            return self.finish_rows(self.submit(rows))
+        return [res for row in rows for res in self.finish_rows(self.submit([row]))]
+
+    # -- helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _row_input(row: StepRow) -> list[int] | mx.array:
+        if row.tokens is not None:
+            if len(row.tokens) == 0:
+                raise ValueError("a step row needs at least one token")
+            return list(row.tokens)
+        if row.seq.next_input is None:
+            raise ValueError(f"sequence {row.seq.seq_id} has no sampled token to feed")
+        return row.seq.next_input
+
+    @staticmethod
+    def _pad_row(x: list[int] | mx.array, width: int) -> mx.array:
+        if isinstance(x, list):
+            return mx.array(x + [0] * (width - len(x)), dtype=mx.int32)
+        x = x.astype(mx.int32)
+        return x if width == 1 else mx.concatenate([x, mx.zeros(width - 1, dtype=mx.int32)])
+
+    def _check_faults(self, pending: PendingStep) -> None:
+        if self._fault_injector is None:
+            return
+        for i in pending.sampled_rows:
+            if self._fault_injector(pending.rows[i].seq):
+                raise EngineError(f"injected fault for {pending.rows[i].seq.seq_id}")
+
+    def _finish_rows_one_by_one(self, pending: PendingStep) -> list[RowResult]:
+        """Redo the failed step per row, so a failure ends only the rows that really fail."""
+        results = []
+        for i in pending.sampled_rows:
+            row = pending.rows[i]
+            seq = row.seq
+            n = len(row.tokens) if row.tokens is not None else 1
+            seq.num_cached -= n  # undo the failed step's advance, then redo it alone
+            try:
+                if self._fault_injector is not None and self._fault_injector(seq):
+                    raise EngineError(f"injected fault for {seq.seq_id}")
+                seq.next_input = row.inputs if not isinstance(row.inputs, list) else None
+                tokens = row.inputs if isinstance(row.inputs, list) else None
+                results.extend(self.finish_rows(self.submit([StepRow(seq, tokens, True)])))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("row evaluation failed", request_id=seq.seq_id, error=str(exc))
+                results.append(RowResult(seq, error="inference backend error"))
+        return results
+
+
+class ModelHead:
+    """Splits a model into its trunk and its LM head, so only the rows' last positions are
+    projected to the vocabulary (a 2048-token prefill would otherwise spend most of its time
+    in the head). Architectures we do not know run whole and we slice the logits."""
+
+    _SPLITTABLE = ("llama", "qwen2", "qwen3", "mistral")
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        module = type(model).__module__.rsplit(".", 1)[-1]
+        self.split = module in self._SPLITTABLE and hasattr(model, "model")
+
+    def hidden(self, tokens: mx.array, views: list) -> mx.array:
+        if self.split:
+            return self._model.model(tokens, cache=views)
+        return self._model(tokens, cache=views)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if not self.split:
+            return hidden  # already logits
+        model = self._model
+        if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+            return model.model.embed_tokens.as_linear(hidden)
+        return model.lm_head(hidden)

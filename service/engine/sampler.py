@@ -1,0 +1,160 @@
+"""Per-row sampling over a batch of logits.
+
+Rows that share their fusible parameters (temperature, top-p, top-k, min-p) are
+drawn together with one `[B, vocab] -> [B]` operation. Each row draws its noise
+from its own key, so a seeded request samples the same tokens whatever batch it
+runs in. Logit bias and penalties touch only the rows that ask for them: the
+other rows' logits stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def fused_key(self) -> tuple[float, float, int, float]:
+        """Rows with equal keys are sampled by one fused draw."""
+        if self.greedy:
+            return (0.0, 1.0, 0, 0.0)
+        return (self.temperature, self.top_p, self.top_k, self.min_p)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass
+class RowSamplerState:
+    """What one sequence's sampling needs across steps: its key and token history."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    generated_counts: Counter[int] = field(default_factory=Counter)
+    key: mx.array | None = None
+
+    def __post_init__(self) -> None:
+        if not self.params.greedy:
+            seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+            self.key = mx.random.key(seed)
+
+    def next_key(self) -> mx.array:
+        assert self.key is not None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def record(self, token_id: int) -> None:
+        self.generated_counts[token_id] += 1
+
+
+def _apply_penalties(row: mx.array, state: RowSamplerState) -> mx.array:
+    p = state.params
+    if p.repetition_penalty != 1.0:
+        seen = sorted(set(state.prompt_token_ids) | set(state.generated_counts))
+        if seen:
+            idx = mx.array(seen)
+            vals = row[idx]
+            vals = mx.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            row = row.at[idx].add(vals - row[idx])
+    if (p.presence_penalty or p.frequency_penalty) and state.generated_counts:
+        ids = sorted(state.generated_counts)
+        counts = mx.array([state.generated_counts[i] for i in ids], dtype=mx.float32)
+        row = row.at[mx.array(ids)].add(-(p.presence_penalty + p.frequency_penalty * counts))
+    return row
+
+
+def _filter(logits: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:
+    """Mask tokens outside top-k / top-p / min-p with -inf; logits are [B, V] at temperature."""
+    neg_inf = mx.array(-float("inf"), dtype=logits.dtype)
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = mx.sort(logits, axis=-1)[:, vocab - top_k][:, None]
+        logits = mx.where(logits < kth, neg_inf, logits)
+    if min_p > 0.0:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        top = mx.max(logprobs, axis=-1, keepdims=True)
+        logits = mx.where(logprobs < top + mx.log(mx.array(min_p)), neg_inf, logits)
+    if top_p < 1.0:
+        order = mx.argsort(-logits, axis=-1)
+        sorted_logits = mx.take_along_axis(logits, order, axis=-1)
+        probs = mx.softmax(sorted_logits, axis=-1)
+        # Keep a token if the mass before it is below top_p (the first token always stays).
+        before = mx.cumsum(probs, axis=-1) - probs
+        sorted_logits = mx.where(before < top_p, sorted_logits, neg_inf)
+        inverse = mx.argsort(order, axis=-1)
+        logits = mx.take_along_axis(sorted_logits, inverse, axis=-1)
+    return logits
+
+
+def sample(logits: mx.array, states: list[RowSamplerState]) -> tuple[mx.array, mx.array]:
+    """Draw one token per row. Returns (tokens [B] int32, processed logits [B, V] float32)."""
+    logits = logits.astype(mx.float32)
+    biased = [i for i, s in enumerate(states) if s.params.logit_bias]
+    if biased:
+        rows = []
+        for i, s in enumerate(states):
+            if not s.params.logit_bias:
+                rows.append(logits[i])
+                continue
+            ids = mx.array([t for t, _ in s.params.logit_bias])
+            vals = mx.array([b for _, b in s.params.logit_bias], dtype=mx.float32)
+            rows.append(logits[i].at[ids].add(vals))
+        logits = mx.stack(rows)
+    if any(s.params.has_penalties for s in states):
+        logits = mx.stack(
+            [
+                _apply_penalties(logits[i], s) if s.params.has_penalties else logits[i]
+                for i, s in enumerate(states)
+            ]
+        )
+
+    groups: dict[tuple[float, float, int, float], list[int]] = {}
+    for i, s in enumerate(states):
+        groups.setdefault(s.params.fused_key, []).append(i)
+
+    if len(groups) == 1:
+        return _sample_group(logits, states, next(iter(groups))), logits
+    tokens: list[mx.array] = [mx.array(0)] * len(states)
+    for key, rows in groups.items():
+        idx = mx.array(rows)
+        drawn = _sample_group(logits[idx], [states[i] for i in rows], key)
+        for j, i in enumerate(rows):
+            tokens[i] = drawn[j]
+    return mx.stack(tokens), logits
+
+
+def _sample_group(
+    logits: mx.array, states: list[RowSamplerState], key: tuple[float, float, int, float]
+) -> mx.array:
+    temperature, top_p, top_k, min_p = key
+    if temperature == 0.0:
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+    scaled = _filter(logits / temperature, top_k, top_p, min_p)
+    vocab = logits.shape[-1]
+    # Gumbel-max with each row's own key: the draw does not depend on the batch around it.
+    noise = mx.stack([mx.random.gumbel(shape=(vocab,), key=s.next_key()) for s in states])
+    return mx.argmax(scaled + noise, axis=-1).astype(mx.int32)

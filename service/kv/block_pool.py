@@ -1,0 +1,401 @@
+"""Paged KV cache bookkeeping: a ref-counted block pool with a chained-hash prefix cache.
+
+Pure Python on purpose (no mlx, no numpy): the engine owns the K/V arrays and asks this module
+which block ids to read, write and copy. The design follows vLLM v1's BlockPool/KVCacheManager
+and nano-vllm's BlockManager:
+
+- A block is free when its ref_count is 0. A free block that still carries a hash is a cached
+  prefix: lookup() finds it and touch() adopts it until allocate() reuses it.
+- allocate() hands out uncached free blocks first and only then evicts cached ones, least
+  recently freed first, so a cold prefix is dropped only when memory is really needed.
+- A full block is registered under hash(parent block's hash, its tokens), so requests with a
+  common prompt prefix adopt the same blocks by reference and store that prefix once.
+- A sequence about to write into a block that others also hold gets a private copy first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+_HASH_BYTES = 16
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block; stable across processes, unlike the salted hash()."""
+    digest = hashlib.blake2b(digest_size=_HASH_BYTES)
+    # A tag byte keeps "no parent" distinct from every parent hash value.
+    if parent_hash is None:
+        digest.update(b"\x00")
+    else:
+        digest.update(b"\x01" + parent_hash.to_bytes(_HASH_BYTES, "little"))
+    digest.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Set while the block is the prefix cache's entry for this hash (full blocks only).
+    block_hash: int | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    block_size: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_active_blocks: int
+    num_cached_blocks: int
+    evictions: int
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class BlockPool:
+    """Fixed-size blocks with ref counts, an LRU free queue and a hash -> block prefix map."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 0 or block_size < 1:
+            raise ValueError(f"bad pool shape: {num_blocks} blocks of {block_size} tokens")
+        self.block_size = block_size
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        self._hash_to_block: dict[int, int] = {}
+        # Every free block sits in exactly one of these. Uncached ones hold nothing worth
+        # keeping and are handed out first (FIFO); cached ones are kept least recently freed
+        # first, which is the eviction order.
+        self._free_uncached: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self.evictions = 0
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_count 0, cached or not: all of them can be allocated."""
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def num_active_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks carrying a hash, whether in use or free."""
+        return len(self._hash_to_block)
+
+    def block(self, block_id: int) -> Block:
+        if not 0 <= block_id < len(self._blocks):
+            raise IndexError(f"no block {block_id} in a pool of {len(self._blocks)}")
+        return self._blocks[block_id]
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in the order allocate() hands them out."""
+        return [*self._free_uncached, *self._free_cached]
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= self.num_free_blocks
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n fresh blocks with ref_count 1, evicting cold prefixes if needed; None if short."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if not self.can_allocate(n):
+            return None
+        block_ids = []
+        for _ in range(n):
+            block = self._pop_free()
+            block.ref_count = 1
+            block_ids.append(block.block_id)
+        return block_ids
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Adopt blocks by reference: another holder for each (a prefix hit or a fork)."""
+        blocks = [self.block(block_id) for block_id in block_ids]
+        for block in blocks:  # validate before mutating, so a bad call changes nothing
+            if block.ref_count == 0 and block.block_hash is None:
+                raise ValueError(f"block {block.block_id} is free and uncached: nothing to adopt")
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free_cached[block.block_id]
+            block.ref_count += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per id. Blocks reaching 0 join the free queue in the given order
+        (the first is evicted first), so pass a sequence's blocks tail first."""
+        block_ids = list(block_ids)
+        for block_id, count in Counter(block_ids).items():
+            if self.block(block_id).ref_count < count:
+                raise ValueError(f"double free of block {block_id}")
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            if block.block_hash is None:
+                self._free_uncached.append(block_id)
+            else:  # keeps its hash: still a prefix hit until reused
+                self._free_cached[block_id] = None
+
+    def cache_full_block(self, block_id: int, block_hash: int) -> bool:
+        """Register a held, full block under block_hash; True if it became the cache entry.
+        An existing entry for the hash wins: the block stays an uncached duplicate."""
+        block = self.block(block_id)
+        if block.ref_count == 0:
+            raise ValueError(f"block {block_id} is free: only held blocks can be registered")
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise ValueError(f"block {block_id} is already cached under another hash")
+            return False
+        if block_hash in self._hash_to_block:
+            return False
+        block.block_hash = block_hash
+        self._hash_to_block[block_hash] = block_id
+        return True
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._hash_to_block.get(block_hash)
+
+    def copy_on_write(self, block_id: int) -> tuple[int, bool] | None:
+        """Make block_id safe to write for one holder: (block to write, whether the engine must
+        copy block_id's K/V into it first), or None when a copy is needed but no block is free.
+
+        A shared block is replaced by a fresh one for this holder. A sole holder writes in
+        place; if the block is cached it leaves the prefix cache, since its contents will no
+        longer match the hash (cheaper than copying to keep a prefix nobody else holds)."""
+        block = self.block(block_id)
+        if block.ref_count == 0:
+            raise ValueError(f"block {block_id} is free: nobody may write it")
+        if block.ref_count == 1:
+            if block.block_hash is not None:
+                self._uncache(block)
+            return block_id, False
+        new_ids = self.allocate(1)
+        if new_ids is None:
+            return None
+        block.ref_count -= 1  # still >= 1: the other holders keep it
+        return new_ids[0], True
+
+    def evict_cached(self, n: int) -> int:
+        """Evict up to n free cached blocks, least recently freed first; returns how many."""
+        evicted = 0
+        while evicted < n and self._free_cached:
+            block_id, _ = self._free_cached.popitem(last=False)
+            self._uncache(self._blocks[block_id])
+            self._free_uncached.append(block_id)
+            evicted += 1
+        self.evictions += evicted
+        return evicted
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            block_size=self.block_size,
+            num_total_blocks=self.num_total_blocks,
+            num_free_blocks=self.num_free_blocks,
+            num_active_blocks=self.num_active_blocks,
+            num_cached_blocks=self.num_cached_blocks,
+            evictions=self.evictions,
+        )
+
+    def _pop_free(self) -> Block:
+        if self._free_uncached:
+            return self._blocks[self._free_uncached.popleft()]
+        block_id, _ = self._free_cached.popitem(last=False)
+        block = self._blocks[block_id]
+        self._uncache(block)
+        self.evictions += 1
+        return block
+
+    def _uncache(self, block: Block) -> None:
+        assert block.block_hash is not None
+        del self._hash_to_block[block.block_hash]
+        block.block_hash = None
+
+
+@dataclass
+class SequenceBlocks:
+    """One sequence's block table."""
+
+    block_size: int
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # token positions with a reserved slot
+    # Chained hashes of the leading full blocks already registered (or adopted).
+    block_hashes: list[int] = field(default_factory=list)
+    cache_prefix: bool = True  # register this sequence's full blocks in the prefix cache
+    # (src, dst) block copies the engine must perform before the next forward writes K/V.
+    pending_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def blocks_needed(self, num_new_tokens: int) -> int:
+        """New blocks to hold num_tokens + num_new_tokens positions."""
+        total = self.num_tokens + num_new_tokens
+        return max(0, _ceil_div(total, self.block_size) - len(self.block_ids))
+
+    def slot_mapping(self, start: int, count: int) -> list[int]:
+        """Flat slot (block_id * block_size + offset) of each position in [start, start+count)."""
+        size = self.block_size
+        if start < 0 or count < 0 or start + count > len(self.block_ids) * size:
+            raise IndexError(f"positions [{start}, {start + count}) are not allocated")
+        return [self.block_ids[p // size] * size + p % size for p in range(start, start + count)]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+
+class KVCacheManager:
+    """The engine's view: sequences grow, share prompt prefixes, fork and get freed."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_lookups = 0
+        self.prefix_hits = 0
+        self.prefix_hit_tokens = 0
+
+    def new_sequence(self, cache_prefix: bool = True) -> SequenceBlocks:
+        return SequenceBlocks(self.block_size, cache_prefix=cache_prefix)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks of the longest cached run of full blocks that starts token_ids. At most
+        (len - 1) // block_size blocks: the last prompt token is always prefilled, since the
+        model must produce its logits. The ids stay valid only until the pool next changes:
+        pass them straight to allocate_slots. Call once per admission attempt (it counts)."""
+        if not self.enable_prefix_caching:
+            return []
+        self.prefix_lookups += 1
+        size = self.block_size
+        matched: list[int] = []
+        parent: int | None = None
+        for index in range((len(token_ids) - 1) // size):
+            parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
+            block_id = self.pool.lookup(parent)
+            if block_id is None:
+                break
+            matched.append(block_id)
+        if matched:
+            self.prefix_hits += 1
+            self.prefix_hit_tokens += len(matched) * size
+        return matched
+
+    def blocks_required(
+        self, seq: SequenceBlocks, num_new_tokens: int, prefix_blocks: Sequence[int] = ()
+    ) -> int:
+        """Free blocks allocate_slots(seq, num_new_tokens, prefix_blocks) would consume.
+        Adopting a held prefix block costs nothing; adopting a free cached one takes it."""
+        adopted = sum(1 for block_id in prefix_blocks if self.pool.block(block_id).ref_count == 0)
+        total = seq.num_tokens + len(prefix_blocks) * self.block_size + num_new_tokens
+        grown = max(0, _ceil_div(total, self.block_size) - len(seq.block_ids) - len(prefix_blocks))
+        copies = sum(
+            1
+            for index in self._write_range(seq, num_new_tokens)
+            if self.pool.block(seq.block_ids[index]).ref_count > 1
+        )
+        return adopted + grown + copies
+
+    def allocate_slots(
+        self, seq: SequenceBlocks, num_new_tokens: int, prefix_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Reserve slots for num_new_tokens more positions (after adopting prefix_blocks, from
+        match_prefix, into an empty seq). All or nothing: False leaves everything unchanged.
+        Shared blocks in the written range are copied on write; see seq.pending_copies."""
+        if num_new_tokens < 0:
+            raise ValueError(f"cannot reserve {num_new_tokens} tokens")
+        if prefix_blocks:
+            if seq.block_ids:
+                raise ValueError("prefix blocks can only start an empty sequence")
+            if any(self.pool.block(block_id).block_hash is None for block_id in prefix_blocks):
+                raise ValueError("stale prefix match: a block left the cache; match again")
+        if not self.pool.can_allocate(self.blocks_required(seq, num_new_tokens, prefix_blocks)):
+            return False
+        if prefix_blocks:
+            self.pool.touch(prefix_blocks)
+            seq.block_ids.extend(prefix_blocks)
+            seq.block_hashes = [self._hash_of(block_id) for block_id in prefix_blocks]
+            seq.num_tokens = len(prefix_blocks) * self.block_size
+        for index in self._write_range(seq, num_new_tokens):
+            result = self.pool.copy_on_write(seq.block_ids[index])
+            assert result is not None, "copies were reserved above"
+            new_id, copied = result
+            if copied:
+                seq.pending_copies.append((seq.block_ids[index], new_id))
+                seq.block_ids[index] = new_id
+        new_ids = self.pool.allocate(seq.blocks_needed(num_new_tokens))
+        assert new_ids is not None, "growth was reserved above"
+        seq.block_ids.extend(new_ids)
+        seq.num_tokens += num_new_tokens
+        return True
+
+    def register_full_blocks(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> int:
+        """Register seq's newly full blocks in the prefix cache; token_ids are the tokens whose
+        K/V has been written (prompt + generated). Returns how many became cache entries."""
+        if not (self.enable_prefix_caching and seq.cache_prefix):
+            return 0
+        size = self.block_size
+        registered = 0
+        for index in range(len(seq.block_hashes), min(len(token_ids), seq.num_tokens) // size):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
+            seq.block_hashes.append(block_hash)
+            registered += self.pool.cache_full_block(seq.block_ids[index], block_hash)
+        return registered
+
+    def fork(self, seq: SequenceBlocks) -> SequenceBlocks:
+        """A child sharing all of seq's blocks (e.g. parallel sampling); writes copy on write."""
+        self.pool.touch(seq.block_ids)
+        return replace(
+            seq,
+            block_ids=list(seq.block_ids),
+            block_hashes=list(seq.block_hashes),
+            pending_copies=[],
+        )
+
+    def truncate(self, seq: SequenceBlocks, num_tokens: int) -> None:
+        """Roll seq back to num_tokens positions (e.g. rejected draft tokens)."""
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"cannot truncate {seq.num_tokens} tokens to {num_tokens}")
+        keep = _ceil_div(num_tokens, self.block_size)
+        self.pool.free(reversed(seq.block_ids[keep:]))
+        del seq.block_ids[keep:]
+        # A partly kept full block will be rewritten: its hash no longer describes seq.
+        del seq.block_hashes[num_tokens // self.block_size :]
+        seq.num_tokens = num_tokens
+
+    def free_sequence(self, seq: SequenceBlocks) -> None:
+        # Tail first: a prefix's tail is then evicted before its head, which more prompts share.
+        self.pool.free(reversed(seq.block_ids))
+        seq.block_ids.clear()
+        seq.block_hashes.clear()
+        seq.pending_copies.clear()
+        seq.num_tokens = 0
+
+    def stats(self) -> KVCacheStats:
+        return replace(
+            self.pool.stats(),
+            prefix_lookups=self.prefix_lookups,
+            prefix_hits=self.prefix_hits,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+        )
+
+    def _write_range(self, seq: SequenceBlocks, num_new_tokens: int) -> range:
+        """Indices of seq's existing blocks that positions [num_tokens, +num_new_tokens) hit."""
+        if num_new_tokens <= 0:
+            return range(0)
+        end = min(len(seq.block_ids), _ceil_div(seq.num_tokens + num_new_tokens, self.block_size))
+        return range(seq.num_tokens // self.block_size, end)
+
+    def _hash_of(self, block_id: int) -> int:
+        block_hash = self.pool.block(block_id).block_hash
+        assert block_hash is not None
+        return block_hash

@@ -1,0 +1,98 @@
+"""Tokenizers: one small interface over the GGUF vocabulary and Hugging Face tokenizers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+# GGUF token types (llama.cpp's enum): 3 = control (special) token.
+_GGUF_TOKEN_TYPE_CONTROL = 3
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+class Tokenizer:
+    """What the service needs of a tokenizer: encode, decode, chat rendering, EOS ids."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]) -> None:
+        self._hf = hf
+        self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size: int = len(hf)
+        self.has_chat_template: bool = bool(getattr(hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._hf.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._hf.decode(list(token_ids), skip_special_tokens=False)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._hf.convert_ids_to_tokens(int(token_id)) or ""
+
+    def render_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
+        """The prompt token ids of a chat, ending with the assistant turn's header."""
+        messages = [{"role": t.role, "content": t.content} for t in turns]
+        if not self.has_chat_template:
+            # A model without a template gets a plain transcript rather than an error.
+            text = "".join(f"{t.role}: {t.content}\n" for t in turns) + "assistant:"
+            return self.encode(text)
+        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+
+def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
+    """Build the GPT-2 byte-level BPE tokenizer described by a GGUF file's metadata."""
+    model_kind = metadata.get("tokenizer.ggml.model")
+    if model_kind != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer model {model_kind!r} (only 'gpt2' BPE)")
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    token_types = metadata.get("tokenizer.ggml.token_type")
+    types = token_types.tolist() if token_types is not None else [1] * len(tokens)
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = metadata.get("tokenizer.ggml.pre", "")
+    if pre == "smollm":
+        # llama.cpp's "smollm" pre-tokenizer splits off every digit before the GPT-2 regex.
+        raw.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        raw.pre_tokenizer = byte_level
+    raw.decoder = decoders.ByteLevel()
+    specials = [tok for tok, kind in zip(tokens, types) if kind == _GGUF_TOKEN_TYPE_CONTROL]
+
+    def special(key: str) -> str | None:
+        value = metadata.get(key)
+        return tokens[int(value.item())] if value is not None else None
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token=special("tokenizer.ggml.bos_token_id"),
+        eos_token=special("tokenizer.ggml.eos_token_id"),
+        unk_token=special("tokenizer.ggml.unknown_token_id"),
+        pad_token=special("tokenizer.ggml.padding_token_id"),
+        additional_special_tokens=specials,
+        chat_template=metadata.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+    eos_ids = [int(metadata["tokenizer.ggml.eos_token_id"].item())]
+    # Chat models end a turn with <|im_end|>; treat it as end of sequence too.
+    if "<|im_end|>" in vocab:
+        eos_ids.append(vocab["<|im_end|>"])
+    return Tokenizer(hf, eos_ids)
+
+
+def tokenizer_from_hf(hf: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]) -> Tokenizer:
+    return Tokenizer(hf, eos_token_ids)

@@ -1,0 +1,365 @@
+"""The iteration-level scheduler: decides, tick by tick, what the engine runs.
+
+Each tick: drain the inbox without blocking; end cancelled sequences; admit
+waiting requests in priority order while the batch has room; run one prefill
+pass (the next chunk of each admitted prompt, batched); run one batched decode
+step for every decoding row; finish completed sequences at once. With nothing
+running and nothing waiting, the loop blocks on the inbox (no busy loop).
+
+Decode is pipelined: when a tick only decodes, step N+1 is queued on the device
+before step N's tokens are read, so Python bookkeeping overlaps device work.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from service.engine.engine import Engine, PendingStep, RowResult, StepRow
+from service.scheduler.detokenizer import IncrementalDetokenizer
+from service.scheduler.request import (
+    FinishReason,
+    Sequence,
+    SequenceStatus,
+    StepOutput,
+    TokenLogprob,
+)
+
+log = structlog.get_logger(__name__)
+
+ADAPTIVE_CHUNK_IDLE = 2048  # while nothing decodes: keeps a lone stream's TTFT low
+ADAPTIVE_CHUNK_BUSY = 512  # while a decode batch runs: bounds the stall of running streams
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queue-depth."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int = 4
+    max_queue_depth: int = 32
+    slot_context: int = 8192
+    prefill_chunk_size: int | None = None  # None = adaptive; 0 = no chunking
+    max_batch_prefill: int = 4
+    max_batch_prefill_tokens: int | None = None  # None = derived; 0 = no cap
+
+
+@dataclass
+class SchedulerStats:
+    active_sequences: int = 0
+    queued_requests: int = 0
+    total_completed: int = 0
+    preemptions: int = 0
+
+
+class _Cancel:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+_STOP = object()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        config: SchedulerConfig,
+        decode: Callable[[list[int]], str],
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self._decode = decode
+        self._eos = eos_token_ids
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: list[tuple[int, int, Sequence]] = []  # heap: (-priority, order, seq)
+        self._running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._inflight: PendingStep | None = None
+        self._order = itertools.count()
+        self._lock = threading.Lock()
+        self._pending_admissions = 0  # submitted, not yet admitted: the queue depth
+        self._outbox: dict[object, list[StepOutput]] = {}
+        self._thread: threading.Thread | None = None
+        self.stats = SchedulerStats()
+
+    # -- called from other threads ------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request; raises QueueFullError at once when the queue is full."""
+        with self._lock:
+            if self._pending_admissions >= self.config.max_queue_depth:
+                raise QueueFullError("Server is busy. Retry later.")
+            self._pending_admissions += 1
+        self._inbox.put(seq)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(_Cancel(request_id))
+
+    @property
+    def queue_depth(self) -> int:
+        return self._pending_admissions
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run_forever, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(_STOP)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def snapshot(self) -> list[Sequence]:
+        return list(self._running)
+
+    # -- the loop -------------------------------------------------------------------
+    def run_forever(self) -> None:
+        while True:
+            idle = not self._running and not self._waiting and self._inflight is None
+            if not self._drain(block=idle):
+                break
+            try:
+                self.tick()
+            except Exception:
+                log.exception("scheduler tick failed; ending the sequences it touched")
+                self._fail_running("inference backend error")
+            self._flush_outbox()
+        self._fail_all_on_stop()
+        self._flush_outbox()
+
+    def _drain(self, block: bool) -> bool:
+        """Move inbox items into the scheduler; False when asked to stop."""
+        try:
+            item = self._inbox.get(block=block, timeout=None)
+        except queue.Empty:
+            return True
+        while True:
+            if item is _STOP:
+                return False
+            if isinstance(item, _Cancel):
+                seq = self._by_id.get(item.request_id)
+                if seq is not None:
+                    seq.cancel_requested = True
+            else:
+                item.arrival_order = next(self._order)
+                self._by_id[item.request_id] = item
+                heapq.heappush(self._waiting, (-item.request.priority, item.arrival_order, item))
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def tick(self) -> None:
+        self._end_cancelled()
+        admitted = self._admit()
+        prefilling = [s for s in self._running if s.status is SequenceStatus.PREFILLING]
+        if prefilling or admitted:
+            self._complete_inflight()
+            self._prefill(prefilling)
+        self._decode_step()
+
+    # -- actions ----------------------------------------------------------------------
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        while self._waiting and len(self._running) < self.config.max_batch_size:
+            _, _, seq = heapq.heappop(self._waiting)
+            with self._lock:
+                self._pending_admissions -= 1
+            if seq.cancel_requested:
+                self._finish(seq, FinishReason.CANCELLED)
+                continue
+            req = seq.request
+            seq.engine_seq = self.engine.add_sequence(
+                req.request_id,
+                req.sampling,
+                req.prompt_token_ids,
+                want_logprobs=req.logprobs,
+                top_logprobs=req.top_logprobs,
+            )
+            if seq.detokenizer is None:
+                seq.detokenizer = IncrementalDetokenizer(self._decode, req.stop)
+            seq.status = SequenceStatus.PREFILLING
+            seq.admitted_at = seq.admitted_at or time.monotonic()
+            self._running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def chunk_size(self) -> int | None:
+        """Tokens per prefill chunk now; None means the whole remainder at once."""
+        fixed = self.config.prefill_chunk_size
+        if fixed is not None:
+            return fixed or None
+        decoding = any(s.status is SequenceStatus.DECODING for s in self._running)
+        return ADAPTIVE_CHUNK_BUSY if decoding else ADAPTIVE_CHUNK_IDLE
+
+    def _prefill(self, prefilling: list[Sequence]) -> None:
+        chunk = self.chunk_size()
+        cap = self.config.max_batch_prefill_tokens
+        if cap is None:
+            cap = 2 * self.config.max_batch_prefill * min(chunk or 512, 512)
+        rows, total = [], 0
+        for seq in prefilling[: max(1, self.config.max_batch_prefill)]:
+            tokens = seq.all_token_ids[seq.num_computed :]
+            if chunk is not None:
+                tokens = tokens[:chunk]
+            if rows and cap and total + len(tokens) > cap:
+                break
+            done = seq.num_computed + len(tokens) == len(seq.all_token_ids)
+            rows.append(StepRow(seq.engine_seq, tokens, sample=done))
+            total += len(tokens)
+        if not rows:
+            return
+        results = self.engine.prefill(rows) if len(rows) == 1 else self._prefill_batched(rows)
+        by_seq = {id(r.seq): r for r in results}
+        for seq, row in zip(prefilling, rows):
+            seq.num_computed += len(row.tokens or ())
+            if row.sample:
+                seq.status = SequenceStatus.DECODING
+                self._accept(seq, by_seq[id(seq.engine_seq)])
+
+    def _prefill_batched(self, rows: list[StepRow]) -> list[RowResult]:
+        if self.engine.batched:
+            return self.engine.prefill(rows)
+        return [res for row in rows for res in self.engine.prefill([row])]
+
+    def _decode_step(self) -> None:
+        rows = [s for s in self._running if s.status is SequenceStatus.DECODING]
+        if self._inflight is None:
+            if rows:
+                self._inflight = self.engine.submit([StepRow(s.engine_seq) for s in rows])
+            return
+        # Queue the next step for rows that will surely need one, then read the current step.
+        inflight_ids = {id(r.seq) for r in self._inflight.rows}
+        continuing = [
+            s
+            for s in rows
+            if id(s.engine_seq) in inflight_ids
+            and s.num_generated + 1 < s.request.max_tokens
+            and s.prompt_len + s.num_generated + 1 < self.config.slot_context
+        ]
+        nxt = self.engine.submit([StepRow(s.engine_seq) for s in continuing]) if continuing else None
+        self._complete_inflight()
+        self._inflight = nxt
+
+    def _complete_inflight(self) -> None:
+        if self._inflight is None:
+            return
+        pending, self._inflight = self._inflight, None
+        by_engine_seq = {id(s.engine_seq): s for s in self._running}
+        for result in self.engine.finish_rows(pending):
+            seq = by_engine_seq.get(id(result.seq))
+            if seq is None or seq.is_finished:
+                continue  # ended while its step was in flight: drop the extra token
+            self._accept(seq, result)
+
+    # -- results -------------------------------------------------------------------
+    def _accept(self, seq: Sequence, result: RowResult) -> None:
+        """Take one sampled token: stream it, and finish the sequence if it is done."""
+        if result.error is not None:
+            self._finish(seq, FinishReason.ERROR, error=result.error)
+            return
+        token = result.token_id
+        assert token is not None
+        now = time.monotonic()
+        seq.first_token_at = seq.first_token_at or now
+        seq.output_token_ids.append(token)
+        req = seq.request
+        is_eos = token in self._eos and not req.ignore_eos
+        is_stop_token = token in req.stop_token_ids
+        text = "" if (is_eos or is_stop_token) else seq.detokenizer.push(token)
+        logprobs = []
+        if req.logprobs and result.logprob is not None:
+            logprobs.append(TokenLogprob(token, result.logprob, result.top_logprobs))
+        self._emit(seq, StepOutput(req.request_id, [token], text, logprobs))
+        if is_eos or is_stop_token or seq.detokenizer.stopped:
+            self._finish(seq, FinishReason.STOP)
+        elif seq.num_generated >= req.max_tokens:
+            self._finish(seq, FinishReason.LENGTH)
+        elif seq.prompt_len + seq.num_generated >= self.config.slot_context:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        tail = seq.detokenizer.flush() if seq.detokenizer and reason is not FinishReason.ERROR else ""
+        if seq.engine_seq is not None:
+            self.engine.release(seq.engine_seq)
+        if seq in self._running:
+            self._running.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+        self.stats.total_completed += 1
+        queue_s, ttft_s, total_s = seq.timing(time.monotonic())
+        self._emit(
+            seq,
+            StepOutput(
+                seq.request_id,
+                [],
+                tail,
+                finish_reason=reason,
+                error=error,
+                prompt_tokens=seq.prompt_len,
+                completion_tokens=seq.num_generated,
+                cached_tokens=seq.cached_tokens,
+                queue_seconds=queue_s,
+                ttft_seconds=ttft_s,
+                total_seconds=total_s,
+            ),
+        )
+        log.info(
+            "request finished",
+            request_id=seq.request_id,
+            finish_reason=reason.value,
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=seq.num_generated,
+            error=error,
+        )
+
+    def _end_cancelled(self) -> None:
+        for seq in [s for s in self._running if s.cancel_requested]:
+            self._finish(seq, FinishReason.CANCELLED)
+        if any(s.cancel_requested for _, _, s in self._waiting):
+            keep = []
+            for item in self._waiting:
+                if item[2].cancel_requested:
+                    with self._lock:
+                        self._pending_admissions -= 1
+                    self._finish(item[2], FinishReason.CANCELLED)
+                else:
+                    keep.append(item)
+            heapq.heapify(keep)
+            self._waiting = keep
+
+    def _fail_running(self, message: str) -> None:
+        self._inflight = None
+        for seq in list(self._running):
+            self._finish(seq, FinishReason.ERROR, error=message)
+
+    def _fail_all_on_stop(self) -> None:
+        self._fail_running("server shutting down")
+        while self._waiting:
+            _, _, seq = heapq.heappop(self._waiting)
+            self._finish(seq, FinishReason.CANCELLED)
+
+    def _emit(self, seq: Sequence, output: StepOutput) -> None:
+        self._outbox.setdefault(seq.sink, []).append(output)
+
+    def _flush_outbox(self) -> None:
+        """Deliver one tick's outputs with one call per consumer (not one per token)."""
+        outbox, self._outbox = self._outbox, {}
+        for sink, outputs in outbox.items():
+            try:
+                sink(outputs)
+            except Exception:
+                log.exception("delivering outputs failed")
+        self.stats.active_sequences = len(self._running)
+        self.stats.queued_requests = self._pending_admissions

@@ -1,0 +1,65 @@
+"""The gRPC server: GenerationService, health and reflection on one grpc.aio server."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.config import ServerConfig
+from service.runtime import Runtime
+from service.servicer import GenerationServicer
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+async def serve(config: ServerConfig) -> None:
+    runtime = Runtime(config)
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)]
+    )
+    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(runtime), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = f"{config.host}:{config.port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"could not bind {address}")
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("listening; loading the model", address=address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    # Load off the event loop so health and reflection answer while the weights load.
+    load = loop.run_in_executor(None, runtime.load)
+    done, _ = await asyncio.wait(
+        {load, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+    )
+    if load in done:
+        load.result()  # a failed load ends the server with its error
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", address=address)
+        await stop.wait()
+
+    log.info("draining", grace_seconds=config.drain_seconds)
+    runtime.draining = True
+    runtime.serving = False
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=config.drain_seconds)
+    runtime.shutdown()
+    log.info("stopped")

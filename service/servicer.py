@@ -1,0 +1,162 @@
+"""GenerationService: translates between gRPC messages and the scheduler. No policy here."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.runtime import Runtime
+from service.scheduler.request import FinishReason, Sequence, StepOutput
+from service.scheduler.scheduler import QueueFullError
+from service.validation import InvalidRequestError, generation_request, prompt_token_ids
+
+log = structlog.get_logger(__name__)
+
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+BACKEND_ERROR = "inference backend error"
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self._active_ids: set[str] = set()
+
+    # -- RPCs -----------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
+        response = pb.GenerateResponse()
+        async for out in self._run(request, context):
+            response.request_id = out.request_id
+            response.text += out.text
+            response.token_ids.extend(out.token_ids)
+            response.logprobs.extend(self._logprobs(out))
+            if out.finished:
+                self._fill_final(response, out)
+        return response
+
+    async def StreamGenerate(
+        self, request: pb.StreamGenerateRequest, context: Any
+    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        async for out in self._run(request, context):
+            message = pb.StreamGenerateResponse(
+                request_id=out.request_id, text=out.text, token_ids=out.token_ids
+            )
+            message.logprobs.extend(self._logprobs(out))
+            if out.finished:
+                self._fill_final(message, out)
+            yield message
+
+    async def CacheStats(self, request: pb.CacheStatsRequest, context: Any) -> pb.CacheStatsResponse:
+        return self.rt.cache_stats()
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: Any
+    ) -> pb.GetModelInfoResponse:
+        return self.rt.model_info()
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
+        tok = self.rt.tokenizer
+        try:
+            ids = prompt_token_ids(request, tok)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) for i in ids])
+
+    # -- the request path -------------------------------------------------------------
+    async def _run(self, message: Any, context: Any) -> AsyncIterator[StepOutput]:
+        """Validate, queue and follow one request; yields its outputs; aborts with a status."""
+        rt = self.rt
+        if not rt.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, rt.unavailable_reason())
+        try:
+            req = generation_request(
+                message,
+                rt.tokenizer,
+                slot_context=rt.slot_context,
+                default_max_tokens=rt.config.default_max_tokens,
+                prompt_cache_enabled=not rt.config.no_prompt_cache,
+            )
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if req.request_id in self._active_ids:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
+            )
+        bound = log.bind(request_id=req.request_id)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
+
+        def sink(batch: list[StepOutput]) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, batch)
+
+        try:
+            rt.scheduler.submit(Sequence(req, sink))
+        except QueueFullError as exc:
+            rt.metrics_rejected("queue_full")
+            bound.warning("rejected: queue full")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        self._active_ids.add(req.request_id)
+        bound.info(
+            "request queued",
+            prompt_tokens=len(req.prompt_token_ids),
+            max_tokens=req.max_tokens,
+            priority=req.priority,
+        )
+        finished = False
+        try:
+            while not finished:
+                for out in await outputs.get():
+                    if out.finish_reason is FinishReason.ERROR:
+                        finished = True
+                        bound.error("request failed", error=out.error)
+                        await context.abort(grpc.StatusCode.INTERNAL, BACKEND_ERROR)
+                    finished = out.finished
+                    yield out
+        finally:
+            self._active_ids.discard(req.request_id)
+            if not finished:
+                # Cancelled, deadline passed or the client went away: free its slot now.
+                bound.info("request cancelled by the client")
+                rt.scheduler.cancel(req.request_id)
+
+    def _logprobs(self, out: StepOutput) -> list[pb.TokenLogprob]:
+        tok = self.rt.tokenizer
+        return [
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                token=tok.id_to_token(lp.token_id),
+                logprob=lp.logprob,
+                top_logprobs=[
+                    pb.TopLogprob(token_id=t, token=tok.id_to_token(t), logprob=v) for t, v in lp.top
+                ],
+            )
+            for lp in out.logprobs
+        ]
+
+    @staticmethod
+    def _fill_final(message: Any, out: StepOutput) -> None:
+        message.finish_reason = _FINISH[out.finish_reason]
+        message.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+                cached_tokens=out.cached_tokens,
+            )
+        )
+        message.timing.CopyFrom(
+            pb.Timing(
+                queue_seconds=out.queue_seconds,
+                time_to_first_token_seconds=out.ttft_seconds,
+                total_seconds=out.total_seconds,
+            )
+        )

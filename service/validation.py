@@ -1,0 +1,157 @@
+"""Turn a GenerateRequest message into a validated GenerationRequest, or say which field is wrong."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Protocol
+
+from mlxserve.v1 import generation_pb2 as pb
+from service.engine.sampler import SamplingParams
+from service.models.tokenizer import CHAT_ROLES, ChatTurn
+from service.scheduler.request import GenerationRequest
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+MAX_REQUEST_ID_LEN = 128
+
+
+class InvalidRequestError(ValueError):
+    """Bad input; the message names the field. Maps to INVALID_ARGUMENT."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    pass
+
+
+class PromptEncoder(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def render_chat(self, turns: list[ChatTurn]) -> list[int]: ...
+
+
+def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise InvalidRequestError(f"sampling.{name} must be within {bracket}{lo}, {hi}], got {value}")
+
+
+def prompt_token_ids(message: pb.GenerateRequest | pb.TokenizeRequest, tok: PromptEncoder) -> list[int]:
+    kind = message.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("input is required: set one of text, token_ids or chat")
+    if kind == "text":
+        if not message.text:
+            raise InvalidRequestError("text must not be empty")
+        return tok.encode(message.text)
+    if kind == "token_ids":
+        ids = list(message.token_ids.ids)
+        if not ids:
+            raise InvalidRequestError("token_ids.ids must not be empty")
+        bad = next((t for t in ids if t >= tok.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token_ids.ids contains {bad}, outside the vocabulary [0, {tok.vocab_size})"
+            )
+        return ids
+    messages = message.chat.messages
+    if not messages:
+        raise InvalidRequestError("chat.messages must not be empty")
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"chat.messages[{i}].role {m.role!r} is unknown; use one of {sorted(CHAT_ROLES)}"
+            )
+    return tok.render_chat([ChatTurn(m.role, m.content) for m in messages])
+
+
+def sampling_params(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+    p = SamplingParams()
+    kw: dict = {}
+    if s.HasField("temperature"):
+        _check_range("temperature", s.temperature, 0.0, 100.0)
+        kw["temperature"] = float(s.temperature)
+    if s.HasField("top_p"):
+        _check_range("top_p", s.top_p, 0.0, 1.0, lo_open=True)
+        kw["top_p"] = float(s.top_p)
+    if s.HasField("top_k"):
+        if s.top_k < 0:
+            raise InvalidRequestError(f"sampling.top_k must be >= 0, got {s.top_k}")
+        kw["top_k"] = int(s.top_k)
+    if s.HasField("min_p"):
+        _check_range("min_p", s.min_p, 0.0, 1.0)
+        kw["min_p"] = float(s.min_p)
+    if s.HasField("repetition_penalty"):
+        _check_range("repetition_penalty", s.repetition_penalty, 0.0, 10.0, lo_open=True)
+        kw["repetition_penalty"] = float(s.repetition_penalty)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if s.HasField(name):
+            _check_range(name, getattr(s, name), -2.0, 2.0)
+            kw[name] = float(getattr(s, name))
+    if s.HasField("seed"):
+        kw["seed"] = int(s.seed) & ((1 << 63) - 1)
+    if s.logit_bias:
+        for token, bias in s.logit_bias.items():
+            if token >= vocab_size:
+                raise InvalidRequestError(
+                    f"sampling.logit_bias key {token} is outside the vocabulary [0, {vocab_size})"
+                )
+            if math.isnan(bias) or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(
+                    f"sampling.logit_bias[{token}] must be within [-100, 100], got {bias}"
+                )
+        kw["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items()))
+    return SamplingParams(**{**p.__dict__, **kw})
+
+
+def generation_request(
+    message: pb.GenerateRequest | pb.StreamGenerateRequest,
+    tok: PromptEncoder,
+    *,
+    slot_context: int,
+    default_max_tokens: int,
+    prompt_cache_enabled: bool,
+) -> GenerationRequest:
+    request_id = message.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
+    prompt = prompt_token_ids(message, tok)
+    if len(prompt) >= slot_context:
+        raise PromptTooLongError(
+            f"prompt is {len(prompt)} tokens; the slot context is {slot_context} tokens "
+            "(prompt plus at least one generated token must fit)"
+        )
+    stopping = message.stopping
+    room = slot_context - len(prompt)
+    if stopping.HasField("max_tokens"):
+        if stopping.max_tokens < 1:
+            raise InvalidRequestError("stopping.max_tokens must be at least 1")
+        max_tokens = min(int(stopping.max_tokens), room)
+    else:
+        max_tokens = min(default_max_tokens, room)
+    if len(stopping.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stopping.stop has more than {MAX_STOP_STRINGS} strings")
+    if any(not s for s in stopping.stop):
+        raise InvalidRequestError("stopping.stop must not contain empty strings")
+    bad = next((t for t in stopping.stop_token_ids if t >= tok.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"stopping.stop_token_ids contains {bad}, outside the vocabulary")
+    if message.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}]")
+    if message.top_logprobs and not message.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs set to true")
+    cache_prompt = message.cache_prompt if message.HasField("cache_prompt") else True
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt),
+        sampling=sampling_params(message.sampling, tok.vocab_size),
+        max_tokens=max_tokens,
+        stop=tuple(stopping.stop),
+        stop_token_ids=frozenset(int(t) for t in stopping.stop_token_ids),
+        ignore_eos=stopping.ignore_eos,
+        priority=int(message.priority),
+        logprobs=message.logprobs,
+        top_logprobs=int(message.top_logprobs),
+        cache_prompt=cache_prompt and prompt_cache_enabled,
+    )

@@ -1,0 +1,310 @@
+"""Block pool bookkeeping: example tests plus a hypothesis state machine over the manager."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from service.kv.block_pool import BlockPool, KVCacheManager, SequenceBlocks, hash_block_tokens
+
+BLOCK = 4
+
+
+def _admit(manager: KVCacheManager, prompt: list[int]) -> SequenceBlocks | None:
+    """What the engine does for a new request: adopt the cached prefix, reserve the rest."""
+    seq = manager.new_sequence()
+    prefix = manager.match_prefix(prompt)
+    if not manager.allocate_slots(seq, len(prompt) - len(prefix) * BLOCK, prefix):
+        return None
+    manager.register_full_blocks(seq, prompt)
+    return seq
+
+
+# -- hashing and the sequence table ---------------------------------------------------------
+
+
+def test_hash_is_chained_and_deterministic() -> None:
+    first = hash_block_tokens(None, [1, 2, 3, 4])
+    assert first == hash_block_tokens(None, [1, 2, 3, 4])
+    assert first != hash_block_tokens(None, [1, 2, 3, 5])
+    assert hash_block_tokens(first, [5, 6]) != hash_block_tokens(None, [5, 6])
+    assert hash_block_tokens(first, [5, 6]) != hash_block_tokens(first + 1, [5, 6])
+
+
+def test_sequence_blocks_needed_and_slot_mapping() -> None:
+    seq = SequenceBlocks(block_size=4, block_ids=[7, 2], num_tokens=5)
+    assert seq.blocks_needed(3) == 0
+    assert seq.blocks_needed(4) == 1
+    assert seq.slot_mapping(3, 3) == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
+    with pytest.raises(IndexError):
+        seq.slot_mapping(6, 3)
+
+
+# -- pool examples --------------------------------------------------------------------------
+
+
+def test_allocate_returns_none_when_exhausted_without_leaking() -> None:
+    pool = BlockPool(num_blocks=3, block_size=BLOCK)
+    held = pool.allocate(2)
+    assert held == [0, 1]
+    assert pool.allocate(2) is None
+    assert pool.num_free_blocks == 1 and pool.num_active_blocks == 2
+    pool.free(held)
+    assert pool.allocate(3) is not None
+    assert pool.num_free_blocks == 0
+
+
+def test_double_free_raises_and_changes_nothing() -> None:
+    pool = BlockPool(num_blocks=2, block_size=BLOCK)
+    [a, b] = pool.allocate(2) or []
+    pool.free([a])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([b, a])
+    assert pool.block(b).ref_count == 1  # validated before anything was dropped
+
+
+def test_touch_of_free_uncached_block_raises() -> None:
+    pool = BlockPool(num_blocks=1, block_size=BLOCK)
+    with pytest.raises(ValueError):
+        pool.touch([0])
+
+
+def test_duplicate_hash_keeps_the_existing_entry() -> None:
+    pool = BlockPool(num_blocks=2, block_size=BLOCK)
+    a, b = pool.allocate(2) or []
+    assert pool.cache_full_block(a, 42)
+    assert not pool.cache_full_block(b, 42)
+    assert pool.lookup(42) == a and pool.block(b).block_hash is None
+    assert pool.num_cached_blocks == 1
+
+
+def test_freed_cached_blocks_are_reused_last_and_evicted_tail_first() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    seq = _admit(manager, list(range(13)))  # 3 full blocks + 1 partial
+    assert seq is not None and seq.block_ids == [0, 1, 2, 3]
+    pool = manager.pool
+    assert pool.num_cached_blocks == 3
+    manager.free_sequence(seq)
+    # The uncached partial block goes out first, then the prefix from its tail backwards.
+    assert pool.free_block_ids() == [3, 2, 1, 0]
+    assert pool.allocate(2) == [3, 2]
+    assert pool.evictions == 1 and pool.num_cached_blocks == 2
+    assert pool.evict_cached(5) == 2
+    assert pool.evictions == 3 and pool.num_cached_blocks == 0
+
+
+def test_copy_on_write() -> None:
+    pool = BlockPool(num_blocks=2, block_size=BLOCK)
+    [a] = pool.allocate(1) or []
+    pool.cache_full_block(a, 9)
+    pool.touch([a])
+    new_id, copied = pool.copy_on_write(a) or (None, None)
+    assert copied and new_id != a
+    assert pool.block(a).ref_count == 1 and pool.lookup(9) == a
+    # Sole holder of a cached block writes in place; the block leaves the cache.
+    assert pool.copy_on_write(a) == (a, False)
+    assert pool.lookup(9) is None
+    # Shared and no block free: None, and nothing changes.
+    pool.touch([new_id])
+    assert pool.copy_on_write(new_id) is None
+    assert pool.block(new_id).ref_count == 2
+
+
+# -- manager examples -----------------------------------------------------------------------
+
+
+def test_shared_prefix_is_stored_once() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK)
+    system = list(range(100, 112))  # 3 full blocks
+    first = _admit(manager, [*system, 1, 2])
+    used_after_first = manager.pool.num_active_blocks
+    second = _admit(manager, [*system, 3, 4, 5])
+    assert first is not None and second is not None
+    assert first.block_ids[:3] == second.block_ids[:3]
+    assert manager.pool.num_active_blocks == used_after_first + 1  # only the suffix block
+    assert all(manager.pool.block(b).ref_count == 2 for b in first.block_ids[:3])
+    stats = manager.stats()
+    assert (stats.prefix_lookups, stats.prefix_hits, stats.prefix_hit_tokens) == (2, 1, 12)
+
+
+def test_match_prefix_leaves_at_least_one_token() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    prompt = list(range(8))  # exactly 2 full blocks
+    first = _admit(manager, prompt)
+    assert first is not None and manager.pool.num_cached_blocks == 2
+    assert len(manager.match_prefix(prompt)) == 1
+    assert len(manager.match_prefix([*prompt, 99])) == 2
+    assert manager.match_prefix(prompt[:4]) == []
+
+
+def test_allocate_slots_is_all_or_nothing() -> None:
+    manager = KVCacheManager(num_blocks=3, block_size=BLOCK)
+    seq = manager.new_sequence()
+    assert not manager.allocate_slots(seq, 13)
+    assert seq.block_ids == [] and seq.num_tokens == 0 and manager.pool.num_free_blocks == 3
+
+
+def test_adopting_free_cached_blocks_counts_against_free_space() -> None:
+    manager = KVCacheManager(num_blocks=3, block_size=BLOCK)
+    first = _admit(manager, list(range(9)))
+    assert first is not None
+    manager.free_sequence(first)
+    prompt = [*range(8), 50, 51, 52, 53, 54]
+    prefix = manager.match_prefix(prompt)
+    assert len(prefix) == 2
+    seq = manager.new_sequence()
+    assert manager.blocks_required(seq, 5, prefix) == 4
+    assert not manager.allocate_slots(seq, 5, prefix)
+    assert manager.pool.num_cached_blocks == 2  # the failed attempt evicted nothing
+    assert manager.allocate_slots(seq, 1, prefix)
+
+
+def test_fork_then_write_copies_the_shared_partial_block() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    parent = _admit(manager, list(range(6)))
+    assert parent is not None
+    child = manager.fork(parent)
+    assert manager.allocate_slots(child, 1)
+    assert child.block_ids[0] == parent.block_ids[0]
+    assert child.block_ids[1] != parent.block_ids[1]
+    assert child.take_pending_copies() == [(parent.block_ids[1], child.block_ids[1])]
+    assert manager.allocate_slots(parent, 1)  # now sole holder: no copy
+    assert parent.pending_copies == []
+
+
+# -- property test --------------------------------------------------------------------------
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """Random admit/decode/fork/truncate/free/evict against a shadow model of slot contents."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = KVCacheManager(num_blocks=10, block_size=BLOCK)
+        self.pool = self.manager.pool
+        self.seqs: dict[int, tuple[SequenceBlocks, list[int]]] = {}
+        self.next_name = 0
+        self.slots: dict[int, int] = {}  # flat slot -> token written there
+        self.hash_tokens: dict[int, tuple[int, ...]] = {}  # chained hash -> tokens it covers
+
+    def _write(self, seq: SequenceBlocks, tokens: list[int], start: int) -> None:
+        size = BLOCK
+        for src, dst in seq.take_pending_copies():
+            for offset in range(size):
+                if src * size + offset in self.slots:
+                    self.slots[dst * size + offset] = self.slots[src * size + offset]
+        for slot, token in zip(
+            seq.slot_mapping(start, len(tokens) - start), tokens[start:], strict=True
+        ):
+            self.slots[slot] = token
+        parent = None
+        for index in range(len(tokens) // size):
+            parent = hash_block_tokens(parent, tokens[index * size : (index + 1) * size])
+            self.hash_tokens[parent] = tuple(tokens[: (index + 1) * size])
+        self.manager.register_full_blocks(seq, tokens)
+
+    def _pick(self, index: int) -> int:
+        return sorted(self.seqs)[index % len(self.seqs)]
+
+    @rule(prompt=st.lists(st.integers(0, 1), min_size=1, max_size=14))
+    def admit(self, prompt: list[int]) -> None:
+        before = self.pool.stats()
+        seq = self.manager.new_sequence()
+        prefix = self.manager.match_prefix(prompt)
+        assert len(prefix) * BLOCK < len(prompt)
+        for block_id in prefix:
+            assert self.pool.block(block_id).block_hash is not None
+        if not self.manager.allocate_slots(seq, len(prompt) - len(prefix) * BLOCK, prefix):
+            assert self.pool.stats().num_free_blocks == before.num_free_blocks
+            assert seq.block_ids == []
+            return
+        self._write(seq, prompt, len(prefix) * BLOCK)
+        self.seqs[self.next_name] = (seq, list(prompt))
+        self.next_name += 1
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 50), token=st.integers(0, 1))
+    def decode(self, index: int, token: int) -> None:
+        name = self._pick(index)
+        seq, tokens = self.seqs[name]
+        others = {n: list(s.block_ids) for n, (s, _) in self.seqs.items() if n != name}
+        if self.manager.allocate_slots(seq, 1):
+            tokens.append(token)
+            self._write(seq, tokens, len(tokens) - 1)
+        assert others == {n: s.block_ids for n, (s, _) in self.seqs.items() if n != name}
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 50))
+    def fork(self, index: int) -> None:
+        seq, tokens = self.seqs[self._pick(index)]
+        self.seqs[self.next_name] = (self.manager.fork(seq), list(tokens))
+        self.next_name += 1
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 50), drop=st.integers(0, 6))
+    def truncate(self, index: int, drop: int) -> None:
+        seq, tokens = self.seqs[self._pick(index)]
+        keep = max(1, len(tokens) - drop)
+        self.manager.truncate(seq, keep)
+        del tokens[keep:]
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 50))
+    def free(self, index: int) -> None:
+        seq, _ = self.seqs.pop(self._pick(index))
+        self.manager.free_sequence(seq)
+        with pytest.raises(ValueError):
+            self.pool.free([0] * (self.pool.block(0).ref_count + 1))
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n: int) -> None:
+        cached_free = sum(
+            1 for b in self.pool.free_block_ids() if self.pool.block(b).block_hash is not None
+        )
+        assert self.pool.evict_cached(n) == min(n, cached_free)
+
+    @invariant()
+    def ref_counts_match_holders(self) -> None:
+        holders = [0] * self.pool.num_total_blocks
+        for seq, _ in self.seqs.values():
+            assert len(set(seq.block_ids)) == len(seq.block_ids)
+            for block_id in seq.block_ids:
+                holders[block_id] += 1
+        free = self.pool.free_block_ids()
+        assert len(set(free)) == len(free) == self.pool.num_free_blocks
+        for block_id, count in enumerate(holders):
+            assert self.pool.block(block_id).ref_count == count >= 0
+            assert (block_id in free) == (count == 0)
+        assert self.pool.num_free_blocks + self.pool.num_active_blocks == 10
+
+    @invariant()
+    def sequences_read_their_own_tokens(self) -> None:
+        for seq, tokens in self.seqs.values():
+            assert seq.num_tokens == len(tokens)
+            slots = seq.slot_mapping(0, len(tokens))
+            assert [self.slots.get(slot) for slot in slots] == tokens
+            # Registered hashes describe the sequence's current full blocks, nothing stale.
+            assert len(seq.block_hashes) <= len(tokens) // BLOCK
+            for index, block_hash in enumerate(seq.block_hashes):
+                assert self.hash_tokens[block_hash] == tuple(tokens[: (index + 1) * BLOCK])
+
+    @invariant()
+    def cached_blocks_hold_what_their_hash_says(self) -> None:
+        cached = 0
+        for block_id in range(self.pool.num_total_blocks):
+            block_hash = self.pool.block(block_id).block_hash
+            if block_hash is None:
+                continue
+            cached += 1
+            assert self.pool.lookup(block_hash) == block_id
+            contents = [self.slots.get(block_id * BLOCK + offset) for offset in range(BLOCK)]
+            assert contents == list(self.hash_tokens[block_hash][-BLOCK:])
+        assert cached == self.pool.num_cached_blocks
+
+
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=30, deadline=None
+)
+test_block_pool_state_machine = BlockPoolMachine.TestCase
