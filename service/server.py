@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service.config import ServerConfig
+from service.config import ConfigError, ServerConfig
 from service.runtime import Runtime
 from service.servicer import GenerationServicer
 
@@ -32,8 +32,12 @@ async def serve(config: ServerConfig) -> None:
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"could not bind {address}")
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise ConfigError(f"could not bind {address}: is another server using the port?")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()

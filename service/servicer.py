@@ -56,7 +56,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 self._fill_final(message, out)
             yield message
 
-    async def CacheStats(self, request: pb.CacheStatsRequest, context: Any) -> pb.CacheStatsResponse:
+    async def CacheStats(
+        self, request: pb.CacheStatsRequest, context: Any
+    ) -> pb.CacheStatsResponse:
         return self.rt.cache_stats()
 
     async def GetModelInfo(
@@ -137,7 +139,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 token=tok.id_to_token(lp.token_id),
                 logprob=lp.logprob,
                 top_logprobs=[
-                    pb.TopLogprob(token_id=t, token=tok.id_to_token(t), logprob=v) for t, v in lp.top
+                    pb.TopLogprob(token_id=t, token=tok.id_to_token(t), logprob=v)
+                    for t, v in lp.top
                 ],
             )
             for lp in out.logprobs

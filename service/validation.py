@@ -1,4 +1,4 @@
-"""Turn a GenerateRequest message into a validated GenerationRequest, or say which field is wrong."""
+"""Turn a GenerateRequest into a validated GenerationRequest, or say which field is wrong."""
 
 from __future__ import annotations
 
@@ -34,10 +34,14 @@ class PromptEncoder(Protocol):
 def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
     if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
-        raise InvalidRequestError(f"sampling.{name} must be within {bracket}{lo}, {hi}], got {value}")
+        raise InvalidRequestError(
+            f"sampling.{name} must be within {bracket}{lo}, {hi}], got {value}"
+        )
 
 
-def prompt_token_ids(message: pb.GenerateRequest | pb.TokenizeRequest, tok: PromptEncoder) -> list[int]:
+def prompt_token_ids(
+    message: pb.GenerateRequest | pb.TokenizeRequest, tok: PromptEncoder
+) -> list[int]:
     kind = message.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input is required: set one of text, token_ids or chat")

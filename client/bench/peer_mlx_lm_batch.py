@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,16 +28,28 @@ def run_peer(
     """Measure the peer in a subprocess; returns one LevelResult per concurrency level."""
     progress(f"{NAME}: starting a subprocess (loads the model, then sweeps)")
     payload = json.dumps({"workload": workload.to_dict(), "model": model})
-    done = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "client.bench.peer_mlx_lm_batch"],
-        input=payload.encode(),
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         cwd=REPO_ROOT,
         env=mlx_env(),
-        check=False,
+        text=True,
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"{NAME} subprocess failed with exit code {done.returncode}")
+    assert proc.stdin and proc.stdout and proc.stderr
+    proc.stdin.write(payload)
+    proc.stdin.close()
+    # Read stdout on a thread so neither pipe can fill up and stall the child.
+    stdout_chunks: list[str] = []
+    reader = threading.Thread(target=lambda: stdout_chunks.append(proc.stdout.read()))
+    reader.start()
+    for line in proc.stderr:  # the child's progress, shown through ours as it comes
+        progress(line.rstrip())
+    reader.join()
+    if proc.wait() != 0:
+        raise RuntimeError(f"{NAME} subprocess failed with exit code {proc.returncode}")
+    results = json.loads("".join(stdout_chunks).splitlines()[-1])
     return [
         LevelResult(
             target=NAME,
@@ -46,7 +59,7 @@ def run_peer(
             request_count=level["requests"],
             extra=level["extra"],
         )
-        for level in json.loads(done.stdout.splitlines()[-1])["levels"]
+        for level in results["levels"]
     ]
 
 
@@ -62,7 +75,7 @@ class _BatchTokenizer:
 
 
 def _progress(line: str) -> None:
-    print(f"[bench] {line}", file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)
 
 
 def measure(workload: Workload, model_name: str | None) -> list[dict[str, Any]]:

@@ -136,6 +136,7 @@ def write_plot(
     throughput_ax.set(
         xlabel="concurrent requests", ylabel="generated tokens/s (aggregate)", title="Throughput"
     )
+    throughput_ax.set_ylim(bottom=0)
     summaries = [level.summary() for level in ours]
     for key, style in (
         ("ttft_p50", "o-"),

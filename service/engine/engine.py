@@ -171,7 +171,7 @@ class Engine:
         try:
             self._check_faults(pending)
             token_ids = pending.tokens.tolist()
-        except Exception as exc:  # noqa: BLE001 - any device error must stay with its rows
+        except Exception as exc:
             log.warning("batched evaluation failed; retrying rows one by one", error=str(exc))
             return self._finish_rows_one_by_one(pending)
         results = []
@@ -237,7 +237,7 @@ class Engine:
                 seq.next_input = row.inputs if not isinstance(row.inputs, list) else None
                 tokens = row.inputs if isinstance(row.inputs, list) else None
                 results.extend(self.finish_rows(self.submit([StepRow(seq, tokens, True)])))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.warning("row evaluation failed", request_id=seq.seq_id, error=str(exc))
                 results.append(RowResult(seq, error="inference backend error"))
         return results

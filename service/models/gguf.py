@@ -53,7 +53,9 @@ def llama_args_from_gguf(metadata: dict, tensor_names: set[str]) -> llama.ModelA
         num_attention_heads=heads,
         num_key_value_heads=int(_scalar(metadata, "llama.attention.head_count_kv")),
         rms_norm_eps=float(_scalar(metadata, "llama.attention.layer_norm_rms_epsilon")),
-        vocab_size=int(vocab.item()) if vocab is not None else len(metadata["tokenizer.ggml.tokens"]),
+        vocab_size=int(vocab.item())
+        if vocab is not None
+        else len(metadata["tokenizer.ggml.tokens"]),
         rope_theta=float(_scalar(metadata, "llama.rope.freq_base")),
         max_position_embeddings=int(_scalar(metadata, "llama.context_length")),
         head_dim=hidden // heads,

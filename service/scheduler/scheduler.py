@@ -245,7 +245,9 @@ class Scheduler:
             and s.num_generated + 1 < s.request.max_tokens
             and s.prompt_len + s.num_generated + 1 < self.config.slot_context
         ]
-        nxt = self.engine.submit([StepRow(s.engine_seq) for s in continuing]) if continuing else None
+        nxt = (
+            self.engine.submit([StepRow(s.engine_seq) for s in continuing]) if continuing else None
+        )
         self._complete_inflight()
         self._inflight = nxt
 
@@ -281,9 +283,10 @@ class Scheduler:
         self._emit(seq, StepOutput(req.request_id, [token], text, logprobs))
         if is_eos or is_stop_token or seq.detokenizer.stopped:
             self._finish(seq, FinishReason.STOP)
-        elif seq.num_generated >= req.max_tokens:
-            self._finish(seq, FinishReason.LENGTH)
-        elif seq.prompt_len + seq.num_generated >= self.config.slot_context:
+        elif (
+            seq.num_generated >= req.max_tokens
+            or seq.prompt_len + seq.num_generated >= self.config.slot_context
+        ):
             self._finish(seq, FinishReason.LENGTH)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
@@ -291,7 +294,9 @@ class Scheduler:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        tail = seq.detokenizer.flush() if seq.detokenizer and reason is not FinishReason.ERROR else ""
+        tail = (
+            seq.detokenizer.flush() if seq.detokenizer and reason is not FinishReason.ERROR else ""
+        )
         if seq.engine_seq is not None:
             self.engine.release(seq.engine_seq)
         if seq in self._running:

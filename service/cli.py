@@ -1,0 +1,82 @@
+"""`python -m service generate`: one request through the same scheduler and engine, in-process.
+
+The server and this path build the same runtime (model, storage, engine, scheduler, prefill
+plan), so in deterministic mode a greedy request gives the same tokens here and over gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+
+from mlxserve.v1 import generation_pb2 as pb
+from service.config import add_server_arguments, config_from_args
+from service.logging import configure_logging
+from service.runtime import Runtime
+from service.scheduler.request import Sequence, StepOutput
+from service.validation import InvalidRequestError, generation_request
+
+
+def generate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service generate")
+    parser.add_argument("prompt", help="the prompt (a user chat message unless --raw)")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as raw text")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print token ids and text as JSON")
+    add_server_arguments(parser)
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+    configure_logging("warning", "console")
+
+    message = pb.GenerateRequest(request_id="cli")
+    if args.raw:
+        message.text = args.prompt
+    else:
+        message.chat.messages.add(role="user", content=args.prompt)
+    if args.max_tokens is not None:
+        message.stopping.max_tokens = args.max_tokens
+    if args.temperature is not None:
+        message.sampling.temperature = args.temperature
+    if args.seed is not None:
+        message.sampling.seed = args.seed
+
+    runtime = Runtime(config)
+    runtime.load()
+    try:
+        request = generation_request(
+            message,
+            runtime.tokenizer,
+            slot_context=runtime.slot_context,
+            default_max_tokens=config.default_max_tokens,
+            prompt_cache_enabled=not config.no_prompt_cache,
+        )
+    except InvalidRequestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    outputs: queue.SimpleQueue[list[StepOutput]] = queue.SimpleQueue()
+    runtime.scheduler.submit(Sequence(request, outputs.put))
+    token_ids: list[int] = []
+    final: StepOutput | None = None
+    while final is None:
+        for out in outputs.get():
+            token_ids.extend(out.token_ids)
+            if not args.json:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+            if out.finished:
+                final = out
+    runtime.shutdown()
+    if args.json:
+        text = runtime.tokenizer.decode(token_ids)
+        print(
+            json.dumps(
+                {"token_ids": token_ids, "text": text, "finish_reason": final.finish_reason.value}
+            )
+        )
+    else:
+        print(f"\n[{final.finish_reason.value}; {final.completion_tokens} tokens]", file=sys.stderr)
+    return 0 if final.error is None else 1
