@@ -101,8 +101,9 @@ class Engine:
         *,
         want_logprobs: bool = False,
         top_logprobs: int = 0,
+        sampler: RowSamplerState | None = None,
     ) -> EngineSequence:
-        state = RowSamplerState(params, prompt_token_ids=list(prompt_token_ids))
+        state = sampler or RowSamplerState(params, prompt_token_ids=list(prompt_token_ids))
         return EngineSequence(
             seq_id,
             self.storage.new_sequence(),

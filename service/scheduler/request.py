@@ -93,6 +93,9 @@ class Sequence:
     cancel_requested: bool = False
     preemptions: int = 0
     arrival_order: int = 0
+    plan: Any = None  # PrefillPlan of the current admission
+    parked_ticks: int = 0  # consecutive ticks this prefill was passed over
+    sampler_state: Any = None  # kept across preemption: seeded draws continue unchanged
 
     @property
     def request_id(self) -> str:

@@ -24,6 +24,7 @@ import structlog
 
 from service.engine.engine import Engine, PendingStep, RowResult, StepRow
 from service.scheduler.detokenizer import IncrementalDetokenizer
+from service.scheduler.prefill_plan import PrefillPlan
 from service.scheduler.request import (
     FinishReason,
     Sequence,
@@ -50,6 +51,9 @@ class SchedulerConfig:
     prefill_chunk_size: int | None = None  # None = adaptive; 0 = no chunking
     max_batch_prefill: int = 4
     max_batch_prefill_tokens: int | None = None  # None = derived; 0 = no cap
+    prefill_grant_interval: int = 16  # ticks a parked prefill yields before a guaranteed turn
+    enable_preemption: bool = False
+    preemption_policy: str = "longest-first"  # or "lowest-priority"
 
 
 @dataclass
@@ -58,6 +62,13 @@ class SchedulerStats:
     queued_requests: int = 0
     total_completed: int = 0
     preemptions: int = 0
+
+
+class SchedulerObserver:
+    """Lifecycle hooks for telemetry; the default does nothing."""
+
+    def on_event(self, seq: Sequence, name: str, **attrs: object) -> None:
+        pass
 
 
 class _Cancel:
@@ -75,8 +86,10 @@ class Scheduler:
         config: SchedulerConfig,
         decode: Callable[[list[int]], str],
         eos_token_ids: frozenset[int],
+        observer: SchedulerObserver | None = None,
     ) -> None:
         self.engine = engine
+        self.observer = observer or SchedulerObserver()
         self.config = config
         self._decode = decode
         self._eos = eos_token_ids
@@ -159,9 +172,11 @@ class Scheduler:
 
     def tick(self) -> None:
         self._end_cancelled()
-        admitted = self._admit()
+        if self.config.enable_preemption:
+            self._preempt_for_waiting()
+        self._admit()
         prefilling = [s for s in self._running if s.status is SequenceStatus.PREFILLING]
-        if prefilling or admitted:
+        if prefilling:
             self._complete_inflight()
             self._prefill(prefilling)
         self._decode_step()
@@ -183,13 +198,20 @@ class Scheduler:
                 req.prompt_token_ids,
                 want_logprobs=req.logprobs,
                 top_logprobs=req.top_logprobs,
+                sampler=seq.sampler_state,
             )
+            seq.sampler_state = seq.engine_seq.sampler  # survives a preemption
             if seq.detokenizer is None:
                 seq.detokenizer = IncrementalDetokenizer(self._decode, req.stop)
+            seq.plan = PrefillPlan(total_tokens=len(seq.all_token_ids))
+            seq.num_computed = 0
             seq.status = SequenceStatus.PREFILLING
+            seq.parked_ticks = 0
+            first = seq.admitted_at is None
             seq.admitted_at = seq.admitted_at or time.monotonic()
             self._running.append(seq)
             admitted.append(seq)
+            self.observer.on_event(seq, "admitted" if first else "resumed")
         return admitted
 
     def chunk_size(self) -> int | None:
@@ -200,33 +222,53 @@ class Scheduler:
         decoding = any(s.status is SequenceStatus.DECODING for s in self._running)
         return ADAPTIVE_CHUNK_BUSY if decoding else ADAPTIVE_CHUNK_IDLE
 
+    def _prefill_order(self, prefilling: list[Sequence]) -> list[Sequence]:
+        """Priority order (FIFO within a priority), except that a request parked for
+        --prefill-grant-interval ticks is guaranteed the next turn."""
+        ordered = sorted(prefilling, key=lambda s: (-s.request.priority, s.arrival_order))
+        grant = self.config.prefill_grant_interval
+        if grant > 0:
+            overdue = [s for s in ordered if s.parked_ticks >= grant]
+            ordered = overdue + [s for s in ordered if s.parked_ticks < grant]
+        return ordered
+
     def _prefill(self, prefilling: list[Sequence]) -> None:
+        """One prefill pass: the next chunk of up to --max-batch-prefill sequences."""
         chunk = self.chunk_size()
         cap = self.config.max_batch_prefill_tokens
         if cap is None:
             cap = 2 * self.config.max_batch_prefill * min(chunk or 512, 512)
-        rows, total = [], 0
-        for seq in prefilling[: max(1, self.config.max_batch_prefill)]:
-            tokens = seq.all_token_ids[seq.num_computed :]
-            if chunk is not None:
-                tokens = tokens[:chunk]
-            if rows and cap and total + len(tokens) > cap:
+        rows: list[StepRow] = []
+        chosen: list[Sequence] = []
+        total = 0
+        for seq in self._prefill_order(prefilling):
+            if len(rows) >= max(1, self.config.max_batch_prefill):
                 break
-            done = seq.num_computed + len(tokens) == len(seq.all_token_ids)
+            start, end = seq.plan.next_chunk(seq.num_computed, chunk)
+            if rows and cap and total + (end - start) > cap:
+                continue  # parked this tick: the batch's token budget is spent
+            tokens = seq.all_token_ids[start:end]
+            done = end >= seq.plan.total_tokens
             rows.append(StepRow(seq.engine_seq, tokens, sample=done))
+            chosen.append(seq)
             total += len(tokens)
+        for seq in prefilling:
+            seq.parked_ticks = 0 if seq in chosen else seq.parked_ticks + 1
         if not rows:
             return
-        results = self.engine.prefill(rows) if len(rows) == 1 else self._prefill_batched(rows)
+        results = self._prefill_rows(rows)
         by_seq = {id(r.seq): r for r in results}
-        for seq, row in zip(prefilling, rows):
+        for seq, row in zip(chosen, rows):
             seq.num_computed += len(row.tokens or ())
+            self.observer.on_event(
+                seq, "prefill_chunk", tokens=len(row.tokens or ()), context=seq.num_computed
+            )
             if row.sample:
                 seq.status = SequenceStatus.DECODING
                 self._accept(seq, by_seq[id(seq.engine_seq)])
 
-    def _prefill_batched(self, rows: list[StepRow]) -> list[RowResult]:
-        if self.engine.batched:
+    def _prefill_rows(self, rows: list[StepRow]) -> list[RowResult]:
+        if self.engine.batched or len(rows) == 1:
             return self.engine.prefill(rows)
         return [res for row in rows for res in self.engine.prefill([row])]
 
@@ -262,6 +304,40 @@ class Scheduler:
                 continue  # ended while its step was in flight: drop the extra token
             self._accept(seq, result)
 
+    # -- preemption -------------------------------------------------------------------
+    def _preempt_for_waiting(self) -> None:
+        """A higher-priority arrival on a full batch evicts a victim (policy-chosen)."""
+        while self._waiting and len(self._running) >= self.config.max_batch_size:
+            top_priority = -self._waiting[0][0]
+            victims = [s for s in self._running if s.request.priority < top_priority]
+            if not victims:
+                return
+            self.preempt(self.choose_victim(victims))
+
+    def choose_victim(self, candidates: list[Sequence]) -> Sequence:
+        if self.config.preemption_policy == "lowest-priority":
+            return min(candidates, key=lambda s: (s.request.priority, -s.num_generated))
+        return max(candidates, key=lambda s: (s.num_generated, -s.request.priority))
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV and re-queue it; it keeps its generated tokens and
+        is re-prefilled (prompt + generated so far) when admitted again."""
+        self._complete_inflight()
+        if seq.is_finished:
+            return
+        self.engine.release(seq.engine_seq)
+        seq.engine_seq = None
+        seq.status = SequenceStatus.QUEUED
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        self._running.remove(seq)
+        with self._lock:
+            self._pending_admissions += 1
+        heapq.heappush(self._waiting, (-seq.request.priority, seq.arrival_order, seq))
+        self.observer.on_event(seq, "preempted", generated=seq.num_generated)
+        log.info("preempted", request_id=seq.request_id, generated=seq.num_generated)
+
     # -- results -------------------------------------------------------------------
     def _accept(self, seq: Sequence, result: RowResult) -> None:
         """Take one sampled token: stream it, and finish the sequence if it is done."""
@@ -271,7 +347,9 @@ class Scheduler:
         token = result.token_id
         assert token is not None
         now = time.monotonic()
-        seq.first_token_at = seq.first_token_at or now
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.observer.on_event(seq, "first_token")
         seq.output_token_ids.append(token)
         req = seq.request
         is_eos = token in self._eos and not req.ignore_eos
@@ -304,6 +382,13 @@ class Scheduler:
         self._by_id.pop(seq.request_id, None)
         self.stats.total_completed += 1
         queue_s, ttft_s, total_s = seq.timing(time.monotonic())
+        self.observer.on_event(
+            seq,
+            "finished",
+            finish_reason=reason.value,
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=seq.num_generated,
+        )
         self._emit(
             seq,
             StepOutput(

@@ -1,0 +1,38 @@
+"""Prefill plans: which tokens a sequence still has to put into its KV cache, in which chunks.
+
+Chunk boundaries are aligned to multiples of the chunk size counted from the start of the
+sequence, not from the end of an adopted prefix. A request that adopts a cached prefix ending
+on a chunk boundary therefore runs exactly the chunks a cold run would run after it, which is
+what makes its output identical to the cold run (SPEC §5). The CLI and the server both plan
+through this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    total_tokens: int  # tokens that must be in the cache when prefill is done
+    cached_tokens: int = 0  # adopted from the prefix cache: skipped
+
+    def next_chunk(self, num_computed: int, chunk_size: int | None) -> tuple[int, int]:
+        """The [start, end) token range of the next chunk; chunk_size None means the rest."""
+        start = max(num_computed, self.cached_tokens)
+        if chunk_size is None or chunk_size <= 0:
+            return start, self.total_tokens
+        boundary = (start // chunk_size + 1) * chunk_size
+        return start, min(boundary, self.total_tokens)
+
+    def chunks(self, chunk_size: int | None) -> list[tuple[int, int]]:
+        """Every chunk from the end of the adopted prefix to the end (for planning and tests)."""
+        out, done = [], self.cached_tokens
+        while done < self.total_tokens:
+            start, end = self.next_chunk(done, chunk_size)
+            out.append((start, end))
+            done = end
+        return out
+
+    def is_done(self, num_computed: int) -> bool:
+        return max(num_computed, self.cached_tokens) >= self.total_tokens
