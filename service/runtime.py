@@ -48,7 +48,7 @@ class Runtime:
     def load(self) -> None:
         cfg = self.config
         started = time.monotonic()
-        lm = load_model(cfg.model, cfg.dtype)
+        lm = load_model(cfg.model, cfg.dtype, cfg.load_format)
         self.loaded = lm
         self.slot_context = cfg.slot_context(lm.max_context)
         storage = DenseKVStorage(lm.num_layers, lm.kv_heads, lm.head_dim, lm.dtype)
@@ -73,7 +73,10 @@ class Runtime:
                 preemption_policy=cfg.preemption_policy,
             ),
             decode=lm.tokenizer.decode,
-            eos_token_ids=lm.tokenizer.eos_token_ids,
+            # Random weights emit EOS at random: dummy models always generate to max_tokens.
+            eos_token_ids=frozenset()
+            if lm.model_id.startswith("dummy:")
+            else lm.tokenizer.eos_token_ids,
         )
         self.scheduler.start()
         log.info(

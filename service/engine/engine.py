@@ -20,6 +20,7 @@ import mlx.core as mx
 import structlog
 
 from service.engine.batch_view import KVStorage, StepLayout, make_views
+from service.engine.kv_paged import OutOfBlocksError
 from service.engine.sampler import RowSamplerState, SamplingParams, sample
 
 log = structlog.get_logger(__name__)
@@ -117,6 +118,25 @@ class Engine:
         seq.next_input = None
         seq.num_cached = 0
 
+    def adopt_prefix(self, seq: EngineSequence, token_ids: Sequence[int]) -> int:
+        """Adopt cached prompt-prefix blocks (paged storage; 0 for dense) into a fresh
+        sequence; prefill then starts at the returned position (seq.num_cached)."""
+        adopt = getattr(self.storage, "adopt_prefix", None)
+        if adopt is None or seq.num_cached:
+            return 0
+        seq.num_cached = adopt(seq.kv, token_ids)
+        return seq.num_cached
+
+    def _reserve_blocks(self, rows: list[StepRow], lengths: list[int]) -> None:
+        """Paged storage: every row's new positions need slots before the forward. Idempotent,
+        so blocks a scheduler reserved ahead are not reserved twice."""
+        ensure = getattr(self.storage, "ensure_reserved", None)
+        if ensure is None:
+            return
+        for r, n in zip(rows, lengths):
+            if not ensure(r.seq.kv, r.seq.num_cached + n):
+                raise OutOfBlocksError(f"no free KV block for {r.seq.seq_id}")
+
     # -- forwards --------------------------------------------------------------------
     def submit(self, rows: list[StepRow]) -> PendingStep:
         """Queue one forward for `rows` and return without waiting for the device."""
@@ -125,6 +145,7 @@ class Engine:
         for r in rows:
             r.inputs = self._row_input(r)
         lengths = [len(r.inputs) if isinstance(r.inputs, list) else 1 for r in rows]
+        self._reserve_blocks(rows, lengths)
         width = max(lengths)
         layout = StepLayout(
             handles=[r.seq.kv for r in rows],

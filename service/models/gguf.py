@@ -82,6 +82,10 @@ def _unpermute_rope_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def read_gguf_metadata(path: Path) -> dict:
+    return mx.load(str(path), return_metadata=True)[1]
+
+
 def load_gguf_llama(path: Path, dtype: mx.Dtype) -> tuple[llama.Model, dict]:
     tensors, metadata = mx.load(str(path), return_metadata=True)
     bases = {name.rsplit(".", 1)[0] for name in tensors}

@@ -106,13 +106,30 @@ def load_directory(path: Path, dtype: mx.Dtype | None) -> LoadedModel:
     return _describe(model, tokenizer_from_hf(hf, eos), path.name, loaded_dtype)
 
 
-def _leaves(tree: Any, prefix: str = ""):
+def _leaves(tree: Any):
     from mlx.utils import tree_flatten
 
     return tree_flatten(tree)
 
 
-def load_model(model: str | None, dtype_name: str | None = None) -> LoadedModel:
+def load_dummy(preset: str, dtype: mx.Dtype) -> LoadedModel:
+    """Random weights of a preset's shape with the embedded tokenizer (EOS to be ignored)."""
+    from service.models.gguf import read_gguf_metadata
+    from service.models.presets import dummy_llama
+
+    model = dummy_llama(preset, dtype)
+    tokenizer = tokenizer_from_gguf(read_gguf_metadata(embedded_gguf_path()))
+    return _describe(model, tokenizer, f"dummy:{preset}", dtype)
+
+
+def load_model(
+    model: str | None, dtype_name: str | None = None, load_format: str = "auto"
+) -> LoadedModel:
+    if load_format.startswith("dummy"):
+        _, _, preset = load_format.partition(":")
+        return load_dummy(preset or "smollm2-135m", parse_dtype(dtype_name))
+    if load_format != "auto":
+        raise ModelLoadError(f"--load-format {load_format!r}: use auto or dummy:PRESET")
     if model is None or model == "embedded":
         return load_embedded(parse_dtype(dtype_name))
     path = Path(model)

@@ -1,0 +1,240 @@
+"""Paged KV storage: every sequence's K/V lives in one block pool shared by all sequences.
+
+Per layer there is ONE K and ONE V array of flat slots, `[(num_blocks + 1) * block_size,
+kv_heads, head_dim]`; slot `block_id * block_size + offset` holds one token position. The
+bookkeeping (block tables, ref counts, prefix cache, copy-on-write) is `KVCacheManager`'s; this
+module moves the bytes. The last physical block is a scratch block the pool never hands out:
+padding positions of a ragged step are written there and padding reads come from there.
+
+A step costs, per layer, one scatter of the new tokens' K/V into the pool and one take of every
+row's positions 0..end into a `[B, kv_heads, T, head_dim]` array (right-padded; the BatchView
+mask hides the padding). Slot indices are computed once per step on the CPU and reused by all
+layers. The scatter updates the pool in place only while nothing else references the pool's
+buffer when the step is dispatched: see `write_and_gather`.
+
+Block reservation is not done while the model runs: the engine (or the scheduler, ahead of
+time) calls `reserve` / `ensure_reserved` before building a forward, and a sequence whose prompt
+starts with cached full blocks adopts them with `adopt_prefix` and prefills only the rest.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from service.engine.batch_view import StepLayout
+from service.kv.block_pool import KVCacheManager, KVCacheStats, SequenceBlocks
+
+
+class OutOfBlocksError(RuntimeError):
+    """The pool has no free block for a reservation (after evicting cold cached prefixes)."""
+
+
+@dataclass(eq=False)
+class PagedSequenceKV:
+    """One sequence's handle: its block table in the shared pool."""
+
+    blocks: SequenceBlocks
+
+    @property
+    def num_reserved(self) -> int:
+        """Token positions that have a slot (written or reserved ahead)."""
+        return self.blocks.num_tokens
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.blocks.block_ids
+
+
+@dataclass
+class _StepPlan:
+    write: mx.array  # [B * N] slot of each new token position (padding -> scratch slot)
+    read: mx.array  # [B, T] slot of each gathered position (padding -> scratch slot)
+
+
+class PagedKVStorage:
+    name = "paged"
+
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a paged pool needs at least one block, got {num_blocks}")
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * dtype.size
+        self.bytes_per_block = block_size * self.bytes_per_token
+        # Physical block `num_blocks` is the scratch block: never allocated by the manager.
+        self.scratch_slot = num_blocks * block_size
+        shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)
+        self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self._values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        mx.eval(self._keys, self._values)
+        self._live: set[int] = set()
+        self._plan_layout: weakref.ref[StepLayout] | None = None
+        self._plan: _StepPlan | None = None
+
+    # -- sequences -------------------------------------------------------------------
+    def new_sequence(self, cache_prefix: bool = True) -> PagedSequenceKV:
+        handle = PagedSequenceKV(self.manager.new_sequence(cache_prefix=cache_prefix))
+        self._live.add(id(handle))
+        return handle
+
+    def release(self, handle: PagedSequenceKV) -> None:
+        """Free the sequence's blocks; registered full blocks stay cached (evictable, LRU)."""
+        self.manager.free_sequence(handle.blocks)
+        self._live.discard(id(handle))
+
+    def fork(self, handle: PagedSequenceKV) -> PagedSequenceKV:
+        """A child sharing all of handle's blocks; whichever writes a shared block copies it."""
+        child = PagedSequenceKV(self.manager.fork(handle.blocks))
+        self._live.add(id(child))
+        return child
+
+    def reserve(self, handle: PagedSequenceKV, num_new_tokens: int) -> bool:
+        """Reserve slots for num_new_tokens positions past those already reserved. All or
+        nothing: False (out of blocks, after evicting cold prefixes) changes nothing. Shared
+        blocks in the range are copied on write here, for every layer."""
+        if not self.manager.allocate_slots(handle.blocks, num_new_tokens):
+            return False
+        self._apply_copies(handle.blocks.take_pending_copies())
+        return True
+
+    def ensure_reserved(self, handle: PagedSequenceKV, num_tokens: int) -> bool:
+        """Idempotent form of reserve: make positions 0..num_tokens-1 have slots. The engine
+        calls this before each forward, so a scheduler that reserved ahead costs nothing."""
+        missing = num_tokens - handle.blocks.num_tokens
+        return True if missing <= 0 else self.reserve(handle, missing)
+
+    def can_reserve(self, handle: PagedSequenceKV, num_new_tokens: int) -> bool:
+        needed = self.manager.blocks_required(handle.blocks, num_new_tokens)
+        return self.manager.pool.can_allocate(needed)
+
+    def adopt_prefix(self, handle: PagedSequenceKV, token_ids: Sequence[int]) -> int:
+        """Adopt the cached full blocks that start token_ids (an empty sequence only); returns
+        how many tokens they cover: prefill starts at that position. Never fails for lack of
+        blocks: adopted blocks are held or free already, and nothing new is allocated."""
+        if handle.blocks.block_ids or handle.blocks.num_tokens:
+            raise ValueError("only an empty sequence can adopt a cached prefix")
+        prefix = self.manager.match_prefix(token_ids)
+        if not prefix or not self.manager.allocate_slots(handle.blocks, 0, prefix):
+            return 0
+        return len(prefix) * self.block_size
+
+    def commit_tokens(self, handle: PagedSequenceKV, token_ids: Sequence[int]) -> int:
+        """Register the sequence's full blocks in the prefix cache; token_ids are the tokens
+        whose K/V has been computed (prompt + generated so far). Returns new cache entries."""
+        return self.manager.register_full_blocks(handle.blocks, token_ids)
+
+    # -- stats -----------------------------------------------------------------------
+    @property
+    def live_sequences(self) -> int:
+        return len(self._live)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """All K/V arrays of the pool, scratch block included."""
+        return (self.num_blocks + 1) * self.bytes_per_block
+
+    @property
+    def used_bytes(self) -> int:
+        return self.manager.pool.num_active_blocks * self.bytes_per_block
+
+    def stats(self) -> KVCacheStats:
+        return self.manager.stats()
+
+    # -- the forward -----------------------------------------------------------------
+    def write_and_gather(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Write the rows' new K/V ([B, kv_heads, N, head_dim]) into their slots and return
+        every row's positions 0..end-1 as [B, kv_heads, T, head_dim].
+
+        `store[idx] = x` replaces the pool in place only if, when the step is dispatched, no
+        other array or queued task still references the pool's buffer; otherwise MLX copies
+        the whole pool for that layer. So nothing here keeps a reference to a pool array
+        beyond the lazy graph, and a caller queueing step N+1 must let step N finish before
+        dispatching it (building N+1's graph earlier is fine)."""
+        plan = self._step_plan(layer, batch)
+        b, _, n, _ = keys.shape
+        new_k = keys.transpose(0, 2, 1, 3).reshape(b * n, self.kv_heads, self.head_dim)
+        new_v = values.transpose(0, 2, 1, 3).reshape(b * n, self.kv_heads, self.head_dim)
+        k_store, v_store = self._keys[layer], self._values[layer]
+        k_store[plan.write] = new_k.astype(self.dtype)
+        v_store[plan.write] = new_v.astype(self.dtype)
+        out_k = mx.take(k_store, plan.read, axis=0)  # [B, T, kv_heads, head_dim]
+        out_v = mx.take(v_store, plan.read, axis=0)
+        return out_k.transpose(0, 2, 1, 3), out_v.transpose(0, 2, 1, 3)
+
+    def gather(self, handle: PagedSequenceKV, layer: int, num_tokens: int) -> tuple[mx.array, ...]:
+        """A sequence's first num_tokens K and V of one layer, [kv_heads, num_tokens, head_dim]
+        (for tests and debugging)."""
+        slots = mx.array(self._slots(handle, num_tokens))
+        k = mx.take(self._keys[layer], slots, axis=0).transpose(1, 0, 2)
+        v = mx.take(self._values[layer], slots, axis=0).transpose(1, 0, 2)
+        return k, v
+
+    # -- helpers ---------------------------------------------------------------------
+    def _step_plan(self, layer: int, batch: StepLayout) -> _StepPlan:
+        """Slot indices of one step, computed at layer 0 and reused by the other layers."""
+        cached = self._plan_layout() if self._plan_layout is not None else None
+        if layer != 0 and cached is batch and self._plan is not None:
+            return self._plan
+        b, n = batch.batch_size, batch.width
+        totals = batch.total_lengths
+        t = max(totals)
+        write = np.full((b, n), self.scratch_slot, dtype=np.int32)
+        read = np.full((b, t), self.scratch_slot, dtype=np.int32)
+        for i, handle in enumerate(batch.handles):
+            start, count, end = batch.starts[i], batch.lengths[i], totals[i]
+            if end > handle.blocks.num_tokens:
+                raise ValueError(
+                    f"positions up to {end} written but only {handle.blocks.num_tokens}"
+                    " reserved: call reserve()/ensure_reserved() before the forward"
+                )
+            if handle.blocks.pending_copies:  # reserved through the manager directly
+                self._apply_copies(handle.blocks.take_pending_copies())
+            slots = self._slots(handle, end)
+            read[i, :end] = slots
+            write[i, :count] = slots[start:end]
+        self._plan = _StepPlan(mx.array(write.reshape(-1)), mx.array(read))
+        self._plan_layout = weakref.ref(batch)
+        return self._plan
+
+    def _slots(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:
+        size = self.block_size
+        table = np.asarray(handle.blocks.block_ids[: -(-num_tokens // size)], dtype=np.int32)
+        return (table[:, None] * size + np.arange(size, dtype=np.int32)).reshape(-1)[:num_tokens]
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (src -> dst) in every layer: one gather + one scatter per array.
+        The gathered source is evaluated before the scatter: `a[dst] = a[src]` in one lazy
+        graph would keep a second reference to the pool and make MLX copy all of it."""
+        if not copies:
+            return
+        size = self.block_size
+        offsets = np.arange(size, dtype=np.int32)
+        src = mx.array(np.array([s for s, _ in copies], np.int32)[:, None] * size + offsets)
+        dst = mx.array(np.array([d for _, d in copies], np.int32)[:, None] * size + offsets)
+        src, dst = src.reshape(-1), dst.reshape(-1)
+        stores = self._keys + self._values
+        blocks = [mx.take(store, src, axis=0) for store in stores]
+        mx.eval(blocks)
+        for store, block in zip(stores, blocks):
+            store[dst] = block  # updates the list's array object: self._keys/_values see it

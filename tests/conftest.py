@@ -1,0 +1,276 @@
+"""Shared fixtures: the real server as a subprocess, and gRPC stubs for it.
+
+`start_server()` launches `python -m service` on a free port, follows its stdout (JSON log
+lines) in a thread, polls grpc.health.v1 from the moment the process exists (recording every
+answer, so a test can see NOT_SERVING before SERVING) and returns once it reports SERVING.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 15.0
+GENERATION_SERVICE = "mlxserve.v1.GenerationService"
+# Reconnect quickly while the server is starting, so the loading phase is observable.
+FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 200),
+]
+_STATUS_NAME = health_pb2.HealthCheckResponse.ServingStatus.Name
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A running `python -m service`; its stdout lines are collected as they arrive."""
+
+    proc: subprocess.Popen
+    target: str
+    lines: list[str] = field(default_factory=list)
+    # Health answers seen while starting, in order ("NOT_SERVING", "SERVING", ...).
+    health_history: list[str] = field(default_factory=list)
+    # Status code of a Generate sent while health still said NOT_SERVING (None: no probe).
+    probe_while_loading: grpc.StatusCode | None = None
+    returncode: int | None = None
+    _reader: threading.Thread | None = None
+
+    def _follow(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def records(self) -> list[dict[str, Any]]:
+        """The JSON log records printed so far (non-JSON lines are skipped)."""
+        out = []
+        for line in list(self.lines):
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    out.append(record)
+        return out
+
+    def wait_for_record(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for record in self.records():
+                if predicate(record):
+                    return record
+            if time.monotonic() > deadline:
+                tail = "\n".join(self.lines[-30:])
+                raise AssertionError(f"no matching log record within {timeout} s; log tail:\n{tail}")
+            time.sleep(0.05)
+
+    def finished_record(self, request_id: str, timeout: float = 5.0) -> dict[str, Any]:
+        """The scheduler's "request finished" log record of one request."""
+        return self.wait_for_record(
+            lambda r: r.get("event") == "request finished" and r.get("request_id") == request_id,
+            timeout,
+        )
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`. Returns the exit code of the SIGTERM (None if
+        it had to be killed)."""
+        if self.proc.poll() is not None:
+            return self.returncode if self.returncode is not None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.returncode = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self.returncode = None
+        if self._reader is not None:
+            self._reader.join(5)
+        return self.returncode
+
+
+def _wait_serving(server: ServerProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(server.target, options=FAST_RECONNECT) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        generation = pb_grpc.GenerationServiceStub(channel)
+        while True:
+            if server.proc.poll() is not None:
+                tail = "\n".join(server.lines[-40:])
+                raise RuntimeError(f"server exited with {server.proc.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                server.stop()
+                raise TimeoutError(f"server not SERVING within {timeout} s")
+            try:
+                answer = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            except grpc.RpcError:
+                time.sleep(0.02)
+                continue
+            status = _STATUS_NAME(answer.status)
+            server.health_history.append(status)
+            if status == "SERVING":
+                return
+            if server.probe_while_loading is None:
+                server.probe_while_loading = _probe_generate(generation, health)
+            time.sleep(0.02)
+
+
+def _probe_generate(
+    generation: pb_grpc.GenerationServiceStub, health: health_pb2_grpc.HealthStub
+) -> grpc.StatusCode | None:
+    """Send a tiny Generate while loading; keep its code only if health still says
+    NOT_SERVING afterwards (otherwise the model may have finished loading in between)."""
+    request = pb.GenerateRequest(text="Hi", stopping=pb.StoppingCriteria(max_tokens=1))
+    try:
+        generation.Generate(request, timeout=30)
+        code = grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        code = exc.code()
+    after = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    return code if after.status == health_pb2.HealthCheckResponse.NOT_SERVING else None
+
+
+def start_server(
+    *flags: str, env: dict[str, str] | None = None, timeout: float = READY_TIMEOUT_S
+) -> ServerProcess:
+    """Start `python -m service` with `flags` (and extra `env`); return once it is SERVING."""
+    for attempt in range(3):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), *flags],
+            cwd=REPO_ROOT,
+            env={**os.environ, **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            bufsize=1,
+        )
+        server = ServerProcess(proc, f"127.0.0.1:{port}")
+        server._reader = threading.Thread(target=server._follow, daemon=True)
+        server._reader.start()
+        try:
+            _wait_serving(server, timeout)
+            return server
+        except RuntimeError:
+            # Another process may have taken the free port first: try a new one.
+            server.stop()
+            if attempt == 2 or not any("could not bind" in line for line in server.lines):
+                raise
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    server = start_server(*flags, env=env)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerProcess]:
+    """The shared real server: embedded SmolLM2, up to 8 rows per decode step."""
+    with running_server("--max-batch-size", "8", "--log-format", "json") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def channel(server: ServerProcess) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.target) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def stub(channel: grpc.Channel) -> pb_grpc.GenerationServiceStub:
+    return pb_grpc.GenerationServiceStub(channel)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def aio_channel(server: ServerProcess) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(server.target) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def aio_stub(aio_channel: grpc.aio.Channel) -> pb_grpc.GenerationServiceStub:
+    return pb_grpc.GenerationServiceStub(aio_channel)
+
+
+@pytest.fixture(scope="session")
+def reference(stub: pb_grpc.GenerationServiceStub) -> Callable[[pb.GenerateRequest], Any]:
+    """Run a request alone on the shared server, once per distinct request (memoized):
+    the expected result of the same request inside a batch."""
+    cache: dict[bytes, pb.GenerateResponse] = {}
+
+    def run(request: pb.GenerateRequest) -> pb.GenerateResponse:
+        key = request.SerializeToString(deterministic=True)
+        if key not in cache:
+            cache[key] = stub.Generate(request, timeout=120)
+        return cache[key]
+
+    return run
+
+
+# -- request builders shared by the gRPC tests -----------------------------------------------
+
+
+def chat_request(
+    content: str,
+    *,
+    max_tokens: int | None = None,
+    request_id: str = "",
+    system: str | None = None,
+    **fields: Any,
+) -> pb.GenerateRequest:
+    messages = [pb.ChatMessage(role="system", content=system)] if system else []
+    messages.append(pb.ChatMessage(role="user", content=content))
+    stopping = fields.pop("stopping", None) or pb.StoppingCriteria()
+    if max_tokens is not None and not stopping.HasField("max_tokens"):
+        stopping.max_tokens = max_tokens
+    return pb.GenerateRequest(
+        request_id=request_id,
+        chat=pb.ChatInput(messages=messages),
+        stopping=stopping,
+        **fields,
+    )
+
+
+def to_stream(request: pb.GenerateRequest) -> pb.StreamGenerateRequest:
+    """The same request for StreamGenerate (the two messages share field names and numbers)."""
+    return pb.StreamGenerateRequest.FromString(request.SerializeToString())
+
+
+def with_id(request: pb.GenerateRequest, request_id: str) -> pb.GenerateRequest:
+    copy = pb.GenerateRequest()
+    copy.CopyFrom(request)
+    copy.request_id = request_id
+    return copy
