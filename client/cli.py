@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +32,18 @@ def _metadata_pair(text: str) -> tuple[str, str]:
     return key.lower(), value  # gRPC metadata keys must be lower case
 
 
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def _traceparent(text: str) -> str:
+    value = text.strip().lower()
+    if not _TRACEPARENT.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"expected a W3C traceparent VERSION-TRACEID(32 hex)-SPANID(16 hex)-FLAGS, got {text!r}"
+        )
+    return value
+
+
 def _rpc_options() -> argparse.ArgumentParser:
     """Options every RPC command takes (also accepted after the command name)."""
     common = argparse.ArgumentParser(add_help=False)
@@ -44,6 +58,13 @@ def _rpc_options() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="gRPC metadata to send (repeatable)",
+    )
+    common.add_argument(
+        "--traceparent",
+        type=_traceparent,
+        default=None,
+        help="W3C trace context to continue (sent as `traceparent` metadata); without it, an "
+        "active OpenTelemetry span of the caller is propagated",
     )
     return common
 
@@ -87,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     rpc, gen = _rpc_options(), _generation_options()
     commands.add_parser("generate", parents=[rpc, gen], help="one unary Generate call")
     commands.add_parser("stream", parents=[rpc, gen], help="StreamGenerate, printing as it goes")
-    commands.add_parser("stats", parents=[rpc], help="KV cache and batch state (CacheStats)")
+    stats = commands.add_parser(
+        "stats", parents=[rpc], help="KV cache and batch state (CacheStats)"
+    )
+    stats.add_argument(
+        "--watch", type=float, metavar="SECONDS", help="print again every SECONDS until Ctrl-C"
+    )
     commands.add_parser("info", parents=[rpc], help="the loaded model (GetModelInfo)")
     tokenize = commands.add_parser("tokenize", parents=[rpc], help="prompt token ids (Tokenize)")
     tokenize.add_argument("prompt", nargs="?", help="text; read from stdin when omitted")
@@ -210,7 +236,10 @@ def slots_table(slots: Sequence[pb.SlotInfo]) -> list[str]:
 
 
 def _call_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"timeout": args.timeout, "metadata": args.metadata or None}
+    metadata = list(args.metadata)
+    if args.traceparent:
+        metadata.append(("traceparent", args.traceparent))
+    return {"timeout": args.timeout, "metadata": metadata or None}
 
 
 def cmd_generate(client: GenerationClient, args: argparse.Namespace) -> int:
@@ -247,15 +276,20 @@ def cmd_stream(client: GenerationClient, args: argparse.Namespace) -> int:
 
 
 def cmd_stats(client: GenerationClient, args: argparse.Namespace) -> int:
-    stats = client.cache_stats(**_call_options(args))
-    if args.json:
-        print(to_json(stats))
-        return 0
-    print("\n".join(key_value_lines(stats, skip=("slots",))))
-    if stats.slots:
-        print()
-        print("\n".join(slots_table(stats.slots)))
-    return 0
+    while True:
+        stats = client.cache_stats(**_call_options(args))
+        if args.json:
+            print(to_json(stats, indent=None if args.watch else 2), flush=True)
+        else:
+            print("\n".join(key_value_lines(stats, skip=("slots",))))
+            if stats.slots:
+                print()
+                print("\n".join(slots_table(stats.slots)))
+        if not args.watch:
+            return 0
+        if not args.json:
+            print(flush=True)
+        time.sleep(args.watch)
 
 
 def cmd_info(client: GenerationClient, args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """Sync and asyncio clients for mlxserve's GenerationService.
 
 Only grpcio, grpcio-health-checking and the generated stubs are imported here, so the
-client runs anywhere (no MLX, no server code).
+client runs anywhere (no MLX, no server code). When opentelemetry is installed, calls made inside
+an active span carry its trace context (see `with_trace_context`); it is imported lazily.
 """
 
 from __future__ import annotations
@@ -150,6 +151,30 @@ def _tokenize_request(text: str | None, chat: ChatLike | None) -> pb.TokenizeReq
     return pb.TokenizeRequest(chat=pb.ChatInput(messages=_chat_messages(chat or [])))
 
 
+_propagate: Any = None  # opentelemetry.propagate once looked up; False when not installed
+
+
+def with_trace_context(metadata: Metadata) -> Metadata:
+    """`metadata` plus the W3C trace context (`traceparent`, `tracestate`, `baggage`) of the
+    caller's active OpenTelemetry span, injected with the global propagator. Unchanged when
+    opentelemetry is not installed, when no span is active, or when the caller already sends a
+    `traceparent` (e.g. the CLI's --traceparent)."""
+    global _propagate
+    if _propagate is None:
+        try:
+            from opentelemetry import propagate
+        except ImportError:
+            propagate = False
+        _propagate = propagate
+    if _propagate is False or (metadata and any(k == "traceparent" for k, _ in metadata)):
+        return metadata
+    carrier: dict[str, str] = {}
+    _propagate.inject(carrier)
+    if not carrier:
+        return metadata
+    return [*(metadata or ()), *carrier.items()]
+
+
 def _is_serving(response: health_pb2.HealthCheckResponse) -> bool:
     return response.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -189,7 +214,7 @@ class GenerationClient:
         **params: Any,
     ) -> pb.GenerateResponse:
         return self._stub.Generate(
-            _unary_request(request, params), timeout=timeout, metadata=metadata
+            _unary_request(request, params), timeout=timeout, metadata=with_trace_context(metadata)
         )
 
     def stream(
@@ -202,7 +227,7 @@ class GenerationClient:
     ) -> Iterator[pb.StreamGenerateResponse]:
         """Yields one message per decode step; leaving the loop early cancels the RPC."""
         call = self._stub.StreamGenerate(
-            _stream_request(request, params), timeout=timeout, metadata=metadata
+            _stream_request(request, params), timeout=timeout, metadata=with_trace_context(metadata)
         )
         try:
             yield from call
@@ -212,12 +237,16 @@ class GenerationClient:
     def cache_stats(
         self, *, timeout: float | None = None, metadata: Metadata = None
     ) -> pb.CacheStatsResponse:
-        return self._stub.CacheStats(pb.CacheStatsRequest(), timeout=timeout, metadata=metadata)
+        return self._stub.CacheStats(
+            pb.CacheStatsRequest(), timeout=timeout, metadata=with_trace_context(metadata)
+        )
 
     def model_info(
         self, *, timeout: float | None = None, metadata: Metadata = None
     ) -> pb.GetModelInfoResponse:
-        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=metadata)
+        return self._stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=with_trace_context(metadata)
+        )
 
     def tokenize(
         self,
@@ -228,7 +257,7 @@ class GenerationClient:
         metadata: Metadata = None,
     ) -> pb.TokenizeResponse:
         return self._stub.Tokenize(
-            _tokenize_request(text, chat), timeout=timeout, metadata=metadata
+            _tokenize_request(text, chat), timeout=timeout, metadata=with_trace_context(metadata)
         )
 
     def wait_ready(self, timeout: float = 120.0, *, service: str = "") -> None:
@@ -286,7 +315,7 @@ class AsyncGenerationClient:
         **params: Any,
     ) -> pb.GenerateResponse:
         return await self._stub.Generate(
-            _unary_request(request, params), timeout=timeout, metadata=metadata
+            _unary_request(request, params), timeout=timeout, metadata=with_trace_context(metadata)
         )
 
     async def stream(
@@ -299,7 +328,7 @@ class AsyncGenerationClient:
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
         """Yields one message per decode step; closing the iterator early cancels the RPC."""
         call = self._stub.StreamGenerate(
-            _stream_request(request, params), timeout=timeout, metadata=metadata
+            _stream_request(request, params), timeout=timeout, metadata=with_trace_context(metadata)
         )
         try:
             async for response in call:
@@ -311,14 +340,14 @@ class AsyncGenerationClient:
         self, *, timeout: float | None = None, metadata: Metadata = None
     ) -> pb.CacheStatsResponse:
         return await self._stub.CacheStats(
-            pb.CacheStatsRequest(), timeout=timeout, metadata=metadata
+            pb.CacheStatsRequest(), timeout=timeout, metadata=with_trace_context(metadata)
         )
 
     async def model_info(
         self, *, timeout: float | None = None, metadata: Metadata = None
     ) -> pb.GetModelInfoResponse:
         return await self._stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=timeout, metadata=metadata
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=with_trace_context(metadata)
         )
 
     async def tokenize(
@@ -330,7 +359,7 @@ class AsyncGenerationClient:
         metadata: Metadata = None,
     ) -> pb.TokenizeResponse:
         return await self._stub.Tokenize(
-            _tokenize_request(text, chat), timeout=timeout, metadata=metadata
+            _tokenize_request(text, chat), timeout=timeout, metadata=with_trace_context(metadata)
         )
 
     async def wait_ready(self, timeout: float = 120.0, *, service: str = "") -> None:

@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from service.telemetry.logs import add_trace_ids
+
 
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
@@ -17,6 +19,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     )
     shared = [
         structlog.contextvars.merge_contextvars,
+        add_trace_ids,  # trace_id / span_id of the request's RPC span, when tracing is on
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import mlx.core as mx
 import structlog
 
 from mlxserve.v1 import generation_pb2 as pb
@@ -14,6 +15,7 @@ from service.engine.kv_dense import DenseKVStorage
 from service.models.loader import LoadedModel, load_model
 from service.scheduler.request import SequenceStatus
 from service.scheduler.scheduler import Scheduler, SchedulerConfig
+from service.telemetry.telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 
@@ -37,8 +39,9 @@ def fault_injector_from_env() -> object | None:
 
 
 class Runtime:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, telemetry: Telemetry | None = None) -> None:
         self.config = config
+        self.telemetry = telemetry or Telemetry()  # default: all off
         self.serving = False
         self.draining = False
         self.loaded: LoadedModel | None = None
@@ -73,10 +76,12 @@ class Runtime:
                 preemption_policy=cfg.preemption_policy,
             ),
             decode=lm.tokenizer.decode,
+            ends_mid_character=lm.tokenizer.ends_mid_character,
             # Random weights emit EOS at random: dummy models always generate to max_tokens.
             eos_token_ids=frozenset()
             if lm.model_id.startswith("dummy:")
             else lm.tokenizer.eos_token_ids,
+            observer=self.telemetry.observer,
         )
         self.scheduler.start()
         log.info(
@@ -93,6 +98,13 @@ class Runtime:
         )
         self.serving = True
 
+    def load_in_thread(self) -> None:
+        """`load` for a worker thread: MLX wants the thread's streams released when done."""
+        try:
+            self.load()
+        finally:
+            mx.clear_streams()
+
     @property
     def tokenizer(self):
         assert self.loaded is not None
@@ -102,7 +114,8 @@ class Runtime:
         return "server is draining" if self.draining else "model is loading"
 
     def metrics_rejected(self, reason: str) -> None:
-        """Hook for the metrics module (observability issue)."""
+        """A request refused before queueing (queue_full, invalid_argument, ...)."""
+        self.telemetry.rejected(reason)
 
     def cache_stats(self) -> pb.CacheStatsResponse:
         sched = self.scheduler

@@ -15,15 +15,18 @@ from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.config import ConfigError, ServerConfig
 from service.runtime import Runtime
 from service.servicer import GenerationServicer
+from service.telemetry.telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 async def serve(config: ServerConfig) -> None:
-    runtime = Runtime(config)
+    telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
+    runtime = Runtime(config, telemetry)
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)]
+        interceptors=telemetry.server_interceptors(SERVICE_NAME),
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)],
     )
     pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(runtime), server)
     health_servicer = health.aio.HealthServicer()
@@ -38,6 +41,12 @@ async def serve(config: ServerConfig) -> None:
         bound = 0
     if bound == 0:
         raise ConfigError(f"could not bind {address}: is another server using the port?")
+    if config.metrics_port:
+        try:
+            telemetry.start_metrics_server(config.host, config.metrics_port, runtime.cache_stats)
+        except OSError as exc:
+            message = f"could not serve metrics on port {config.metrics_port}: {exc}"
+            raise ConfigError(message) from exc
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
@@ -49,7 +58,7 @@ async def serve(config: ServerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     # Load off the event loop so health and reflection answer while the weights load.
-    load = loop.run_in_executor(None, runtime.load)
+    load = loop.run_in_executor(None, runtime.load_in_thread)
     done, _ = await asyncio.wait(
         {load, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
     )
@@ -66,4 +75,5 @@ async def serve(config: ServerConfig) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=config.drain_seconds)
     runtime.shutdown()
+    telemetry.shutdown()  # exports the spans still buffered
     log.info("stopped")

@@ -79,6 +79,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """Validate, queue and follow one request; yields its outputs; aborts with a status."""
         rt = self.rt
         if not rt.serving:
+            rt.metrics_rejected("unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, rt.unavailable_reason())
         try:
             req = generation_request(
@@ -89,8 +90,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 prompt_cache_enabled=not rt.config.no_prompt_cache,
             )
         except InvalidRequestError as exc:
+            rt.metrics_rejected("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if req.request_id in self._active_ids:
+            rt.metrics_rejected("already_exists")
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
             )
@@ -101,11 +104,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         def sink(batch: list[StepOutput]) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, batch)
 
+        seq = Sequence(req, sink)
+        telemetry = rt.telemetry
+        telemetry.request_started(seq, rt.scheduler.queue_depth)  # the RPC span, trace ids
         try:
-            rt.scheduler.submit(Sequence(req, sink))
+            rt.scheduler.submit(seq)
         except QueueFullError as exc:
             rt.metrics_rejected("queue_full")
             bound.warning("rejected: queue full")
+            telemetry.request_ended(seq, submitted=False)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         self._active_ids.add(req.request_id)
         bound.info(
@@ -117,7 +124,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         finished = False
         try:
             while not finished:
-                for out in await outputs.get():
+                batch = await outputs.get()
+                telemetry.request_outputs(seq, batch)
+                for out in batch:
                     if out.finish_reason is FinishReason.ERROR:
                         finished = True
                         bound.error("request failed", error=out.error)
@@ -130,6 +139,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 # Cancelled, deadline passed or the client went away: free its slot now.
                 bound.info("request cancelled by the client")
                 rt.scheduler.cancel(req.request_id)
+            telemetry.request_ended(seq)
 
     def _logprobs(self, out: StepOutput) -> list[pb.TokenLogprob]:
         tok = self.rt.tokenizer

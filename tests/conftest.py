@@ -87,7 +87,8 @@ class ServerProcess:
                     return record
             if time.monotonic() > deadline:
                 tail = "\n".join(self.lines[-30:])
-                raise AssertionError(f"no matching log record within {timeout} s; log tail:\n{tail}")
+                message = f"no matching log record within {timeout} s; log tail:\n{tail}"
+                raise AssertionError(message)
             time.sleep(0.05)
 
     def finished_record(self, request_id: str, timeout: float = 5.0) -> dict[str, Any]:
@@ -97,6 +98,14 @@ class ServerProcess:
             timeout,
         )
 
+    def wait(self, timeout: float) -> int:
+        """Wait for the process to exit (raises subprocess.TimeoutExpired), then for the last
+        of its output to be read."""
+        code = self.proc.wait(timeout)
+        if self._reader is not None:
+            self._reader.join(5)
+        return code
+
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, then SIGKILL after `timeout`. Returns the exit code of the SIGTERM (None if
         it had to be killed)."""
@@ -104,13 +113,11 @@ class ServerProcess:
             return self.returncode if self.returncode is not None else self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
         try:
-            self.returncode = self.proc.wait(timeout)
+            self.returncode = self.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            self.wait(5)
             self.returncode = None
-        if self._reader is not None:
-            self._reader.join(5)
         return self.returncode
 
 

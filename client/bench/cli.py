@@ -1,4 +1,11 @@
-"""`python -m client bench`: options and orchestration (workload -> targets -> report)."""
+"""`python -m client bench`: options and orchestration (workload -> plan -> targets -> report).
+
+One run measures our server (spawned, or at --target), then each --peer in turn on the identical
+plan, one at a time so they never share the machine:
+- `mlx-lm`: mlx-lm's HTTP server (`mlx_lm.server`) on the same weights, started by the harness;
+- `raw`: the raw mlx-lm batched forward loop, no server (the upper bound at each C);
+- `mlx-lm-batch`: mlx-lm's in-process `batch_generate`.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,8 @@ import argparse
 import os
 import platform
 import shlex
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -16,16 +25,16 @@ import grpc
 from google.protobuf import json_format
 
 from client.bench import report
-from client.bench.grpc_target import GrpcTarget
+from client.bench.grpc_target import GrpcTarget, count_tokens_via_rpc
 from client.bench.metrics import LevelResult
-from client.bench.server import ServerProcess
-from client.bench.workload import Workload
+from client.bench.server import REPO_ROOT, ServerProcess
+from client.bench.workload import ARRIVALS, LengthDist, Plan, Workload, build_plan
 from client.client import GenerationClient
 
-PEERS = ("mlx-lm-batch",)
+PEERS = ("mlx-lm", "raw", "mlx-lm-batch")
 
 
-def _concurrency_list(text: str) -> tuple[int, ...]:
+def _int_list(text: str) -> tuple[int, ...]:
     try:
         levels = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError as err:
@@ -35,48 +44,147 @@ def _concurrency_list(text: str) -> tuple[int, ...]:
     return levels
 
 
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected e.g. 0.5,1,2: {err}") from err
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError("rates must be positive")
+    return values
+
+
+def _length(text: str) -> str:
+    try:
+        return str(LengthDist.parse(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = Workload()
-    parser.add_argument(
+    d = Workload()
+    load = parser.add_argument_group("load pattern")
+    load.add_argument(
+        "--arrival",
+        choices=ARRIVALS,
+        default=d.arrival,
+        help="burst: rounds of C requests at once (default); closed: C workers "
+        "back to back; poisson: open loop at --rate",
+    )
+    load.add_argument(
         "--concurrency",
-        type=_concurrency_list,
-        default=defaults.concurrency,
-        help="comma-separated levels (default 1,4,8,16)",
+        type=_int_list,
+        default=d.concurrency,
+        help="comma-separated levels C (default 1,4,8,16)",
     )
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
-    parser.add_argument(
-        "--rounds", type=int, default=defaults.rounds, help="rounds of C requests per level"
+    load.add_argument(
+        "--rounds",
+        type=int,
+        default=d.rounds,
+        help="burst: rounds of C requests per level; closed: C*rounds requests",
     )
-    parser.add_argument(
+    load.add_argument(
+        "--rate",
+        type=_float_list,
+        default=d.rates,
+        help="poisson: offered load(s) in requests/s, comma-separated",
+    )
+    load.add_argument("--duration", type=float, help="poisson: seconds of arrivals per rate")
+    load.add_argument("--num-requests", type=int, help="poisson: requests per rate")
+    load.add_argument(
+        "--max-tokens",
+        type=_length,
+        default=d.max_tokens,
+        help="completion length: N, fixed:N or uniform:A-B (default fixed:64)",
+    )
+    load.add_argument(
+        "--prompt-len",
+        type=_length,
+        help="prompt tokens (rendered chat): fixed:N or uniform:A-B; questions "
+        "padded with filler text (default: the questions as they are)",
+    )
+    load.add_argument(
+        "--warmup",
+        type=int,
+        default=d.warmup,
+        help="untimed requests, one at a time, before the first level (default 1)",
+    )
+    load.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=d.warmup_rounds,
+        help="untimed rounds of each level's shape before it (default 0)",
+    )
+    load.add_argument("--seed", type=int, default=d.seed, help="plan seed (lengths, arrivals)")
+    load.add_argument(
         "--no-prompt-cache",
         action="store_true",
         help="send cache_prompt=false (default: the server's setting)",
     )
-    parser.add_argument(
+
+    srv = parser.add_argument_group("servers and peers")
+    srv.add_argument(
         "--spawn-server",
         action="store_true",
-        help="start `python -m service` on a free port for the run instead of using --target",
+        help="start `python -m service` on a free port instead of using --target",
     )
-    parser.add_argument(
+    srv.add_argument(
         "--server-args",
         default="",
-        help="extra arguments for the spawned server, one shell-quoted string; without "
-        "--parallel the server gets --parallel <largest C>",
+        help="extra arguments for the spawned server, one shell-quoted string; "
+        "without --parallel it gets --parallel <largest C>, without --max-queue-depth "
+        "max(32, largest C)",
     )
-    parser.add_argument(
-        "--model", help="model directory for the spawned server and the peer (default: embedded)"
+    srv.add_argument(
+        "--model",
+        help="model directory for our server and the peers (default: the embedded SmolLM2)",
     )
-    parser.add_argument(
+    srv.add_argument(
+        "--load-format",
+        default="auto",
+        help="auto, or dummy:PRESET (random weights of a preset's shape)",
+    )
+    srv.add_argument("--dtype", default="auto", help="auto|float32|bfloat16 (server and peers)")
+    srv.add_argument(
         "--peer",
         action="append",
         choices=PEERS,
         default=[],
-        help="also measure a peer on the same workload, after our sweep",
+        help="also measure a peer on the same plan, after ours (repeatable)",
     )
-    parser.add_argument("--out", type=Path, help="JSON path (default bench/out/bench-TIME.json)")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
-    parser.add_argument("--ready-timeout", type=float, default=180.0)
-    parser.add_argument("--request-timeout", type=float, default=600.0)
+    srv.add_argument(
+        "--peer-args", default="", help="extra arguments for mlx_lm.server, one shell-quoted string"
+    )
+    srv.add_argument(
+        "--peer-keep-eos",
+        action="store_true",
+        help="do not patch mlx_lm.server to ignore EOS (tokens still counted)",
+    )
+    srv.add_argument(
+        "--export-dir",
+        type=Path,
+        default=REPO_ROOT / ".cache",
+        help="where the peer's mlx-lm copy of the weights is cached",
+    )
+
+    out = parser.add_argument_group("report")
+    out.add_argument("--out", type=Path, help="JSON path (default bench/out/bench-TIME.json)")
+    out.add_argument("--log-dir", type=Path, help="server logs (default: beside --out)")
+    out.add_argument("--title", default="", help="plot title")
+    out.add_argument(
+        "--targets",
+        choices=("auto", "cpu", "gpu", "none"),
+        default="auto",
+        help="which issue-6 targets to check (auto: gpu for bfloat16, else cpu)",
+    )
+    out.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    out.add_argument(
+        "--deadline",
+        type=float,
+        help="Unix time after which no further peer is started (they are noted as skipped)",
+    )
+    out.add_argument("--ready-timeout", type=float, default=300.0)
+    out.add_argument("--request-timeout", type=float, default=600.0)
 
 
 def _progress_printer() -> Callable[[str], None]:
@@ -93,8 +201,16 @@ def _server_args(args: argparse.Namespace, workload: Workload) -> list[str]:
     # The server's default batch (--parallel 4) would cap every level above 4.
     if not any(a in ("--parallel", "-np") or a.startswith("--parallel=") for a in extra):
         extra += ["--parallel", str(max(workload.concurrency))]
+    # A burst of C requests must not overflow the waiting queue before the batch takes them
+    # (mlx_lm.server has no queue limit): the queue is made at least as deep as the largest C.
+    if not any(a == "--max-queue-depth" or a.startswith("--max-queue-depth=") for a in extra):
+        extra += ["--max-queue-depth", str(max(32, *workload.concurrency))]
     if args.model and "--model" not in extra:
         extra += ["--model", args.model]
+    if args.load_format != "auto" and "--load-format" not in extra:
+        extra += ["--load-format", args.load_format]
+    if args.dtype != "auto" and "--dtype" not in extra:
+        extra += ["--dtype", args.dtype]
     return extra
 
 
@@ -112,30 +228,86 @@ def _server_snapshot(target: str) -> dict[str, Any]:
     return snapshot
 
 
-def _run_peer(name: str, workload: Workload, progress: Callable[[str], None], model: str | None):
-    if name == "mlx-lm-batch":
-        from client.bench.peer_mlx_lm_batch import run_peer
+def _git_state() -> dict[str, Any]:
+    def git(*argv: str) -> str:
+        done = subprocess.run(
+            ["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=False
+        )
+        return done.stdout.strip() if done.returncode == 0 else ""
 
-        return run_peer(workload, progress, model=model)
-    raise ValueError(f"unknown peer {name!r}")
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+def _plan_summary(plan: Plan) -> dict[str, Any]:
+    prompt_tokens = [s.prompt_tokens for lv in plan.levels for s in lv.requests if s.prompt_tokens]
+    max_tokens = [s.max_tokens for lv in plan.levels for s in lv.requests]
+    return {
+        "levels": [
+            {"level": lv.label, "requests": len(lv.requests), "warmup_batches": len(lv.warmup)}
+            for lv in plan.levels
+        ],
+        "prompt_tokens": {
+            "min": min(prompt_tokens),
+            "max": max(prompt_tokens),
+            "mean": sum(prompt_tokens) / len(prompt_tokens),
+        }
+        if prompt_tokens
+        else None,
+        "max_tokens": {"min": min(max_tokens), "max": max(max_tokens)} if max_tokens else None,
+    }
+
+
+def _check_kind(args: argparse.Namespace, meta: dict[str, Any]) -> str:
+    if args.targets != "auto":
+        return args.targets
+    dtype = meta.get("server_before", {}).get("model_info", {}).get("dtype", "")
+    return "gpu" if "bfloat16" in dtype or args.dtype == "bfloat16" else "cpu"
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (e.g. from `timeout`) unwinds like an exception, so spawned servers are stopped."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    _exit_on_sigterm()
     progress = _progress_printer()
     workload = Workload(
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
+        prompt_len=args.prompt_len,
         rounds=args.rounds,
+        arrival=args.arrival,
+        rates=args.rate,
+        duration=args.duration,
+        num_requests=args.num_requests,
+        warmup=args.warmup,
+        warmup_rounds=args.warmup_rounds,
+        seed=args.seed,
         cache_prompt=False if args.no_prompt_cache else None,
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_path: Path = args.out or Path("bench/out") / f"bench-{stamp}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    log_dir: Path = args.log_dir or out_path.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_stem = log_dir / out_path.stem
     meta: dict[str, Any] = {
         "timestamp": stamp,
+        "argv": sys.argv,
         "workload": workload.to_dict(),
         "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "grpc_version": grpc.__version__,
+        "git": _git_state(),
+        "load_format": args.load_format,
+        "dtype": args.dtype,
     }
 
     server: ServerProcess | None = None
@@ -144,7 +316,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.spawn_server:
             server = ServerProcess(
                 _server_args(args, workload),
-                log_path=out_path.with_suffix(".server.log"),
+                log_path=Path(f"{log_stem}.server.log"),
                 ready_timeout=args.ready_timeout,
             )
             progress(f"starting server: {shlex.join(server.command)} (log {server.log_path})")
@@ -152,9 +324,11 @@ def run_bench(args: argparse.Namespace) -> int:
             target = server.target
             meta["server_command"] = server.command
         meta["target"] = target
-        progress(f"server SERVING at {target}; sweep C={list(workload.concurrency)}")
         meta["server_before"] = _server_snapshot(target)
-        ours = GrpcTarget(target, request_timeout=args.request_timeout).run(workload, progress)
+        plan = build_plan(workload, count_tokens_via_rpc(target))
+        meta["plan"] = _plan_summary(plan)
+        progress(f"server SERVING at {target}; plan {meta['plan']}")
+        ours = GrpcTarget(target, request_timeout=args.request_timeout).run(plan, progress)
         meta["server_after"] = _server_snapshot(target)
     finally:
         if server is not None:
@@ -162,19 +336,90 @@ def run_bench(args: argparse.Namespace) -> int:
             server.stop()
 
     peers: dict[str, list[LevelResult]] = {}
+    meta["peers"] = {}
+    # Written after each stage, so a run cut short (a device time limit) keeps what it measured.
+    report.write_json(out_path, meta, ours, peers)
     for name in dict.fromkeys(args.peer):
+        if args.deadline is not None and time.time() > args.deadline:
+            progress(f"{name}: skipped (past --deadline)")
+            meta["peers"][name] = {"skipped": "past --deadline"}
+            continue
         if server is None:
             progress(f"note: {target} stays up (idle) while {name} runs")
-        peers[name] = _run_peer(name, workload, progress, args.model)
+        try:
+            peers[name], meta["peers"][name] = _run_peer(name, plan, progress, args, log_stem)
+        except Exception as err:  # a failed peer must not lose our results
+            progress(f"{name} FAILED: {type(err).__name__}: {err}")
+            meta["peers"][name] = {"error": f"{type(err).__name__}: {err}"}
+        report.write_json(out_path, meta, ours, peers)
 
     print(report.format_table(report.comparison_rows(ours, peers), list(peers)))
-    verdict = report.scaling_verdict(ours)
-    if verdict:
-        print(verdict)
-    report.write_json(out_path, meta, ours, peers)
+    for name, levels in peers.items():
+        if any(level.requests for level in levels):
+            print(report.format_target_table(name, levels))
+    kind = _check_kind(args, meta)
+    checks = report.target_checks(kind, ours, peers) if kind != "none" else []
+    if checks:
+        print(report.format_checks(kind, checks))
+    report.write_json(out_path, meta, ours, peers, checks)
     print(f"wrote {out_path}")
     if not args.no_plot:
         plot_path = out_path.with_suffix(".png")
-        if report.write_plot(plot_path, ours, peers):
+        title = args.title or _default_title(args, workload)
+        if report.write_plot(plot_path, ours, peers, title):
             print(f"wrote {plot_path}")
     return 0
+
+
+def _default_title(args: argparse.Namespace, workload: Workload) -> str:
+    model = args.model or (args.load_format if args.load_format != "auto" else "embedded SmolLM2")
+    return (
+        f"{model}, dtype {args.dtype}, {workload.arrival} arrivals, "
+        f"max_tokens {workload.max_tokens}, {platform.node()}"
+    )
+
+
+def _run_peer(
+    name: str,
+    plan: Plan,
+    progress: Callable[[str], None],
+    args: argparse.Namespace,
+    log_stem: Path,
+) -> tuple[list[LevelResult], dict[str, Any]]:
+    dtype = None if args.dtype == "auto" else args.dtype
+    if name == "mlx-lm":
+        from client.bench.export import ensure_model_dir
+        from client.bench.peer_mlx_lm_server import run_peer
+
+        model_dir = ensure_model_dir(
+            model=args.model,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            progress=progress,
+            cache_root=args.export_dir,
+        )
+        return run_peer(
+            plan,
+            progress,
+            model_dir=model_dir,
+            decode_concurrency=max(plan.workload.concurrency),
+            log_path=Path(f"{log_stem}.mlx-lm.log"),
+            extra_args=shlex.split(args.peer_args),
+            ignore_eos=not args.peer_keep_eos,
+            request_timeout=args.request_timeout,
+        )
+    if name == "raw":
+        from client.bench.peer_raw import run_peer as run_raw
+
+        levels = run_raw(
+            plan, progress, model=args.model, load_format=args.load_format, dtype=dtype
+        )
+        return levels, {}
+    if name == "mlx-lm-batch":
+        from client.bench.peer_mlx_lm_batch import run_peer as run_batch
+
+        levels = run_batch(
+            plan, progress, model=args.model, load_format=args.load_format, dtype=dtype
+        )
+        return levels, {}
+    raise ValueError(f"unknown peer {name!r}")

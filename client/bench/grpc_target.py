@@ -1,4 +1,4 @@
-"""Runs a workload against an mlxserve server through StreamGenerate."""
+"""Runs a plan against an mlxserve server through StreamGenerate."""
 
 from __future__ import annotations
 
@@ -9,15 +9,23 @@ from collections.abc import Callable
 import grpc
 
 from client.bench.metrics import LevelResult, RequestRecord
-from client.bench.workload import Workload
+from client.bench.runner import run_plan
+from client.bench.workload import Plan, RequestSpec, Workload
 from client.client import AsyncGenerationClient, build_request
 from mlxserve.v1 import generation_pb2 as pb
 
 Progress = Callable[[str], None]
 
+_FINISH = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+    pb.FINISH_REASON_ERROR: "error",
+}
+
 
 class GrpcTarget:
-    """Closed-loop sweep: a warm-up request, then per level rounds of C requests at once."""
+    """Streams every request; TTFT and inter-token gaps from message arrival times."""
 
     name = "ours"
 
@@ -25,63 +33,32 @@ class GrpcTarget:
         self.target = target
         self.request_timeout = request_timeout
 
-    def run(self, workload: Workload, progress: Progress) -> list[LevelResult]:
-        return asyncio.run(self._run(workload, progress))
+    def run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
+        return asyncio.run(self._run(plan, progress))
 
-    async def _run(self, workload: Workload, progress: Progress) -> list[LevelResult]:
+    async def _run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
         async with AsyncGenerationClient(self.target) as client:
-            # One warm-up request first: the first forward pays one-off setup costs.
-            warm = await self._one_request(client, workload, workload.prompts[0])
-            progress(
-                f"ours warm-up: {warm.completion_tokens} tokens in {warm.latency:.1f}s"
-                + (f" (failed: {warm.error})" if warm.error else "")
-            )
-            return [
-                await self._run_level(client, workload, concurrency, progress)
-                for concurrency in workload.concurrency
-            ]
 
-    async def _run_level(
-        self,
-        client: AsyncGenerationClient,
-        workload: Workload,
-        concurrency: int,
-        progress: Progress,
-    ) -> LevelResult:
-        level = LevelResult(target=self.name, concurrency=concurrency)
-        for round_index in range(workload.rounds):
-            prompts = workload.prompts_for(concurrency, round_index)
-            started = time.perf_counter()
-            records = await asyncio.gather(
-                *(self._one_request(client, workload, prompt) for prompt in prompts)
-            )
-            wall = time.perf_counter() - started
-            level.wall_seconds += wall
-            level.requests.extend(records)
-            tokens = sum(r.completion_tokens for r in records)
-            errors = [r.error for r in records if r.error]
-            progress(
-                f"ours C={concurrency} round {round_index + 1}/{workload.rounds}: "
-                f"{tokens} tokens in {wall:.1f}s = {tokens / wall:.1f} tok/s"
-                + (f", {len(errors)} errors (first: {errors[0]})" if errors else "")
-            )
-        return level
+            async def send(spec: RequestSpec) -> RequestRecord:
+                return await self._one_request(client, plan.workload, spec)
+
+            return await run_plan(self.name, plan, send, progress)
 
     async def _one_request(
-        self, client: AsyncGenerationClient, workload: Workload, prompt: str
+        self, client: AsyncGenerationClient, workload: Workload, spec: RequestSpec
     ) -> RequestRecord:
         request = build_request(
-            chat=[("user", prompt)],
-            max_tokens=workload.max_tokens,
+            chat=[("user", spec.prompt)],
+            max_tokens=spec.max_tokens,
             temperature=workload.temperature,
             ignore_eos=workload.ignore_eos,
             cache_prompt=workload.cache_prompt,
         )
-        record = RequestRecord(prompt=prompt)
-        started = time.perf_counter()
+        record = RequestRecord(prompt=spec.prompt[:80], max_tokens=spec.max_tokens)
+        started = record.start = time.perf_counter()
         last_message_at: float | None = None
         tokens_seen = 0
-        final_usage: pb.Usage | None = None
+        final: pb.StreamGenerateResponse | None = None
         try:
             async for message in client.stream(request, timeout=self.request_timeout):
                 now = time.perf_counter()
@@ -95,12 +72,27 @@ class GrpcTarget:
                     last_message_at = now
                     tokens_seen += count
                 if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    final_usage = message.usage
+                    final = message
         except grpc.RpcError as err:
             record.error = f"{err.code().name}: {err.details()}"
         record.latency = time.perf_counter() - started
-        # The final message's usage is exact; counting messages is the fallback.
-        record.completion_tokens = (
-            final_usage.completion_tokens if final_usage is not None else tokens_seen
-        )
+        # The final message's usage is exact; counting streamed tokens is the fallback.
+        if final is not None:
+            record.completion_tokens = final.usage.completion_tokens
+            record.prompt_tokens = final.usage.prompt_tokens
+            record.finish_reason = _FINISH.get(final.finish_reason, "unspecified")
+        else:
+            record.completion_tokens = tokens_seen
         return record
+
+
+def count_tokens_via_rpc(target: str, timeout: float = 30.0) -> Callable[[str], int]:
+    """A token counter for prompt padding: our server's Tokenize of a one-turn chat."""
+    from client.client import GenerationClient
+
+    client = GenerationClient(target)
+
+    def count(text: str) -> int:
+        return len(client.tokenize(chat=[("user", text)], timeout=timeout).token_ids)
+
+    return count

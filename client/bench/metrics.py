@@ -25,28 +25,44 @@ class RequestRecord:
     """One request as the client saw it; times in seconds."""
 
     prompt: str
+    max_tokens: int = 0
+    # Exact counts from the server's usage (the message count where no usage came back).
     completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    # Send time, relative to the level's start.
+    start: float = 0.0
     # Send to the first message carrying tokens; None when no token arrived.
     ttft: float | None = None
-    # The gap before each streamed message, spread over the tokens it carried.
+    # The gap before each streamed message after the first, spread over the tokens it carried
+    # (where the target says how many; an HTTP peer's SSE event counts as one).
     inter_token: list[float] = field(default_factory=list)
     latency: float = 0.0
+    finish_reason: str | None = None
     error: str | None = None
 
 
 @dataclass
 class LevelResult:
-    """One concurrency level of one target."""
+    """One level (a concurrency, or a Poisson rate) of one target."""
 
     target: str
-    concurrency: int
+    concurrency: int | None
+    rate: float | None = None
     wall_seconds: float = 0.0
     requests: list[RequestRecord] = field(default_factory=list)
     # Target-specific figures (e.g. the peer's own prompt/decode rates).
     extra: dict[str, Any] = field(default_factory=dict)
-    # Targets that only report totals (the in-process peer) set these directly.
+    # Targets that only report totals (the in-process peers) set these directly.
     completion_tokens_total: int | None = None
     request_count: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"C={self.concurrency}" if self.rate is None else f"rate={self.rate:g}/s"
+
+    @property
+    def x(self) -> float:
+        return float(self.rate if self.rate is not None else self.concurrency or 0)
 
     @property
     def completion_tokens(self) -> int:
@@ -63,11 +79,14 @@ class LevelResult:
         return self.completion_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
-        ttft = [r.ttft for r in self.requests if r.ttft is not None]
-        itl = [gap for r in self.requests for gap in r.inter_token]
+        ok = [r for r in self.requests if r.error is None]
+        ttft = [r.ttft for r in ok if r.ttft is not None]
+        itl = [gap for r in ok for gap in r.inter_token]
+        prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
         out: dict[str, Any] = {
             "target": self.target,
             "concurrency": self.concurrency,
+            "rate": self.rate,
             "requests": self.num_requests,
             "errors": sum(r.error is not None for r in self.requests),
             "completion_tokens": self.completion_tokens,
@@ -76,13 +95,35 @@ class LevelResult:
             "requests_per_second": (
                 self.num_requests / self.wall_seconds if self.wall_seconds > 0 else 0.0
             ),
+            "prompt_tokens_mean": (
+                sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None
+            ),
+            # Little's law: the average number of requests in flight over the level.
+            "mean_in_flight": (
+                sum(r.latency for r in self.requests) / self.wall_seconds
+                if self.requests and self.wall_seconds > 0
+                else None
+            ),
+            "short_completions": sum(
+                1 for r in ok if r.max_tokens and r.completion_tokens < r.max_tokens
+            ),
         }
         for pct in PERCENTILES:
             out[f"ttft_p{pct}"] = percentile(ttft, pct)
         for pct in PERCENTILES:
             out[f"itl_p{pct}"] = percentile(itl, pct)
+        out["latency_p50"] = percentile([r.latency for r in ok], 50)
         out.update(self.extra)
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"summary": self.summary(), "requests": [asdict(r) for r in self.requests]}
+        requests = []
+        for record in self.requests:
+            item = asdict(record)
+            # Microseconds are plenty, and keep the JSON files small.
+            item["inter_token"] = [round(gap, 6) for gap in record.inter_token]
+            for key in ("start", "ttft", "latency"):
+                if item[key] is not None:
+                    item[key] = round(item[key], 6)
+            requests.append(item)
+        return {"summary": self.summary(), "requests": requests}

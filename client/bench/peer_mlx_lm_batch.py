@@ -1,66 +1,40 @@
-"""Peer: the same workload through mlx-lm's `batch_generate` on the same weights.
+"""Peer: the same plan through mlx-lm's `batch_generate` on the same weights, in-process.
 
-Runs in its own process (`python -m client.bench.peer_mlx_lm_batch`, workload JSON on stdin,
+Runs in its own process (`python -m client.bench.peer_mlx_lm_batch`, request JSON on stdin,
 results JSON on stdout, progress on stderr) so it never shares the CPU with our server and
-MLX is only imported there.
+MLX is only imported there. Burst plans only: one `batch_generate` call per round.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from client.bench.metrics import LevelResult
-from client.bench.server import REPO_ROOT, mlx_env
-from client.bench.workload import Workload
+from client.bench.peer_raw import levels_from_json, run_subprocess_peer
+from client.bench.workload import Plan
 
 NAME = "mlx-lm-batch"
 
 
 def run_peer(
-    workload: Workload, progress: Callable[[str], None], *, model: str | None = None
+    plan: Plan,
+    progress: Callable[[str], None],
+    *,
+    model: str | None,
+    load_format: str,
+    dtype: str | None,
 ) -> list[LevelResult]:
-    """Measure the peer in a subprocess; returns one LevelResult per concurrency level."""
-    progress(f"{NAME}: starting a subprocess (loads the model, then sweeps)")
-    payload = json.dumps({"workload": workload.to_dict(), "model": model})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.bench.peer_mlx_lm_batch"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=REPO_ROOT,
-        env=mlx_env(),
-        text=True,
-    )
-    assert proc.stdin and proc.stdout and proc.stderr
-    proc.stdin.write(payload)
-    proc.stdin.close()
-    # Read stdout on a thread so neither pipe can fill up and stall the child.
-    stdout_chunks: list[str] = []
-    reader = threading.Thread(target=lambda: stdout_chunks.append(proc.stdout.read()))
-    reader.start()
-    for line in proc.stderr:  # the child's progress, shown through ours as it comes
-        progress(line.rstrip())
-    reader.join()
-    if proc.wait() != 0:
-        raise RuntimeError(f"{NAME} subprocess failed with exit code {proc.returncode}")
-    results = json.loads("".join(stdout_chunks).splitlines()[-1])
-    return [
-        LevelResult(
-            target=NAME,
-            concurrency=level["concurrency"],
-            wall_seconds=level["wall_seconds"],
-            completion_tokens_total=level["completion_tokens"],
-            request_count=level["requests"],
-            extra=level["extra"],
-        )
-        for level in results["levels"]
-    ]
+    payload = {"plan": plan.to_dict(), "model": model, "load_format": load_format, "dtype": dtype}
+    results = run_subprocess_peer("client.bench.peer_mlx_lm_batch", NAME, payload, progress)
+    levels = [levels_from_json(NAME, level) for level in results["levels"]]
+    for level, raw in zip(levels, results["levels"], strict=True):
+        level.completion_tokens_total = raw["completion_tokens"]
+        level.request_count = raw["request_count"]
+    return levels
 
 
 class _BatchTokenizer:
@@ -78,62 +52,65 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def measure(workload: Workload, model_name: str | None) -> list[dict[str, Any]]:
+def measure(
+    plan: Plan, model_name: str | None, load_format: str, dtype: str | None
+) -> list[dict[str, Any]]:
     # Heavy imports live here: this function only ever runs in the peer subprocess.
     from mlx_lm.generate import batch_generate
 
     from service.models.loader import load_model
     from service.models.tokenizer import ChatTurn
 
-    loaded = load_model(model_name)
-    eos = [] if workload.ignore_eos else sorted(loaded.tokenizer.eos_token_ids)
+    loaded = load_model(model_name, dtype, load_format)
+    eos = [] if plan.workload.ignore_eos else sorted(loaded.tokenizer.eos_token_ids)
     tokenizer = _BatchTokenizer(loaded.tokenizer.decode, eos)
 
-    def chat_prompt(text: str) -> list[int]:
+    def timed_batch(prompts: list[str], max_tokens: list[int]):
         # The same rendering our server applies to a chat request.
-        return loaded.tokenizer.render_chat([ChatTurn("user", text)])
-
-    def timed_batch(prompts: list[str]) -> tuple[float, list[list[int]], Any]:
-        token_prompts = [chat_prompt(p) for p in prompts]
+        token_prompts = [loaded.tokenizer.render_chat([ChatTurn("user", p)]) for p in prompts]
         started = time.perf_counter()
         response = batch_generate(
-            loaded.model,
-            tokenizer,
-            token_prompts,
-            max_tokens=workload.max_tokens,
-            return_token_ids=True,
+            loaded.model, tokenizer, token_prompts, max_tokens=max_tokens, return_token_ids=True
         )
         return time.perf_counter() - started, response.token_ids or [], response.stats
 
-    warm_wall, warm_ids, _ = timed_batch(workload.prompts[:1])
-    _progress(f"{NAME} warm-up: {len(warm_ids[0])} tokens in {warm_wall:.1f}s")
+    for spec in plan.warmup:
+        wall, ids, _ = timed_batch([spec.prompt], [spec.max_tokens])
+        _progress(f"{NAME} warm-up: {len(ids[0])} tokens in {wall:.1f}s")
     levels = []
-    for concurrency in workload.concurrency:
+    for level in plan.levels:
+        if level.arrival != "burst":
+            _progress(f"{NAME}: skipping {level.label} ({level.arrival} arrival: burst only)")
+            continue
+        for warm in level.warmup:
+            timed_batch([s.prompt for s in warm], [s.max_tokens for s in warm])
         wall = 0.0
         tokens = 0
+        requests = 0
         lengths: set[int] = set()
         prefill_seconds = decode_seconds = 0.0
-        for round_index in range(workload.rounds):
+        for index, specs in enumerate(level.batches):
             round_wall, token_ids, stats = timed_batch(
-                workload.prompts_for(concurrency, round_index)
+                [s.prompt for s in specs], [s.max_tokens for s in specs]
             )
             round_tokens = sum(len(ids) for ids in token_ids)
             wall += round_wall
             tokens += round_tokens
+            requests += len(specs)
             lengths.update(len(ids) for ids in token_ids)
             prefill_seconds += stats.prompt_time
             decode_seconds += stats.generation_time
             _progress(
-                f"{NAME} C={concurrency} round {round_index + 1}/{workload.rounds}: "
-                f"{round_tokens} tokens in {round_wall:.1f}s"
+                f"{NAME} {level.label} round {index + 1}/{len(level.batches)}: "
+                f"{round_tokens} tokens in {round_wall:.2f}s"
                 f" = {round_tokens / round_wall:.1f} tok/s"
             )
         levels.append(
             {
-                "concurrency": concurrency,
+                "concurrency": level.concurrency,
                 "wall_seconds": wall,
                 "completion_tokens": tokens,
-                "requests": concurrency * workload.rounds,
+                "request_count": requests,
                 "extra": {
                     "completion_lengths": sorted(lengths),
                     "prefill_seconds": prefill_seconds,
@@ -147,7 +124,8 @@ def measure(workload: Workload, model_name: str | None) -> list[dict[str, Any]]:
 def main() -> int:
     request = json.loads(sys.stdin.read())
     results_out, sys.stdout = sys.stdout, sys.stderr  # stray prints must not corrupt the JSON
-    levels = measure(Workload.from_dict(request["workload"]), request.get("model"))
+    plan = Plan.from_dict(request["plan"])
+    levels = measure(plan, request.get("model"), request["load_format"], request.get("dtype"))
     results_out.write(json.dumps({"levels": levels}) + "\n")
     return 0
 

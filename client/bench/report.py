@@ -1,4 +1,4 @@
-"""The benchmark report: a side-by-side table, a JSON file and an optional PNG plot."""
+"""The benchmark report: side-by-side tables, target checks, a JSON file and a PNG plot."""
 
 from __future__ import annotations
 
@@ -7,45 +7,58 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from client.bench.metrics import LevelResult
+from client.bench.metrics import PERCENTILES, LevelResult
 
-# The issue's goal for this 2-core CPU: aggregate throughput at C=8 at least 5x C=1.
-SCALING_TARGET = (8, 5.0)
+# The issue's targets (issue 6), checked when the levels and peers they name were run.
+# ("scaling", C_high, C_low, min gain) | ("ratio", peer, C, min ours/peer).
+TARGETS: dict[str, list[tuple]] = {
+    "cpu": [("scaling", 8, 1, 5.0), ("ratio", "mlx-lm", 8, 1.2), ("ratio", "mlx-lm", 16, 1.2)],
+    "gpu": [("scaling", 64, 1, 25.0), ("ratio", "mlx-lm", 32, 1.3), ("ratio", "raw", 1, 0.9)],
+}
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+    if seconds is None:
+        return "-"
+    ms = seconds * 1000
+    return f"{ms:.1f}" if ms < 100 else f"{ms:.0f}"
 
 
-def _baseline(ours: Sequence[LevelResult]) -> LevelResult | None:
-    return min(ours, key=lambda level: level.concurrency, default=None)
+def _level_name(level: LevelResult) -> str:
+    return str(level.concurrency) if level.rate is None else f"{level.rate:g}/s"
+
+
+def _match(levels: Sequence[LevelResult], like: LevelResult) -> LevelResult | None:
+    return next(
+        (p for p in levels if p.concurrency == like.concurrency and p.rate == like.rate), None
+    )
 
 
 def comparison_rows(
     ours: Sequence[LevelResult], peers: Mapping[str, Sequence[LevelResult]]
 ) -> list[dict[str, Any]]:
-    """One row per concurrency level: our figures, each peer's tok/s and our ratio to it."""
-    base = _baseline(ours)
+    """One row per level: our figures, each peer's tok/s and our ratio to it."""
+    base = min(ours, key=lambda level: level.x, default=None)
     rows = []
     for level in ours:
         summary = level.summary()
         row: dict[str, Any] = {
+            "level": _level_name(level),
             "concurrency": level.concurrency,
+            "rate": level.rate,
             "ours_tokens_per_second": level.tokens_per_second,
             "ours_requests_per_second": summary["requests_per_second"],
             "ours_errors": summary["errors"],
-            "ttft_p50": summary["ttft_p50"],
-            "ttft_p95": summary["ttft_p95"],
-            "itl_p50": summary["itl_p50"],
-            "itl_p95": summary["itl_p95"],
-            "scaling_vs_lowest_c": (
+            "ours_completion_tokens": summary["completion_tokens"],
+            **{k: summary[k] for k in summary if k.startswith(("ttft_p", "itl_p"))},
+            "scaling_vs_lowest": (
                 level.tokens_per_second / base.tokens_per_second
-                if base and base.tokens_per_second
+                if base and base.tokens_per_second and level.rate is None
                 else None
             ),
         }
         for name, results in peers.items():
-            peer = next((p for p in results if p.concurrency == level.concurrency), None)
+            peer = _match(results, level)
             peer_rate = peer.tokens_per_second if peer else None
             row[f"{name}_tokens_per_second"] = peer_rate
             row[f"ours_over_{name}"] = level.tokens_per_second / peer_rate if peer_rate else None
@@ -53,47 +66,104 @@ def comparison_rows(
     return rows
 
 
+def _table(header: list[str], lines: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) for cells in lines]
+    return out
+
+
 def format_table(rows: Sequence[Mapping[str, Any]], peer_names: Sequence[str]) -> str:
-    header = ["C", "ours tok/s", "req/s", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95"]
+    header = ["C/rate", "ours tok/s", "req/s", "err"]
+    header += [f"TTFT p{p}" for p in PERCENTILES] + [f"ITL p{p}" for p in PERCENTILES]
     for name in peer_names:
         header += [f"{name} tok/s", f"ours/{name}"]
     header.append("scaling")
     lines = []
     for row in rows:
         cells = [
-            str(row["concurrency"]),
+            row["level"],
             f"{row['ours_tokens_per_second']:.1f}",
             f"{row['ours_requests_per_second']:.2f}",
-            _ms(row["ttft_p50"]),
-            _ms(row["ttft_p95"]),
-            _ms(row["itl_p50"]),
-            _ms(row["itl_p95"]),
+            str(row["ours_errors"]),
         ]
+        cells += [_ms(row[f"ttft_p{p}"]) for p in PERCENTILES]
+        cells += [_ms(row[f"itl_p{p}"]) for p in PERCENTILES]
         for name in peer_names:
             rate, ratio = row[f"{name}_tokens_per_second"], row[f"ours_over_{name}"]
             cells += [
                 "-" if rate is None else f"{rate:.1f}",
                 "-" if ratio is None else f"{ratio:.2f}x",
             ]
-        scaling = row["scaling_vs_lowest_c"]
+        scaling = row["scaling_vs_lowest"]
         cells.append("-" if scaling is None else f"{scaling:.2f}x")
         lines.append(cells)
-    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    out += ["  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) for cells in lines]
+    out = _table(header, lines)
     out.append("(latencies in ms; scaling = ours tok/s over ours at the lowest C)")
     return "\n".join(out)
 
 
-def scaling_verdict(ours: Sequence[LevelResult]) -> str | None:
-    """The issue's C=8 vs C=1 check, when both levels ran."""
-    target_c, target_gain = SCALING_TARGET
-    by_c = {level.concurrency: level.tokens_per_second for level in ours}
-    if 1 not in by_c or target_c not in by_c or not by_c[1]:
-        return None
-    gain = by_c[target_c] / by_c[1]
-    verdict = "met" if gain >= target_gain else "NOT met"
-    return f"C={target_c} / C=1 aggregate: {gain:.2f}x (target >= {target_gain:.0f}x: {verdict})"
+def format_target_table(name: str, levels: Sequence[LevelResult]) -> str:
+    """One target's own figures: throughput and latency percentiles per level."""
+    header = ["C/rate", "tok/s", "req/s", "err", "tokens"]
+    header += [f"TTFT p{p}" for p in PERCENTILES] + [f"ITL p{p}" for p in PERCENTILES]
+    lines = []
+    for level in levels:
+        s = level.summary()
+        cells = [
+            _level_name(level),
+            f"{level.tokens_per_second:.1f}",
+            f"{s['requests_per_second']:.2f}",
+            str(s["errors"]),
+            str(s["completion_tokens"]),
+        ]
+        cells += [_ms(s[f"ttft_p{p}"]) for p in PERCENTILES]
+        cells += [_ms(s[f"itl_p{p}"]) for p in PERCENTILES]
+        lines.append(cells)
+    return "\n".join([f"{name}:", *_table(header, lines)])
+
+
+def target_checks(
+    kind: str, ours: Sequence[LevelResult], peers: Mapping[str, Sequence[LevelResult]]
+) -> list[dict[str, Any]]:
+    """The issue's targets for `kind` (cpu|gpu) that this run can answer."""
+    ours_by_c = {lv.concurrency: lv.tokens_per_second for lv in ours if lv.rate is None}
+    checks = []
+    for target in TARGETS.get(kind, []):
+        if target[0] == "scaling":
+            _, high, low, goal = target
+            if ours_by_c.get(low) and high in ours_by_c:
+                value = ours_by_c[high] / ours_by_c[low]
+                checks.append(
+                    {
+                        "target": f"ours C={high} / C={low} >= {goal:g}x",
+                        "value": value,
+                        "met": value >= goal,
+                    }
+                )
+        else:
+            _, peer, c, goal = target
+            peer_by_c = {lv.concurrency: lv.tokens_per_second for lv in peers.get(peer, [])}
+            if peer_by_c.get(c) and c in ours_by_c:
+                value = ours_by_c[c] / peer_by_c[c]
+                checks.append(
+                    {
+                        "target": f"ours / {peer} at C={c} >= {goal:g}x",
+                        "value": value,
+                        "met": value >= goal,
+                    }
+                )
+    return checks
+
+
+def format_checks(kind: str, checks: Sequence[Mapping[str, Any]]) -> str:
+    if not checks:
+        return ""
+    lines = [f"targets ({kind}, issue 6):"]
+    for check in checks:
+        verdict = "met" if check["met"] else "NOT met"
+        lines.append(f"  {check['target']}: {check['value']:.2f}x -> {verdict}")
+    return "\n".join(lines)
 
 
 def write_json(
@@ -101,21 +171,26 @@ def write_json(
     meta: Mapping[str, Any],
     ours: Sequence[LevelResult],
     peers: Mapping[str, Sequence[LevelResult]],
+    checks: Sequence[Mapping[str, Any]] = (),
 ) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "meta": dict(meta),
         "table": comparison_rows(ours, peers),
+        "targets": list(checks),
         "ours": [level.to_dict() for level in ours],
         "peers": {name: [level.to_dict() for level in levels] for name, levels in peers.items()},
     }
-    path.write_text(json.dumps(document, indent=2) + "\n")
+    path.write_text(json.dumps(document, indent=1) + "\n")
 
 
 def write_plot(
-    path: Path, ours: Sequence[LevelResult], peers: Mapping[str, Sequence[LevelResult]]
+    path: Path,
+    ours: Sequence[LevelResult],
+    peers: Mapping[str, Sequence[LevelResult]],
+    title: str = "",
 ) -> bool:
-    """Throughput and latency vs concurrency; False when matplotlib is not installed."""
+    """Throughput, TTFT and ITL vs concurrency (or rate); False without matplotlib."""
     try:
         import matplotlib
 
@@ -123,37 +198,46 @@ def write_plot(
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (throughput_ax, latency_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    levels = [level.concurrency for level in ours]
-    throughput_ax.plot(levels, [lv.tokens_per_second for lv in ours], "o-", label="mlxserve")
-    for name, results in peers.items():
-        throughput_ax.plot(
-            [lv.concurrency for lv in results],
-            [lv.tokens_per_second for lv in results],
-            "s--",
-            label=name,
+    targets = {"mlxserve": list(ours), **{k: list(v) for k, v in peers.items()}}
+    fig, (tp_ax, ttft_ax, itl_ax) = plt.subplots(1, 3, figsize=(15, 4.4))
+    open_loop = any(lv.rate is not None for lv in ours)
+    xlabel = "offered load (requests/s)" if open_loop else "concurrent requests (C)"
+    markers = "osd^v<>"
+    for index, (name, levels) in enumerate(targets.items()):
+        if not levels:
+            continue
+        color = f"C{index}"
+        xs = [lv.x for lv in levels]
+        summaries = [lv.summary() for lv in levels]
+        marker = markers[index % len(markers)]
+        tp_ax.plot(
+            xs, [lv.tokens_per_second for lv in levels], f"{marker}-", color=color, label=name
         )
-    throughput_ax.set(
-        xlabel="concurrent requests", ylabel="generated tokens/s (aggregate)", title="Throughput"
-    )
-    throughput_ax.set_ylim(bottom=0)
-    summaries = [level.summary() for level in ours]
-    for key, style in (
-        ("ttft_p50", "o-"),
-        ("ttft_p95", "o:"),
-        ("itl_p50", "s-"),
-        ("itl_p95", "s:"),
-    ):
-        values = [s[key] * 1000 if s[key] is not None else float("nan") for s in summaries]
-        latency_ax.plot(levels, values, style, label=key.replace("_", " "))
-    latency_ax.set(xlabel="concurrent requests", ylabel="ms", title="mlxserve latency")
-    latency_ax.set_yscale("log")
-    for ax in (throughput_ax, latency_ax):
-        ax.set_xticks(levels)
+        for ax, key in ((ttft_ax, "ttft"), (itl_ax, "itl")):
+            for pct, style in ((50, "-"), (95, ":")):
+                values = [
+                    s[f"{key}_p{pct}"] * 1000 if s[f"{key}_p{pct}"] is not None else float("nan")
+                    for s in summaries
+                ]
+                ax.plot(xs, values, f"{marker}{style}", color=color, label=f"{name} p{pct}")
+    tp_ax.set(xlabel=xlabel, ylabel="generated tokens/s (aggregate)", title="Throughput")
+    tp_ax.set_ylim(bottom=0)
+    ttft_ax.set(xlabel=xlabel, ylabel="ms", title="Time to first token")
+    itl_ax.set(xlabel=xlabel, ylabel="ms", title="Inter-token latency")
+    xs_all = sorted({lv.x for lv in ours})
+    for ax in (tp_ax, ttft_ax, itl_ax):
+        if not open_loop and len(xs_all) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs_all)
+        ax.set_xticklabels([f"{x:g}" for x in xs_all])
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
+    for ax in (ttft_ax, itl_ax):
+        ax.set_yscale("log")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return True

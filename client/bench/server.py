@@ -66,7 +66,11 @@ class ServerProcess:
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()  # the child keeps its own descriptor
-        self._wait_serving()
+        try:
+            self._wait_serving()
+        except BaseException:
+            self.stop()
+            raise
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + self.ready_timeout

@@ -28,6 +28,23 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size: int = len(hf)
         self.has_chat_template: bool = bool(getattr(hf, "chat_template", None))
+        self._byte_decoder = _byte_level_decoder(hf)
+
+    def ends_mid_character(self, token_ids: Sequence[int]) -> bool | None:
+        """Whether these tokens' bytes end inside a UTF-8 character; None when the tokenizer is
+        not byte-level (then the caller has to judge from the decoded text)."""
+        if self._byte_decoder is None:
+            return None
+        table = self._byte_decoder
+        data = bytearray()
+        for piece in self._hf.convert_ids_to_tokens(list(token_ids)):
+            if piece and all(ch in table for ch in piece):  # special tokens are whole text
+                data.extend(table[ch] for ch in piece)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return exc.end == len(data) and exc.reason == "unexpected end of data"
+        return False
 
     def encode(self, text: str) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=False))
@@ -47,6 +64,22 @@ class Tokenizer:
             return self.encode(text)
         text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.encode(text)
+
+
+def _byte_level_decoder(hf: PreTrainedTokenizerBase) -> dict[str, int] | None:
+    """GPT-2 byte-level BPE maps each byte to one printable character; invert that map."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    # GPT-2's table: printable bytes map to themselves, the rest to code points from 256 up.
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {byte: chr(byte) for byte in printable}
+    extra = 256
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(extra)
+            extra += 1
+    return {ch: byte for byte, ch in table.items()}
 
 
 def tokenizer_from_gguf(metadata: dict) -> Tokenizer:

@@ -11,13 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
+_MAX_UTF8_BYTES = 4
 
 
 class IncrementalDetokenizer:
     def __init__(
-        self, decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str] = ()
+        self,
+        decode: Callable[[Sequence[int]], str],
+        stop_strings: Sequence[str] = (),
+        ends_mid_character: Callable[[Sequence[int]], bool | None] | None = None,
     ) -> None:
         self._decode = decode
+        self._ends_mid_character = ends_mid_character
         self._stops = tuple(s for s in stop_strings if s)
         self._ids: list[int] = []
         self._prefix_offset = 0  # tokens before this are already part of `_text`
@@ -35,19 +40,34 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.append(token_id)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            self._text += full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+        self._absorb(final=False)
         return self._release(final=False)
 
     def flush(self) -> str:
         """At the end of generation: release whatever is held back (no stop string matched)."""
         if self.stopped:
             return ""
+        self._absorb(final=True)
         return self._release(final=True)
+
+    def _absorb(self, final: bool) -> None:
+        """Move the text of the tokens read so far into `_text`, unless it ends mid-character."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        pending = self._ids[self._read_offset :]
+        incomplete = self._ends_mid_character(pending) if self._ends_mid_character else None
+        if incomplete is None:
+            # Without the tokens' bytes: a trailing U+FFFD is usually a character whose last
+            # bytes have not arrived; a UTF-8 character has at most 4 bytes, so after 4 more
+            # tokens it is a real U+FFFD.
+            incomplete = full.endswith(_REPLACEMENT) and len(pending) < _MAX_UTF8_BYTES
+        if incomplete and final:
+            full = full.removesuffix(_REPLACEMENT)  # the generation ended inside a character
+            incomplete = False
+        if len(full) > len(prefix) and not incomplete:
+            self._text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
 
     def _release(self, final: bool) -> str:
         if self._stops:

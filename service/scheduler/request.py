@@ -96,6 +96,7 @@ class Sequence:
     plan: Any = None  # PrefillPlan of the current admission
     parked_ticks: int = 0  # consecutive ticks this prefill was passed over
     sampler_state: Any = None  # kept across preemption: seeded draws continue unchanged
+    telemetry: Any = None  # per-request span / metrics state (service/telemetry), or None
 
     @property
     def request_id(self) -> str:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import mlx.core as mx
 import structlog
 
 from service.engine.engine import Engine, PendingStep, RowResult, StepRow
@@ -86,12 +87,14 @@ class Scheduler:
         config: SchedulerConfig,
         decode: Callable[[list[int]], str],
         eos_token_ids: frozenset[int],
+        ends_mid_character: Callable[[list[int]], bool | None] | None = None,
         observer: SchedulerObserver | None = None,
     ) -> None:
         self.engine = engine
         self.observer = observer or SchedulerObserver()
         self.config = config
         self._decode = decode
+        self._ends_mid_character = ends_mid_character
         self._eos = eos_token_ids
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: list[tuple[int, int, Sequence]] = []  # heap: (-priority, order, seq)
@@ -135,6 +138,14 @@ class Scheduler:
 
     # -- the loop -------------------------------------------------------------------
     def run_forever(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # MLX wants each thread that used it to release its streams before exiting
+            # (otherwise the process can abort at exit).
+            mx.clear_streams()
+
+    def _loop(self) -> None:
         while True:
             idle = not self._running and not self._waiting and self._inflight is None
             if not self._drain(block=idle):
@@ -202,7 +213,9 @@ class Scheduler:
             )
             seq.sampler_state = seq.engine_seq.sampler  # survives a preemption
             if seq.detokenizer is None:
-                seq.detokenizer = IncrementalDetokenizer(self._decode, req.stop)
+                seq.detokenizer = IncrementalDetokenizer(
+                    self._decode, req.stop, self._ends_mid_character
+                )
             seq.plan = PrefillPlan(total_tokens=len(seq.all_token_ids))
             seq.num_computed = 0
             seq.status = SequenceStatus.PREFILLING

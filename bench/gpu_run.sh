@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The issue-6 GPU sweep on one NVIDIA H200 (MLX CUDA, bf16, dummy weights), within one device call.
+#
+# Expects MLX (mlx + mlx-cuda-13 + mlx-lm) and our pinned wheels installed under /tmp/site and
+# PYTHONPATH=/tmp/site:$PWD (see bench/results/README.md for the two-call install). For each
+# preset: ours through gRPC, the raw mlx-lm forward loop and mlx_lm.server on the same weights,
+# C = 1,4,8,16,32,64, 128-token completions. Results (JSON + PNG per preset, run.log) go to $OUT
+# as they are made; a preset or peer that would start too late is skipped, so the call ends
+# inside its limit with what it measured.
+#
+# Env: OUT (results dir), BUDGET_S (seconds this script may run, default 540), RUNS, CONC,
+# MAX_TOKENS, PY (the python, default python3).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+BUDGET_S=${BUDGET_S:-540}
+# RUNS: preset:rounds:peers:seconds-needed, run in order while time is left.
+RUNS=${RUNS:-"smollm2-135m:3:raw,mlx-lm:400 llama-3.2-1b:2:raw,mlx-lm:200 llama-3.1-8b:2:raw:150"}
+CONC=${CONC:-1,4,8,16,32,64}
+MAX_TOKENS=${MAX_TOKENS:-128}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+end=$((start + BUDGET_S))
+mkdir -p "$OUT" /tmp/benchlogs
+log="$OUT/run.log"
+exec > >(tee -a "$log") 2>&1
+
+# mlx-cuda-13's libmlx.so finds the CUDA libraries through RPATH $ORIGIN/../../nvidia/...: point
+# /tmp/site/nvidia at the machine's own nvidia-* wheels (PyTorch's), and add them to the loader path.
+if [ ! -e /tmp/site/nvidia ]; then
+  nv=$(python3 -c "import nvidia; print([p for p in nvidia.__path__ if not p.startswith('/tmp/site')][0])" 2>/dev/null)
+  [ -n "$nv" ] && ln -s "$nv" /tmp/site/nvidia
+fi
+export LD_LIBRARY_PATH=$(ls -d /tmp/site/nvidia/*/lib 2>/dev/null | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,driver_version --format=csv
+"$PY" - <<'EOF' || { echo "MLX CUDA does not work here"; exit 4; }
+import time, mlx.core as mx, grpc, google.protobuf, mlx_lm, transformers
+print("mlx", mx.__version__, mx.default_device(), "grpc", grpc.__version__,
+      "protobuf", google.protobuf.__version__, "mlx_lm", mlx_lm.__version__,
+      "transformers", transformers.__version__)
+if mx.default_device() == mx.gpu:
+    a = mx.random.normal((8192, 8192)).astype(mx.bfloat16); mx.eval(a @ a)
+    t = time.perf_counter(); [mx.eval(a @ a) for _ in range(10)]; dt = (time.perf_counter() - t) / 10
+    print(f"bf16 8192^3 matmul: {2 * 8192**3 / dt / 1e12:.0f} TFLOP/s")
+EOF
+
+for spec in $RUNS; do
+  IFS=: read -r preset rounds peers need <<<"$spec"
+  now=$(date +%s); left=$((end - now))
+  if [ "$left" -lt "$need" ]; then echo "== $preset: skipped, ${left}s left (needs ~${need}s)"; continue; fi
+  peer_args=()
+  for p in ${peers//,/ }; do peer_args+=(--peer "$p"); done
+  echo "== $preset: ${left}s left (rounds $rounds, peers ${peers:-none})"
+  timeout --signal=TERM $((left - 5)) "$PY" -m client bench --spawn-server \
+    --load-format "dummy:$preset" --dtype bfloat16 --concurrency "$CONC" \
+    --max-tokens "$MAX_TOKENS" --rounds "$rounds" --warmup 2 --warmup-rounds 1 \
+    "${peer_args[@]}" --targets gpu --deadline $((end - 60)) \
+    --export-dir /tmp/mlx-lm-export --log-dir /tmp/benchlogs \
+    --title "dummy:$preset bf16, H200, $MAX_TOKENS-token completions, burst rounds of C" \
+    --out "$OUT/$preset.json"
+  rc=$?
+  echo "== $preset: exit $rc after $(( $(date +%s) - now ))s"
+  if [ $rc -ne 0 ]; then
+    for f in /tmp/benchlogs/$preset*.log; do echo "--- tail $f"; tail -25 "$f"; done
+  fi
+done
+echo "== total $(( $(date +%s) - start ))s"

@@ -1,0 +1,293 @@
+"""Errors through real gRPC: bad input, overload, an injected engine fault, graceful stop.
+
+Validation runs on the shared server. Overload, the slot-context limit and fault isolation
+run on one small server of this module (queue depth 2, 4 slots of 512 tokens, and the test
+fault hook: every evaluation of a request whose id contains "boom" fails); its last test
+stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from conftest import ServerProcess, chat_request, running_server, to_stream
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.model
+
+VOCAB = 49152
+BUSY = "Server is busy. Retry later."
+BACKEND_ERROR = "inference backend error"
+
+
+def _hi(**fields) -> pb.GenerateRequest:
+    return chat_request("Hi", max_tokens=1, **fields)
+
+
+INVALID = {
+    "no-input": (pb.GenerateRequest(), "input"),
+    "empty-text": (pb.GenerateRequest(text=""), "text"),
+    "empty-token-ids": (pb.GenerateRequest(token_ids=pb.TokenIdsInput()), "token_ids"),
+    "empty-chat": (pb.GenerateRequest(chat=pb.ChatInput()), "messages"),
+    "unknown-role": (
+        pb.GenerateRequest(
+            chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="x")])
+        ),
+        "role",
+    ),
+    "temperature-negative": (_hi(sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+    "top-p-zero": (_hi(sampling=pb.SamplingParams(top_p=0)), "top_p"),
+    "top-p-above-one": (_hi(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+    "min-p-above-one": (_hi(sampling=pb.SamplingParams(min_p=2)), "min_p"),
+    "top-k-negative": (_hi(sampling=pb.SamplingParams(top_k=-1)), "top_k"),
+    "repetition-penalty-zero": (
+        _hi(sampling=pb.SamplingParams(repetition_penalty=0)),
+        "repetition_penalty",
+    ),
+    "token-id-outside-vocab": (
+        pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[1, 2, VOCAB])),
+        "token_ids",
+    ),
+    "logit-bias-key-outside-vocab": (
+        _hi(sampling=pb.SamplingParams(logit_bias={VOCAB + 5: 1.0})),
+        "logit_bias",
+    ),
+    "logit-bias-value-out-of-range": (
+        _hi(sampling=pb.SamplingParams(logit_bias={7: 1000.0})),
+        "logit_bias",
+    ),
+    "max-tokens-zero": (
+        chat_request("Hi", stopping=pb.StoppingCriteria(max_tokens=0)),
+        "max_tokens",
+    ),
+    "stop-token-outside-vocab": (
+        _hi(stopping=pb.StoppingCriteria(max_tokens=1, stop_token_ids=[VOCAB])),
+        "stop_token_ids",
+    ),
+    "top-logprobs-without-logprobs": (_hi(top_logprobs=3), "top_logprobs"),
+    "top-logprobs-too-many": (_hi(logprobs=True, top_logprobs=21), "top_logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", INVALID.values(), ids=INVALID.keys())
+def test_invalid_argument_names_the_field(stub, case) -> None:
+    request, field = case
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+
+
+@pytest.mark.parametrize("key", ["unknown-role", "top-p-zero", "max-tokens-zero"])
+def test_stream_invalid_argument_names_the_field(stub, key: str) -> None:
+    request, field = INVALID[key]
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.StreamGenerate(to_stream(request), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+
+
+def test_server_still_serves_after_bad_requests(stub) -> None:
+    r = stub.Generate(_hi(), timeout=60)
+    assert len(r.token_ids) == 1
+
+
+# -- the small server ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[ServerProcess]:
+    with running_server(
+        "--max-batch-size", "4",
+        "--ctx-size", "2048",  # 4 slots of 512 tokens
+        "--max-queue-depth", "2",
+        "--log-format", "json",
+        env={"MLXSERVE_INJECT_FAULT": "boom"},
+    ) as s:  # fmt: skip
+        yield s
+
+
+@pytest.fixture(scope="module")
+def small_stub(small: ServerProcess) -> Iterator[pb_grpc.GenerationServiceStub]:
+    with grpc.insecure_channel(small.target) as channel:
+        yield pb_grpc.GenerationServiceStub(channel)
+
+
+def _stats(small: ServerProcess) -> pb.CacheStatsResponse:
+    with grpc.insecure_channel(small.target) as channel:
+        return pb_grpc.GenerationServiceStub(channel).CacheStats(pb.CacheStatsRequest(), timeout=5)
+
+
+def _wait_idle(small: ServerProcess, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (stats := _stats(small)).active_sequences or stats.queued_requests:
+        assert time.monotonic() < deadline, f"server not idle: {stats}"
+        time.sleep(0.05)
+
+
+def test_slot_context_is_ctx_size_over_batch(small_stub) -> None:
+    stats = small_stub.CacheStats(pb.CacheStatsRequest(), timeout=5)
+    assert stats.slot_context_tokens == 512
+    assert stats.max_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[504] * 600)),
+        pb.GenerateRequest(text="The quick brown fox jumps over the lazy dog. " * 60),
+        pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[504] * 512)),  # no room for 1 token
+    ],
+    ids=["600-token-ids", "long-text", "exactly-slot"],
+)
+def test_prompt_longer_than_the_slot_is_refused(small_stub, request_) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        small_stub.Generate(request_, timeout=10)
+    assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+    assert "prompt" in info.value.details()
+    assert "512" in info.value.details()
+
+
+async def test_overload_rejects_at_once_and_drops_nothing_admitted(small) -> None:
+    _wait_idle(small)
+    max_tokens = 8
+    stopping = pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)
+    request = chat_request("Tell me a long story.", stopping=stopping)
+    async with grpc.aio.insecure_channel(small.target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+
+        async def one(i: int) -> tuple[float, object]:
+            started = time.monotonic()
+            r = pb.GenerateRequest()
+            r.CopyFrom(request)
+            r.request_id = f"overload-{i}"
+            try:
+                result: object = await stub.Generate(r, timeout=120)
+            except grpc.aio.AioRpcError as exc:
+                result = exc
+            return time.monotonic() - started, result
+
+        results = await asyncio.gather(*(one(i) for i in range(8)))
+
+    rejected = [(t, r) for t, r in results if isinstance(r, grpc.aio.AioRpcError)]
+    completed = [r for _, r in results if isinstance(r, pb.GenerateResponse)]
+    assert rejected, "8 requests on 4 slots + a queue of 2: some must be refused"
+    assert completed, "the admitted requests must run"
+    assert len(rejected) + len(completed) == 8
+    for elapsed, exc in rejected:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert exc.details() == BUSY
+        assert elapsed < 2.0, "a full queue is refused at once"
+    for r in completed:  # nothing admitted is dropped
+        assert r.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(r.token_ids) == max_tokens
+    assert len({tuple(r.token_ids) for r in completed}) == 1  # same greedy request, same tokens
+    _wait_idle(small)
+
+
+def test_fault_is_isolated_to_its_request(small, small_stub) -> None:
+    _wait_idle(small)
+    normal = [
+        chat_request("What is the capital of France?", max_tokens=6, request_id="fault-ok-1"),
+        chat_request("Name three fruits.", max_tokens=6, request_id="fault-ok-2"),
+    ]
+    boom = chat_request("Tell me a story.", max_tokens=6, request_id="req-boom-1")
+    results: dict[str, object] = {}
+
+    def run(request: pb.GenerateRequest) -> None:
+        try:
+            results[request.request_id] = small_stub.Generate(request, timeout=120)
+        except grpc.RpcError as exc:
+            results[request.request_id] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (normal[0], boom, normal[1])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+    failed = results["req-boom-1"]
+    assert isinstance(failed, grpc.RpcError), failed
+    assert failed.code() == grpc.StatusCode.INTERNAL
+    assert failed.details() == BACKEND_ERROR
+    record = small.finished_record("req-boom-1")
+    assert record["finish_reason"] == "error"
+
+    # The others complete normally, with the tokens they give alone afterwards.
+    for request in normal:
+        got = results[request.request_id]
+        assert isinstance(got, pb.GenerateResponse), got
+        assert got.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        assert len(got.token_ids) > 0
+        alone = small_stub.Generate(chat_request(request.chat.messages[0].content, max_tokens=6))
+        assert list(got.token_ids) == list(alone.token_ids)
+    _wait_idle(small)
+    assert _stats(small).active_sequences == 0
+
+
+def test_fault_on_a_stream_ends_it_with_internal(small, small_stub) -> None:
+    request = chat_request("Tell me a story.", max_tokens=10, request_id="stream-boom-2")
+    with pytest.raises(grpc.RpcError) as info:
+        list(small_stub.StreamGenerate(to_stream(request), timeout=60))
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == BACKEND_ERROR
+    after = small_stub.Generate(chat_request("Hi", max_tokens=2), timeout=60)
+    assert len(after.token_ids) == 2  # the server keeps serving
+
+
+def test_sigterm_stops_gracefully(small, small_stub) -> None:
+    """Last test of the module: SIGTERM while a request runs. The request finishes, the
+    process exits with code 0 within 15 s."""
+    _wait_idle(small)
+    stream = small_stub.StreamGenerate(
+        to_stream(
+            chat_request(
+                "Tell me a story.",
+                request_id="drain-1",
+                stopping=pb.StoppingCriteria(max_tokens=10, ignore_eos=True),
+            )
+        ),
+        timeout=60,
+    )
+    first = next(stream)
+    started = time.monotonic()
+    small.proc.send_signal(signal.SIGTERM)
+    # Draining: health turns NOT_SERVING and new requests are refused as UNAVAILABLE ...
+    with grpc.insecure_channel(small.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            except grpc.RpcError:
+                break
+            if status != health_pb2.HealthCheckResponse.SERVING:
+                break
+            assert time.monotonic() - started < 5, "still SERVING after SIGTERM"
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.GenerationServiceStub(channel).Generate(
+                chat_request("Hi", max_tokens=1), timeout=5
+            )
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = list(stream)  # ... while the in-flight request is drained, not dropped
+    tokens = [t for m in [first, *rest] for t in m.token_ids]
+    assert len(tokens) == 10
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    try:
+        code = small.wait(timeout=max(0.1, 15 - (time.monotonic() - started)))
+    except subprocess.TimeoutExpired:
+        pytest.fail("the server did not exit within 15 s of SIGTERM")
+    assert code == 0, "\n".join(small.lines[-20:])
+    assert time.monotonic() - started < 15
+    events = [r.get("event") for r in small.records()]
+    assert "draining" in events and "stopped" in events

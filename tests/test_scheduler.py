@@ -1,0 +1,481 @@
+"""Scheduler decisions on a fake engine, one tick at a time (no model, no threads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import pytest
+
+from service.engine.engine import EngineSequence, PendingStep, RowResult, StepRow
+from service.engine.sampler import SamplingParams
+from service.scheduler.request import (
+    FinishReason,
+    GenerationRequest,
+    Sequence,
+    SequenceStatus,
+    StepOutput,
+)
+from service.scheduler.scheduler import (
+    ADAPTIVE_CHUNK_BUSY,
+    ADAPTIVE_CHUNK_IDLE,
+    QueueFullError,
+    Scheduler,
+    SchedulerConfig,
+)
+
+VOCAB = 1000
+EOS = 999
+
+
+@dataclass
+class Forward:
+    """One recorded engine.submit: per row, the sequence id and the tokens fed (None: decode)."""
+
+    rows: list[tuple[str, list[int] | None]]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(tokens is None for _, tokens in self.rows)
+
+    @property
+    def ids(self) -> list[str]:
+        return [seq_id for seq_id, _ in self.rows]
+
+
+@dataclass
+class FakeEngine:
+    """The Engine's interface, deterministic: the next token is (last input + 1) % VOCAB."""
+
+    batched: bool = True
+    decode_path: str = "batched"
+    forwards: list[Forward] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    live: set[str] = field(default_factory=set)
+
+    def add_sequence(
+        self, seq_id: str, params: SamplingParams, prompt_token_ids: Seq[int], **kwargs
+    ) -> EngineSequence:
+        assert seq_id not in self.live
+        self.added.append(seq_id)
+        self.live.add(seq_id)
+        return EngineSequence(seq_id, kv=object(), sampler=kwargs.get("sampler"))
+
+    def release(self, seq: EngineSequence) -> None:
+        self.released.append(seq.seq_id)
+        self.live.discard(seq.seq_id)
+        seq.next_input = None
+        seq.num_cached = 0
+
+    def submit(self, rows: list[StepRow]) -> PendingStep:
+        if not self.batched:
+            assert len(rows) == 1
+        self.forwards.append(
+            Forward([(r.seq.seq_id, None if r.tokens is None else list(r.tokens)) for r in rows])
+        )
+        sampled, tokens = [], []
+        for i, r in enumerate(rows):
+            assert r.seq.seq_id in self.live, f"{r.seq.seq_id} runs after its release"
+            inputs = list(r.tokens) if r.tokens is not None else [r.seq.next_input]
+            assert inputs and None not in inputs
+            r.seq.num_cached += len(inputs)
+            if r.sample:
+                token = (inputs[-1] + 1) % VOCAB
+                r.seq.next_input = token
+                sampled.append(i)
+                tokens.append(token)
+        return PendingStep(rows, sampled, tokens if sampled else None, None, None, None)
+
+    def finish_rows(self, pending: PendingStep) -> list[RowResult]:
+        if pending.tokens is None:
+            return []
+        return [
+            RowResult(pending.rows[i].seq, token_id=t)
+            for i, t in zip(pending.sampled_rows, pending.tokens)
+        ]
+
+    def prefill(self, rows: list[StepRow]) -> list[RowResult]:
+        return self.finish_rows(self.submit(rows))
+
+    def step(self, rows: list[StepRow]) -> list[RowResult]:
+        return self.finish_rows(self.submit(rows))
+
+
+class Harness:
+    """A scheduler on a fake engine, plus what each request received through its sink."""
+
+    def __init__(self, **config) -> None:
+        self.engine = FakeEngine()
+        self.sched = Scheduler(
+            self.engine,
+            SchedulerConfig(**config),
+            decode=lambda ids: "".join(f"<{i}>" for i in ids),
+            eos_token_ids=frozenset({EOS}),
+        )
+        self.received: dict[str, list[list[StepOutput]]] = {}
+        self.seqs: dict[str, Sequence] = {}
+
+    def submit(
+        self, request_id: str, prompt: Seq[int] = (1, 2, 3), *, max_tokens: int = 4, **kw
+    ) -> Sequence:
+        request = GenerationRequest(request_id, tuple(prompt), max_tokens=max_tokens, **kw)
+        calls = self.received.setdefault(request_id, [])
+        seq = Sequence(request, calls.append)
+        self.sched.submit(seq)
+        self.seqs[request_id] = seq
+        return seq
+
+    def tick(self) -> None:
+        assert self.sched._drain(block=False)
+        self.sched.tick()
+        self.sched._flush_outbox()
+
+    def run(self, max_ticks: int = 500) -> int:
+        """Tick until every submitted request has finished; returns the ticks it took."""
+        for n in range(1, max_ticks + 1):
+            self.tick()
+            if all(s.is_finished for s in self.seqs.values()) and self.sched._inflight is None:
+                return n
+        raise AssertionError("requests did not finish")
+
+    def outputs(self, request_id: str) -> list[StepOutput]:
+        return [out for call in self.received[request_id] for out in call]
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for out in self.outputs(request_id) for t in out.token_ids]
+
+    def final(self, request_id: str) -> StepOutput:
+        finals = [out for out in self.outputs(request_id) if out.finished]
+        assert len(finals) == 1, "exactly one final output"
+        assert self.outputs(request_id)[-1] is finals[0], "the final output comes last"
+        return finals[0]
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.sched.snapshot()
+
+
+# -- admission ----------------------------------------------------------------------------
+
+
+def test_admission_in_priority_order_fifo_within_a_priority() -> None:
+    h = Harness(max_batch_size=1)
+    for request_id, priority in [("a0", 0), ("b5", 5), ("c5", 5), ("d0", 0), ("e9", 9)]:
+        h.submit(request_id, max_tokens=1, priority=priority)
+    h.run()
+    assert h.engine.added == ["e9", "b5", "c5", "a0", "d0"]
+
+
+def test_waiting_requests_admitted_by_priority_when_a_slot_frees() -> None:
+    h = Harness(max_batch_size=1)
+    h.submit("first", max_tokens=3)
+    h.tick()
+    h.submit("low", max_tokens=1, priority=-1)
+    h.submit("high", max_tokens=1, priority=3)
+    h.run()
+    assert h.engine.added == ["first", "high", "low"]
+
+
+def test_queue_depth_limit_raises_queue_full() -> None:
+    h = Harness(max_batch_size=1, max_queue_depth=2)
+    h.submit("a")
+    h.submit("b")
+    with pytest.raises(QueueFullError, match=r"^Server is busy\. Retry later\.$"):
+        h.submit("c")
+    h.tick()  # "a" is admitted: one place frees in the queue
+    assert h.sched.queue_depth == 1
+    h.submit("c")
+    with pytest.raises(QueueFullError):
+        h.submit("d")
+    h.run()
+    assert all(h.final(r).finish_reason is FinishReason.LENGTH for r in "abc")
+    assert h.sched.queue_depth == 0
+
+
+def test_max_batch_size_is_respected() -> None:
+    h = Harness(max_batch_size=3)
+    for i in range(7):
+        h.submit(f"r{i}", max_tokens=2 + i % 3)
+    max_running = 0
+    for _ in range(100):
+        h.tick()
+        max_running = max(max_running, len(h.running))
+        assert len(h.running) <= 3
+        if all(s.is_finished for s in h.seqs.values()):
+            break
+    assert max_running == 3
+    assert all(len(f.rows) <= 3 for f in h.engine.forwards)
+    assert all(len(h.tokens(f"r{i}")) == 2 + i % 3 for i in range(7))
+
+
+def test_new_requests_join_at_the_next_tick() -> None:
+    h = Harness(max_batch_size=4)
+    h.submit("a", max_tokens=50)
+    h.tick()
+    h.tick()
+    h.submit("b", max_tokens=50)
+    h.tick()
+    assert {s.request_id for s in h.running} == {"a", "b"}
+    assert h.seqs["b"].status is SequenceStatus.DECODING
+
+
+# -- cancellation and finishing -------------------------------------------------------------
+
+
+def test_cancel_ends_a_running_sequence_within_one_tick() -> None:
+    h = Harness(max_batch_size=2)
+    h.submit("keep", max_tokens=8)
+    h.submit("gone", max_tokens=100)
+    h.tick()
+    h.tick()
+    assert h.seqs["gone"].status is SequenceStatus.DECODING
+    h.sched.cancel("gone")
+    forwards_before = len(h.engine.forwards)
+    h.tick()
+    assert h.seqs["gone"].finish_reason is FinishReason.CANCELLED
+    assert h.final("gone").finish_reason is FinishReason.CANCELLED
+    assert "gone" in h.engine.released
+    assert "gone" not in {s.request_id for s in h.running}
+    n_gone = len(h.tokens("gone"))
+    h.run()
+    assert len(h.tokens("gone")) == n_gone  # nothing more after the final output
+    assert all("gone" not in f.ids for f in h.engine.forwards[forwards_before:])
+    assert h.final("keep").finish_reason is FinishReason.LENGTH
+    assert len(h.tokens("keep")) == 8
+
+
+def test_cancel_of_a_waiting_request_frees_its_queue_place() -> None:
+    h = Harness(max_batch_size=1, max_queue_depth=2)
+    h.submit("running", max_tokens=20)
+    h.tick()
+    h.submit("waiting")
+    h.tick()
+    assert h.sched.queue_depth == 1
+    h.sched.cancel("waiting")
+    h.tick()
+    assert h.final("waiting").finish_reason is FinishReason.CANCELLED
+    assert h.sched.queue_depth == 0
+    assert "waiting" not in h.engine.added  # never took a slot
+    h.sched.cancel("running")
+    h.tick()
+    assert h.final("running").finish_reason is FinishReason.CANCELLED
+    assert h.engine.live == set()
+
+
+def test_finished_rows_are_released_at_once() -> None:
+    h = Harness(max_batch_size=2)
+    h.submit("short", max_tokens=2)
+    h.submit("long", max_tokens=10)
+    for _ in range(20):
+        h.tick()
+        short = h.seqs["short"]
+        if short.is_finished:
+            assert "short" in h.engine.released
+            assert short not in h.running
+            break
+        assert "short" not in h.engine.released
+    else:
+        raise AssertionError("short never finished")
+    assert not h.seqs["long"].is_finished
+    h.run()
+    assert sorted(h.engine.released) == ["long", "short"]
+    assert h.engine.live == set()
+
+
+def test_eos_gives_stop_and_max_tokens_gives_length() -> None:
+    h = Harness()
+    h.submit("eos", prompt=[EOS - 3], max_tokens=10)  # generates 997, 998, 999 = EOS
+    h.submit("len", prompt=[10], max_tokens=4)
+    h.submit("ignore", prompt=[EOS - 1], max_tokens=3, ignore_eos=True)
+    h.submit("stop-token", prompt=[20], max_tokens=10, stop_token_ids=frozenset({22}))
+    h.run()
+    assert h.tokens("eos") == [997, 998, 999]
+    assert h.final("eos").finish_reason is FinishReason.STOP
+    assert h.tokens("len") == [11, 12, 13, 14]
+    assert h.final("len").finish_reason is FinishReason.LENGTH
+    assert h.tokens("ignore") == [999, 0, 1]
+    assert h.final("ignore").finish_reason is FinishReason.LENGTH
+    assert h.tokens("stop-token") == [21, 22]
+    assert h.final("stop-token").finish_reason is FinishReason.STOP
+    final = h.final("len")
+    assert final.completion_tokens == 4 and final.prompt_tokens == 1
+    assert "".join(o.text for o in h.outputs("len")) == "<11><12><13><14>"
+    assert "".join(o.text for o in h.outputs("eos")) == "<997><998>"  # EOS is not text
+
+
+def test_slot_context_ends_with_length() -> None:
+    h = Harness(slot_context=10)
+    h.submit("a", prompt=list(range(7)), max_tokens=100)
+    h.run()
+    assert len(h.tokens("a")) == 3
+    assert h.final("a").finish_reason is FinishReason.LENGTH
+
+
+def test_stop_string_ends_with_stop() -> None:
+    h = Harness()
+    h.submit("a", prompt=[10], max_tokens=20, stop=("<13>",))
+    h.run()
+    assert h.final("a").finish_reason is FinishReason.STOP
+    assert "".join(o.text for o in h.outputs("a")) == "<11><12>"
+
+
+def test_outputs_arrive_in_order_with_exactly_one_final() -> None:
+    h = Harness(max_batch_size=2)
+    h.submit("a", prompt=[100], max_tokens=6)
+    h.submit("b", prompt=[500, 501], max_tokens=9)
+    h.run()
+    assert h.tokens("a") == [101, 102, 103, 104, 105, 106]
+    assert h.tokens("b") == list(range(502, 511))
+    for request_id in ("a", "b"):
+        outputs = h.outputs(request_id)
+        assert all(not o.finished for o in outputs[:-1])
+        assert all(len(o.token_ids) == 1 for o in outputs[:-1])
+        final = h.final(request_id)
+        assert final.completion_tokens == len(h.tokens(request_id))
+        assert final.total_seconds >= final.ttft_seconds >= final.queue_seconds >= 0
+    # Every sink call carries only that request's outputs.
+    for request_id in ("a", "b"):
+        for call in h.received[request_id]:
+            assert {o.request_id for o in call} == {request_id}
+
+
+# -- forwards -------------------------------------------------------------------------------
+
+
+def test_a_decode_tick_submits_one_forward_for_all_decoding_rows() -> None:
+    h = Harness(max_batch_size=4)
+    for i in range(3):
+        h.submit(f"r{i}", prompt=[10 * (i + 1)], max_tokens=8)
+    h.tick()  # prefill of all three (batched), then their first decode step
+    prefill = h.engine.forwards[0]
+    assert sorted(prefill.ids) == ["r0", "r1", "r2"] and not prefill.is_decode
+    before = len(h.engine.forwards)
+    h.tick()  # a pure decode tick
+    new = h.engine.forwards[before:]
+    assert len(new) == 1
+    assert new[0].is_decode and sorted(new[0].ids) == ["r0", "r1", "r2"]
+    h.run()
+    decode_forwards = [f for f in h.engine.forwards if f.is_decode]
+    assert all(len(f.rows) <= 3 for f in decode_forwards)
+    # 8 tokens each: 1 from the prefill and 7 decode steps, each one forward for all rows.
+    for i in range(3):
+        first = 10 * (i + 1) + 1
+        assert h.tokens(f"r{i}") == list(range(first, first + 8))
+
+
+def test_each_decode_tick_runs_exactly_one_forward() -> None:
+    """Each tick with decoding rows and nothing to prefill submits exactly one forward."""
+    h = Harness(max_batch_size=2)
+    h.submit("a", max_tokens=30)
+    h.tick()
+    for _ in range(10):
+        before = len(h.engine.forwards)
+        h.tick()
+        assert len(h.engine.forwards) - before == 1
+
+
+def _prefill_chunks(h: Harness, request_id: str) -> list[int]:
+    return [
+        len(tokens)
+        for f in h.engine.forwards
+        for seq_id, tokens in f.rows
+        if seq_id == request_id and tokens is not None
+    ]
+
+
+def test_chunk_size_choice() -> None:
+    h = Harness()
+    assert h.sched.chunk_size() == ADAPTIVE_CHUNK_IDLE == 2048
+    h.submit("a", max_tokens=50)
+    h.tick()
+    assert h.seqs["a"].status is SequenceStatus.DECODING
+    assert h.sched.chunk_size() == ADAPTIVE_CHUNK_BUSY == 512
+    assert Harness(prefill_chunk_size=100).sched.chunk_size() == 100
+    assert Harness(prefill_chunk_size=0).sched.chunk_size() is None  # whole prompt
+
+
+def test_prefill_chunks_2048_when_idle() -> None:
+    h = Harness(max_batch_size=2)
+    h.submit("long", prompt=[1] * 5000, max_tokens=2)
+    h.run()
+    assert _prefill_chunks(h, "long") == [2048, 2048, 904]
+    assert h.tokens("long") == [2, 3]
+
+
+def test_prefill_chunks_512_while_decoding() -> None:
+    h = Harness(max_batch_size=2)
+    h.submit("decoding", max_tokens=100)
+    h.tick()
+    h.submit("long", prompt=[1] * 1500, max_tokens=2)
+    for _ in range(3):
+        before = len(h.engine.forwards)
+        h.tick()
+        new = h.engine.forwards[before:]
+        # each tick: one prefill chunk of the long prompt, and a decode step for the other
+        assert any(f.is_decode and "decoding" in f.ids for f in new)
+    assert _prefill_chunks(h, "long") == [512, 512, 476]
+    h.sched.cancel("decoding")
+    h.run()
+
+
+def test_prefill_chunk_size_fixed() -> None:
+    h = Harness(prefill_chunk_size=300)
+    h.submit("long", prompt=[1] * 1000, max_tokens=1)
+    h.run()
+    assert _prefill_chunks(h, "long") == [300, 300, 300, 100]
+
+
+def test_prefill_chunk_size_zero_means_whole_prompt() -> None:
+    h = Harness(prefill_chunk_size=0)
+    h.submit("long", prompt=[1] * 5000, max_tokens=1)
+    h.run()
+    assert _prefill_chunks(h, "long") == [5000]
+
+
+def test_chunked_prefill_samples_only_on_the_last_chunk() -> None:
+    h = Harness(prefill_chunk_size=4)
+    h.submit("a", prompt=list(range(10)), max_tokens=2)
+    h.run()
+    assert h.tokens("a") == [10, 11]  # sampled after the last prompt token (9), not before
+    assert _prefill_chunks(h, "a") == [4, 4, 2]
+
+
+# -- the loop thread ------------------------------------------------------------------------
+
+
+def test_the_loop_blocks_when_idle_and_wakes_for_a_request() -> None:
+    h = Harness(max_batch_size=2)
+    ticks: list[float] = []
+    real_tick = h.sched.tick
+
+    def counting_tick() -> None:
+        ticks.append(time.monotonic())
+        real_tick()
+
+    h.sched.tick = counting_tick  # type: ignore[method-assign]
+    done = threading.Event()
+    h.sched.start()
+    try:
+        time.sleep(0.3)
+        assert ticks == [], "no busy loop while idle"
+        request = GenerationRequest("threaded", (1, 2, 3), max_tokens=5)
+        outputs: list[StepOutput] = []
+
+        def sink(batch: list[StepOutput]) -> None:
+            outputs.extend(batch)
+            if any(o.finished for o in batch):
+                done.set()
+
+        h.sched.submit(Sequence(request, sink))
+        assert done.wait(5), "the request was not served"
+        assert [t for o in outputs for t in o.token_ids] == [4, 5, 6, 7, 8]
+        time.sleep(0.2)
+        n = len(ticks)
+        time.sleep(0.3)
+        assert len(ticks) == n, "back to blocking once idle again"
+    finally:
+        h.sched.stop(timeout=5)
+    assert h.sched._thread is not None and not h.sched._thread.is_alive()
