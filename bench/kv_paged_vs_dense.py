@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -89,19 +90,26 @@ def copy_prefill(src_engine: Engine, src_storage, src_seqs: list, engine: Engine
         dst.next_input = src.next_input
 
 
-def time_mode(engine: Engine, seqs: list, mode: str, steps: int, warmup: int) -> float:
+def time_mode(engine: Engine, seqs: list, mode: str, steps: int, warmup: int) -> list[float]:
+    """Seconds per decode iteration (one step's tokens read), after warmup iterations."""
     rows = [StepRow(s) for s in seqs]
+    times: list[float] = []
 
     def run(n: int) -> None:
         if mode == "sync":
             for _ in range(n):
+                t0 = time.perf_counter()
                 engine.step(rows)
+                times.append(time.perf_counter() - t0)
             return
         pending = engine.submit(rows)
+        t0 = time.perf_counter()
         for _ in range(n - 1):
             nxt = engine.submit(rows)
             engine.finish_rows(pending)
             pending = nxt
+            times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
         engine.finish_rows(pending)
 
     shim = _WaitThenDispatch() if mode == "pipe+wait" else None
@@ -110,22 +118,20 @@ def time_mode(engine: Engine, seqs: list, mode: str, steps: int, warmup: int) ->
     try:
         run(warmup)
         mx.synchronize()
-        t0 = time.perf_counter()
-        run(steps)
-        mx.synchronize()
-        elapsed = time.perf_counter() - t0
+        del times[:]
+        run(steps + (mode != "sync"))
     finally:
         engine_module.mx = mx
-    return steps * len(seqs) / elapsed
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="timed iterations per run")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=4, help="runs per storage and mode")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=1024)
     parser.add_argument("--big-pool-tokens", type=int, default=32768)
@@ -137,7 +143,7 @@ def main() -> None:
     results = []
     for ctx in args.contexts:
         prompts = [[(17 * i + 31 * r) % 1000 + 10 for i in range(ctx)] for r in range(args.batch)]
-        decode_tokens = args.repeats * len(args.modes) * (args.steps + args.warmup) + 4
+        decode_tokens = args.repeats * len(args.modes) * (args.steps + args.warmup + 1) + 4
         runs = {}
         for kind in args.storages:
             storage = make_storage(kind, lm, args.batch * (ctx + decode_tokens), args)
@@ -150,14 +156,16 @@ def main() -> None:
             else:  # the same prompt K/V, copied rather than recomputed (prefill is slow here)
                 copy_prefill(*next(iter(runs.values())), engine, seqs)
             runs[kind] = (engine, storage, seqs)
-        # Storages take turns, so that load from elsewhere on the machine hits them alike;
-        # the best of the repeats is reported.
-        best: dict[tuple[str, str], float] = {}
+        # Storages take turns in short runs, so that load from elsewhere on the machine hits
+        # them alike; tokens/s is from the median iteration time over all repeats.
+        times: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.repeats):
             for mode in args.modes:
                 for kind, (engine, _, seqs) in runs.items():
-                    tps = time_mode(engine, seqs, mode, args.steps, args.warmup)
-                    best[kind, mode] = max(best.get((kind, mode), 0.0), tps)
+                    got = time_mode(engine, seqs, mode, args.steps, args.warmup)
+                    times.setdefault((kind, mode), []).extend(got)
+        best = {key: args.batch / statistics.median(ts) for key, ts in times.items()}
+        fastest = {key: args.batch / min(ts) for key, ts in times.items()}
         for mode in args.modes:
             for kind, (_, storage, _) in runs.items():
                 row = {
@@ -166,6 +174,8 @@ def main() -> None:
                     "mode": mode,
                     "batch": args.batch,
                     "tokens_per_s": round(best[kind, mode], 2),
+                    "tokens_per_s_fastest_step": round(fastest[kind, mode], 2),
+                    "iterations": len(times[kind, mode]),
                     "kv_reserved_mib": round(storage.reserved_bytes / 2**20, 1),
                 }
                 results.append(row)

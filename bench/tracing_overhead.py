@@ -8,7 +8,10 @@ falls on both sides (use an even --rounds: each server then runs first in half o
 Prints both tokens/s and the ratio on/off, plus the servers' CPU seconds per generated token
 (user + system, all threads, from /proc: much less sensitive than wall time to other load on
 the machine), and writes JSON to bench/out/. `--control` runs the same with tracing off on both
-servers: the spread of that ratio is the noise floor of the measurement.
+servers: the spread of that ratio is the noise floor of the measurement. Before the servers
+start, `--micro N` times what tracing adds per request in isolation: extract a traceparent, a
+SERVER span with the request's attributes and lifecycle events, and its OTLP export to the
+receiver (CPU time of this process, receiver included: an upper bound).
 
     env $(.venv/bin/python -m service.blas --env) .venv/bin/python bench/tracing_overhead.py
 """
@@ -78,6 +81,51 @@ def start_server(flags: list[str], env: dict[str, str], log_path: Path) -> Serve
         os.environ.update(saved)
 
 
+def micro_cost_us(requests: int, otlp_port: int, prefill_chunks: int = 1) -> float:
+    """CPU microseconds per request of the tracing work alone (see the module doc)."""
+    from opentelemetry import context, propagate, trace
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider()
+    exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{otlp_port}", insecure=True)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    tracer = provider.get_tracer("micro")
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    started = time.process_time()
+    for i in range(requests):
+        token = context.attach(propagate.extract({"traceparent": traceparent}))
+        try:
+            with tracer.start_as_current_span(
+                "mlxserve.v1.GenerationService/StreamGenerate", kind=trace.SpanKind.SERVER
+            ) as span:
+                span.set_attributes(
+                    {
+                        "mlxserve.request_id": f"r{i}",
+                        "mlxserve.prompt_tokens": 40,
+                        "mlxserve.max_tokens": 48,
+                        "mlxserve.priority": 0,
+                    }
+                )
+                span.add_event("queued", {"queue_depth": 3})
+                span.add_event("admitted", {})
+                for chunk in range(prefill_chunks):
+                    span.add_event("prefill_chunk", {"tokens": 40, "context": 40 * (chunk + 1)})
+                span.add_event("first_token", {})
+                span.add_event(
+                    "finished",
+                    {"finish_reason": "length", "prompt_tokens": 40, "completion_tokens": 48},
+                )
+                span.set_attributes({"mlxserve.finish_reason": "length"})
+        finally:
+            context.detach(token)
+    provider.force_flush()
+    cpu = time.process_time() - started
+    provider.shutdown()
+    return 1e6 * cpu / requests
+
+
 def cpu_seconds(server: ServerProcess) -> float | None:
     """CPU time (user + system, all threads) the server process has used so far (Linux)."""
     proc = server._proc
@@ -126,6 +174,9 @@ def main() -> int:
     parser.add_argument("--waves", type=int, default=2, help="batches of C requests per round")
     parser.add_argument("--server-args", default="", help="extra server flags (both servers)")
     parser.add_argument(
+        "--micro", type=int, default=2000, help="requests of the isolated cost (0 = skip)"
+    )
+    parser.add_argument(
         "--control",
         action="store_true",
         help="A/A run: the second server traces nothing either (measures the noise floor)",
@@ -142,6 +193,10 @@ def main() -> int:
     otlp_port = collector.add_insecure_port("127.0.0.1:0")
     collector.start()
 
+    micro_us = micro_cost_us(args.micro, otlp_port) if args.micro else None
+    if micro_us is not None:
+        print(f"tracing work per request in isolation: {micro_us:.0f} us CPU", flush=True)
+        receiver.spans = receiver.events = 0  # count the server's spans only
     servers: dict[str, ServerProcess] = {}
     try:
         servers["off"] = start_server(
@@ -194,6 +249,9 @@ def main() -> int:
 
     off, on = aggregate("off"), aggregate("on")
     cpu_off, cpu_on = cpu_ms_per_token("off"), cpu_ms_per_token("on")
+    tokens_per_request = statistics.mean(
+        r["tokens"] / (args.concurrency * args.waves) for r in rounds["off"]
+    )
     per_round = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(rounds["off"], rounds["on"])]
     summary = {
         "control": args.control,
@@ -210,6 +268,10 @@ def main() -> int:
         "server_cpu_ms_per_token_off": cpu_off,
         "server_cpu_ms_per_token_on": cpu_on,
         "cpu_ratio_on_over_off": cpu_on / cpu_off if cpu_on and cpu_off else None,
+        "micro_tracing_us_per_request": micro_us,
+        "micro_share_of_request_cpu": (
+            micro_us / (1000 * cpu_off * tokens_per_request) if micro_us and cpu_off else None
+        ),
         "spans_received": receiver.spans,
         "span_events_received": receiver.events,
         "rounds_detail": rounds,
@@ -228,6 +290,12 @@ def main() -> int:
             f"server CPU per token: off {cpu_off:.1f} ms, on {cpu_on:.1f} ms, "
             f"ratio on/off {cpu_on / cpu_off:.3f}"
         )
+        if micro_us:
+            share = summary["micro_share_of_request_cpu"]
+            print(
+                f"isolated tracing work: {micro_us:.0f} us per request = {100 * share:.3f}% "
+                f"of a request's server CPU ({tokens_per_request:.0f} tokens x {cpu_off:.1f} ms)"
+            )
     print(f"wrote {path}")
     return 0
 

@@ -303,7 +303,11 @@ def run_bench(args: argparse.Namespace) -> int:
         "timestamp": stamp,
         "argv": sys.argv,
         "workload": workload.to_dict(),
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "host": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+        },
         "grpc_version": grpc.__version__,
         "git": _git_state(),
         "load_format": args.load_format,
@@ -357,6 +361,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for name, levels in peers.items():
         if any(level.requests for level in levels):
             print(report.format_target_table(name, levels))
+    meta["host"]["loadavg_end"] = os.getloadavg()
     kind = _check_kind(args, meta)
     checks = report.target_checks(kind, ours, peers) if kind != "none" else []
     if checks:

@@ -241,3 +241,51 @@ def write_plot(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def levels_from_document(items: Sequence[Mapping[str, Any]]) -> list[LevelResult]:
+    """LevelResults back from a written JSON file's `ours` or `peers[name]` list."""
+    from client.bench.metrics import RequestRecord
+
+    levels = []
+    for item in items:
+        summary = item["summary"]
+        level = LevelResult(
+            target=summary["target"],
+            concurrency=summary["concurrency"],
+            rate=summary.get("rate"),
+            wall_seconds=summary["wall_seconds"],
+            requests=[RequestRecord(**r) for r in item["requests"]],
+        )
+        if not item["requests"]:  # a totals-only peer (mlx-lm-batch)
+            level.completion_tokens_total = summary["completion_tokens"]
+            level.request_count = summary["requests"]
+        levels.append(level)
+    return levels
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m client.bench.report FILE.json`: the tables of a finished run again."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--plot", type=Path, help="also (re)draw the PNG here")
+    args = parser.parse_args(argv)
+    document = json.loads(args.path.read_text())
+    ours = levels_from_document(document["ours"])
+    peers = {name: levels_from_document(v) for name, v in document["peers"].items()}
+    print(format_table(comparison_rows(ours, peers), list(peers)))
+    for name, levels in peers.items():
+        if any(level.requests for level in levels):
+            print(format_target_table(name, levels))
+    for check in document.get("targets", []):
+        verdict = "met" if check["met"] else "NOT met"
+        print(f"  {check['target']}: {check['value']:.2f}x -> {verdict}")
+    if args.plot:
+        write_plot(args.plot, ours, peers, str(args.path.name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
