@@ -7,17 +7,21 @@ import time
 
 import mlx.core as mx
 import structlog
+from mlx.utils import tree_flatten
 
 from mlxserve.v1 import generation_pb2 as pb
-from service.config import ServerConfig
+from service.config import ConfigError, ServerConfig
 from service.engine.engine import Engine, EngineSequence
 from service.engine.kv_dense import DenseKVStorage
+from service.engine.kv_paged import PagedKVStorage
+from service.kv.budget import parse_budget
 from service.models.loader import LoadedModel, load_model
 from service.scheduler.request import SequenceStatus
 from service.scheduler.scheduler import Scheduler, SchedulerConfig
 from service.telemetry.telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
+PAGED_BLOCK_SIZE = 16
 
 _SLOT_STATE = {
     SequenceStatus.PREFILLING: pb.SLOT_STATE_PREFILLING,
@@ -47,6 +51,7 @@ class Runtime:
         self.loaded: LoadedModel | None = None
         self.scheduler: Scheduler | None = None
         self.slot_context = 0
+        self.kv_budget_unlimited = True
 
     def load(self) -> None:
         cfg = self.config
@@ -54,7 +59,7 @@ class Runtime:
         lm = load_model(cfg.model, cfg.dtype, cfg.load_format)
         self.loaded = lm
         self.slot_context = cfg.slot_context(lm.max_context)
-        storage = DenseKVStorage(lm.num_layers, lm.kv_heads, lm.head_dim, lm.dtype)
+        storage = self._make_storage(lm)
         self.engine = Engine(
             lm.model,
             storage,
@@ -74,6 +79,7 @@ class Runtime:
                 prefill_grant_interval=cfg.prefill_grant_interval,
                 enable_preemption=cfg.enable_preemption,
                 preemption_policy=cfg.preemption_policy,
+                kv_admission_watermark=cfg.kv_admission_watermark,
             ),
             decode=lm.tokenizer.decode,
             ends_mid_character=lm.tokenizer.ends_mid_character,
@@ -97,6 +103,51 @@ class Runtime:
             seconds=round(time.monotonic() - started, 2),
         )
         self.serving = True
+
+    def _make_storage(self, lm: LoadedModel) -> DenseKVStorage | PagedKVStorage:
+        """`auto` is paged: the batch view serves every mlx-lm attention model through it."""
+        cfg = self.config
+        if cfg.decode_storage_backend == "dense":
+            return DenseKVStorage(lm.num_layers, lm.kv_heads, lm.head_dim, lm.dtype)
+        bytes_per_block = PAGED_BLOCK_SIZE * 2 * lm.num_layers * lm.kv_heads * lm.head_dim
+        bytes_per_block *= lm.dtype.size
+        weights = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
+        budget = parse_budget(cfg.kv_cache_budget, weights)
+        # Unlimited (or huge auto) budgets are capped at what the slots could ever use twice
+        # over (the rest is prefix cache); the arrays themselves grow only as blocks are used.
+        slot_blocks = -(-self.slot_context // PAGED_BLOCK_SIZE)
+        most = 2 * cfg.batch_size * slot_blocks
+        blocks = most if budget is None else min(most, budget // bytes_per_block)
+        self.kv_budget_unlimited = budget is None
+        if blocks < 1:
+            raise ConfigError(f"--kv-cache-budget {cfg.kv_cache_budget} holds no KV block")
+        log.info(
+            "KV cache budget",
+            budget=cfg.kv_cache_budget,
+            budget_bytes=blocks * bytes_per_block,
+            blocks=blocks,
+            block_size=PAGED_BLOCK_SIZE,
+            tokens=blocks * PAGED_BLOCK_SIZE,
+        )
+        return PagedKVStorage(
+            lm.num_layers,
+            lm.kv_heads,
+            lm.head_dim,
+            lm.dtype,
+            num_blocks=blocks,
+            block_size=PAGED_BLOCK_SIZE,
+            enable_prefix_caching=not cfg.no_prompt_cache,
+        )
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request can never fit the KV budget, or None."""
+        capacity = self.engine.capacity_tokens()
+        if capacity is not None and prompt_tokens + max_tokens > capacity:
+            return (
+                f"the KV cache budget holds {capacity} tokens; this request needs up to "
+                f"{prompt_tokens + max_tokens} (prompt {prompt_tokens} + max_tokens {max_tokens})"
+            )
+        return None
 
     def load_in_thread(self) -> None:
         """`load` for a worker thread: MLX wants the thread's streams released when done."""
@@ -128,8 +179,28 @@ class Runtime:
         response.storage_backend = storage.name
         response.reserved_bytes = storage.reserved_bytes
         running = sched.snapshot()
-        used_tokens = sum(s.engine_seq.num_cached for s in running if s.engine_seq is not None)
-        response.used_bytes = used_tokens * storage.bytes_per_token
+        if isinstance(storage, PagedKVStorage):
+            stats = storage.stats()
+            response.block_size = stats.block_size
+            response.total_blocks = stats.num_total_blocks
+            response.active_blocks = stats.num_active_blocks
+            response.free_blocks = stats.num_free_blocks
+            response.cached_blocks = stats.num_cached_blocks
+            # Allocated: holding data, in use or kept as an evictable cached prefix.
+            response.allocated_blocks = stats.num_active_blocks + sum(
+                1
+                for b in storage.manager.pool.free_block_ids()
+                if storage.manager.pool.block(b).block_hash is not None
+            )
+            response.used_bytes = storage.used_bytes
+            response.budget_bytes = 0 if self.kv_budget_unlimited else storage.budget_bytes
+            response.prefix_lookups = stats.prefix_lookups
+            response.prefix_hits = stats.prefix_hits
+            response.prefix_hit_tokens = stats.prefix_hit_tokens
+            response.evictions = stats.evictions
+        else:
+            used = sum(s.engine_seq.num_cached for s in running if s.engine_seq is not None)
+            response.used_bytes = used * storage.bytes_per_token
         response.active_sequences = len(running)
         response.queued_requests = sched.queue_depth
         response.total_completed = sched.stats.total_completed

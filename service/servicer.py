@@ -92,6 +92,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except InvalidRequestError as exc:
             rt.metrics_rejected("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        too_big = rt.check_fits(len(req.prompt_token_ids), req.max_tokens)
+        if too_big is not None:
+            rt.metrics_rejected("kv_budget")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
         if req.request_id in self._active_ids:
             rt.metrics_rejected("already_exists")
             await context.abort(

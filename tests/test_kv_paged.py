@@ -272,7 +272,7 @@ def test_out_of_blocks_is_all_or_nothing_and_nothing_leaks(model):
 
 def test_decode_step_updates_pool_in_place(model):
     """A synchronous step must not copy the pool (MLX donates the buffer to the scatter)."""
-    storage = paged(num_blocks=2048, block_size=8)  # 1 MiB per K or V array
+    storage = paged(num_blocks=2048, block_size=8, initial_blocks=2048)  # 1 MiB per K or V
     engine = Engine(model, storage, LAYERS)
     seqs, _ = generate(engine, PROMPTS, steps=2)
     pool_bytes = storage._keys[0].nbytes
@@ -282,3 +282,15 @@ def test_decode_step_updates_pool_in_place(model):
     engine.step([StepRow(s) for s in seqs])
     mx.synchronize()
     assert mx.get_peak_memory() - base < pool_bytes // 2
+
+
+def test_physical_pool_grows_on_demand_and_keeps_data(model):
+    """A large budget allocates little until used; growing keeps every sequence's K/V."""
+    storage = paged(num_blocks=1024, block_size=8, initial_blocks=2)
+    assert storage.reserved_bytes == 3 * storage.bytes_per_block
+    engine = Engine(model, storage, LAYERS)
+    seqs, tokens = generate(engine, PROMPTS, steps=6)
+    assert storage.reserved_bytes > 3 * storage.bytes_per_block
+    reference = Engine(model, dense(), LAYERS)
+    _, expected = generate(reference, PROMPTS, steps=6)
+    assert tokens == expected

@@ -70,7 +70,27 @@ class FakeEngine:
         seq.next_input = None
         seq.num_cached = 0
 
-    def submit(self, rows: list[StepRow]) -> PendingStep:
+    # Dense-like KV bookkeeping: no prefix cache, no block budget.
+    def adopt_prefix(self, seq: EngineSequence, token_ids: Seq[int]) -> int:
+        return 0
+
+    def free_blocks(self) -> int | None:
+        return None
+
+    def blocks_needed(self, seq: EngineSequence, num_new_tokens: int) -> int:
+        return 0
+
+    def reserve(self, seq: EngineSequence, num_new_tokens: int) -> bool:
+        return True
+
+    def commit_tokens(self, seq: EngineSequence, token_ids: Seq[int]) -> None:
+        pass
+
+    @staticmethod
+    def dispatch(pending: PendingStep) -> PendingStep:
+        return pending
+
+    def submit(self, rows: list[StepRow], dispatch: bool = True) -> PendingStep:
         if not self.batched:
             assert len(rows) == 1
         self.forwards.append(

@@ -103,11 +103,12 @@ class Engine:
         want_logprobs: bool = False,
         top_logprobs: int = 0,
         sampler: RowSamplerState | None = None,
+        cache_prefix: bool = True,
     ) -> EngineSequence:
         state = sampler or RowSamplerState(params, prompt_token_ids=list(prompt_token_ids))
         return EngineSequence(
             seq_id,
-            self.storage.new_sequence(),
+            self.storage.new_sequence(cache_prefix),
             state,
             want_logprobs=want_logprobs,
             top_logprobs=top_logprobs,
@@ -127,6 +128,39 @@ class Engine:
         seq.num_cached = adopt(seq.kv, token_ids)
         return seq.num_cached
 
+    # -- paged KV bookkeeping (no-ops for dense storage) --------------------------------
+    @property
+    def paged(self) -> bool:
+        return hasattr(self.storage, "manager")
+
+    def commit_tokens(self, seq: EngineSequence, token_ids: Sequence[int]) -> None:
+        """Offer the sequence's computed full blocks to the prefix cache."""
+        if self.paged:
+            self.storage.commit_tokens(seq.kv, token_ids[: seq.num_cached])
+
+    def blocks_needed(self, seq: EngineSequence, num_new_tokens: int) -> int:
+        """New blocks `num_new_tokens` more positions would take (0 for dense storage)."""
+        if not self.paged:
+            return 0
+        reserved = seq.kv.blocks.num_tokens
+        missing = seq.num_cached + num_new_tokens - reserved
+        return seq.kv.blocks.blocks_needed(missing) if missing > 0 else 0
+
+    def reserve(self, seq: EngineSequence, num_new_tokens: int) -> bool:
+        """Reserve KV slots for `num_new_tokens` positions past the cached ones, all or nothing.
+        Always True for dense storage (it grows without a budget)."""
+        if not self.paged:
+            return True
+        return self.storage.ensure_reserved(seq.kv, seq.num_cached + num_new_tokens)
+
+    def free_blocks(self) -> int | None:
+        """Blocks that can be handed out now (cached-but-free ones included); None = dense."""
+        return self.storage.manager.pool.num_free_blocks if self.paged else None
+
+    def capacity_tokens(self) -> int | None:
+        """The most tokens one sequence could ever hold (the whole pool); None = dense."""
+        return self.storage.num_blocks * self.storage.block_size if self.paged else None
+
     def _reserve_blocks(self, rows: list[StepRow], lengths: list[int]) -> None:
         """Paged storage: every row's new positions need slots before the forward. Idempotent,
         so blocks a scheduler reserved ahead are not reserved twice."""
@@ -138,8 +172,11 @@ class Engine:
                 raise OutOfBlocksError(f"no free KV block for {r.seq.seq_id}")
 
     # -- forwards --------------------------------------------------------------------
-    def submit(self, rows: list[StepRow]) -> PendingStep:
-        """Queue one forward for `rows` and return without waiting for the device."""
+    def submit(self, rows: list[StepRow], dispatch: bool = True) -> PendingStep:
+        """Build one forward for `rows` and (unless dispatch=False) queue it on the device,
+        returning without waiting. A step built with dispatch=False is queued by `dispatch`:
+        the scheduler builds step N+1 while step N runs and dispatches it once N's tokens are
+        read, so the KV pool is not still referenced by N when N+1's in-place writes run."""
         if not self.batched and len(rows) > 1:
             raise ValueError("this engine runs one row per forward (per-row path)")
         for r in rows:
@@ -161,8 +198,8 @@ class Engine:
         sampled = [i for i, r in enumerate(rows) if r.sample]
         if not sampled:
             # Evaluating the last hidden state forces every layer's K/V write.
-            mx.async_eval(hidden)
-            return PendingStep(rows, [], None, None, None, hidden)
+            pending = PendingStep(rows, [], None, None, None, hidden)
+            return self.dispatch(pending) if dispatch else pending
         if width == 1:
             last_hidden = hidden[mx.array(sampled), 0] if len(sampled) < len(rows) else hidden[:, 0]
         else:
@@ -181,9 +218,17 @@ class Engine:
                 top = (top_ids, mx.take_along_axis(all_lp, top_ids, axis=-1))
         for j, i in enumerate(sampled):
             rows[i].seq.next_input = drawn[j : j + 1]
-        outputs = [drawn, *(x for x in (logprobs,) if x is not None), *(top or ())]
-        mx.async_eval(outputs)
-        return PendingStep(rows, sampled, drawn, logprobs, top, None)
+        pending = PendingStep(rows, sampled, drawn, logprobs, top, None)
+        return self.dispatch(pending) if dispatch else pending
+
+    @staticmethod
+    def dispatch(pending: PendingStep) -> PendingStep:
+        if pending.tokens is None:
+            mx.async_eval(pending.hidden)
+        else:
+            extra = [x for x in (pending.logprobs, *(pending.top or ())) if x is not None]
+            mx.async_eval([pending.tokens, *extra])
+        return pending
 
     def finish_rows(self, pending: PendingStep) -> list[RowResult]:
         """Read a submitted step's tokens (the evaluation boundary). One result per sampled row."""

@@ -35,7 +35,7 @@ class DenseKVStorage:
         self._live: set[int] = set()
         self._reserved_bytes = 0
 
-    def new_sequence(self) -> DenseSequenceKV:
+    def new_sequence(self, cache_prefix: bool = True) -> DenseSequenceKV:
         seq = DenseSequenceKV(self.num_layers)
         self._live.add(id(seq))
         return seq

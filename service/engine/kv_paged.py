@@ -70,6 +70,7 @@ class PagedKVStorage:
         num_blocks: int,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        initial_blocks: int = 64,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"a paged pool needs at least one block, got {num_blocks}")
@@ -82,13 +83,13 @@ class PagedKVStorage:
         self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * dtype.size
         self.bytes_per_block = block_size * self.bytes_per_token
-        # Physical block `num_blocks` is the scratch block: never allocated by the manager.
-        self.scratch_slot = num_blocks * block_size
-        self.num_slots = (num_blocks + 1) * block_size
-        shape = (self.num_slots, kv_heads, head_dim)
-        self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self._values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        mx.eval(self._keys, self._values)
+        # The budget fixes the logical pool; physical arrays grow on demand (the pool hands
+        # out low block ids first), so an `auto` budget of many GiB costs nothing until used.
+        # The physical block after the last one in use is the scratch block.
+        self._capacity_blocks = 0
+        self._keys: list[mx.array] = []
+        self._values: list[mx.array] = []
+        self._grow(min(num_blocks, initial_blocks))
         self._live: set[int] = set()
         self._plan_layout: weakref.ref[StepLayout] | None = None
         self._plan: _StepPlan | None = None
@@ -116,6 +117,8 @@ class PagedKVStorage:
         blocks in the range are copied on write here, for every layer."""
         if not self.manager.allocate_slots(handle.blocks, num_new_tokens):
             return False
+        if handle.blocks.block_ids:
+            self._ensure_physical(max(handle.blocks.block_ids))
         self._apply_copies(handle.blocks.take_pending_copies())
         return True
 
@@ -152,8 +155,20 @@ class PagedKVStorage:
 
     @property
     def reserved_bytes(self) -> int:
-        """All K/V arrays of the pool, scratch block included."""
-        return (self.num_blocks + 1) * self.bytes_per_block
+        """The K/V arrays allocated so far, scratch block included."""
+        return (self._capacity_blocks + 1) * self.bytes_per_block
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def scratch_slot(self) -> int:
+        return self._capacity_blocks * self.block_size
+
+    @property
+    def num_slots(self) -> int:
+        return (self._capacity_blocks + 1) * self.block_size
 
     @property
     def used_bytes(self) -> int:
@@ -225,6 +240,26 @@ class PagedKVStorage:
         self._plan = _StepPlan(mx.array(write.reshape(-1)), mx.array(read_rows))
         self._plan_layout = weakref.ref(batch)
         return self._plan
+
+    def _ensure_physical(self, block_id: int) -> None:
+        if block_id >= self._capacity_blocks:
+            self._grow(min(self.num_blocks, max(block_id + 1, 2 * self._capacity_blocks)))
+
+    def _grow(self, capacity_blocks: int) -> None:
+        """Reallocate the per-layer arrays for `capacity_blocks` (+ scratch), keeping data."""
+        shape = ((capacity_blocks + 1) * self.block_size, self.kv_heads, self.head_dim)
+        used = self._capacity_blocks * self.block_size
+        for arrays in (self._keys, self._values):
+            for layer in range(self.num_layers):
+                fresh = mx.zeros(shape, dtype=self.dtype)
+                if used:
+                    fresh[:used] = arrays[layer][:used]
+                if layer < len(arrays):
+                    arrays[layer] = fresh
+                else:
+                    arrays.append(fresh)
+            mx.eval(arrays)
+        self._capacity_blocks = capacity_blocks
 
     def _slots(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:
         size = self.block_size

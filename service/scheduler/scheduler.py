@@ -55,6 +55,7 @@ class SchedulerConfig:
     prefill_grant_interval: int = 16  # ticks a parked prefill yields before a guaranteed turn
     enable_preemption: bool = False
     preemption_policy: str = "longest-first"  # or "lowest-priority"
+    kv_admission_watermark: float = 0.01  # free-block fraction kept while a batch decodes
 
 
 @dataclass
@@ -196,28 +197,14 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         admitted = []
         while self._waiting and len(self._running) < self.config.max_batch_size:
-            _, _, seq = heapq.heappop(self._waiting)
-            with self._lock:
-                self._pending_admissions -= 1
+            seq = self._waiting[0][2]
             if seq.cancel_requested:
+                self._pop_waiting()
                 self._finish(seq, FinishReason.CANCELLED)
                 continue
-            req = seq.request
-            seq.engine_seq = self.engine.add_sequence(
-                req.request_id,
-                req.sampling,
-                req.prompt_token_ids,
-                want_logprobs=req.logprobs,
-                top_logprobs=req.top_logprobs,
-                sampler=seq.sampler_state,
-            )
-            seq.sampler_state = seq.engine_seq.sampler  # survives a preemption
-            if seq.detokenizer is None:
-                seq.detokenizer = IncrementalDetokenizer(
-                    self._decode, req.stop, self._ends_mid_character
-                )
-            seq.plan = PrefillPlan(total_tokens=len(seq.all_token_ids))
-            seq.num_computed = 0
+            if not self._start_sequence(seq):
+                break  # not enough KV blocks yet: the head of the queue waits for them
+            self._pop_waiting()
             seq.status = SequenceStatus.PREFILLING
             seq.parked_ticks = 0
             first = seq.admitted_at is None
@@ -226,6 +213,54 @@ class Scheduler:
             admitted.append(seq)
             self.observer.on_event(seq, "admitted" if first else "resumed")
         return admitted
+
+    def _pop_waiting(self) -> Sequence:
+        _, _, seq = heapq.heappop(self._waiting)
+        with self._lock:
+            self._pending_admissions -= 1
+        return seq
+
+    def _start_sequence(self, seq: Sequence) -> bool:
+        """Give a waiting sequence its engine state: adopt a cached prefix, reserve KV blocks
+        for the rest of its prompt, plan its prefill. False (nothing held) if blocks are short."""
+        req = seq.request
+        engine_seq = self.engine.add_sequence(
+            req.request_id,
+            req.sampling,
+            req.prompt_token_ids,
+            want_logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
+            sampler=seq.sampler_state,
+            cache_prefix=req.cache_prompt,
+        )
+        tokens = seq.all_token_ids
+        cached = self.engine.adopt_prefix(engine_seq, tokens) if req.cache_prompt else 0
+        if not self._kv_admits(engine_seq, len(tokens) - cached):
+            self.engine.release(engine_seq)
+            return False
+        seq.engine_seq = engine_seq
+        seq.sampler_state = engine_seq.sampler  # survives a preemption
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self._decode, req.stop, self._ends_mid_character
+            )
+        if seq.admitted_at is None:
+            seq.cached_tokens = cached
+        seq.plan = PrefillPlan(total_tokens=len(tokens), cached_tokens=cached)
+        seq.num_computed = cached
+        return True
+
+    def _kv_admits(self, engine_seq, num_tokens: int) -> bool:
+        """Reserve the prompt's blocks now (prefill chunks then never run out); while a batch
+        decodes, keep --kv-admission-watermark of the pool free for the running rows."""
+        free = self.engine.free_blocks()
+        if free is None:
+            return True
+        needed = self.engine.blocks_needed(engine_seq, num_tokens)
+        if any(s.status is SequenceStatus.DECODING for s in self._running):
+            total = self.engine.storage.num_blocks
+            free -= int(self.config.kv_admission_watermark * total)
+        return needed <= free and self.engine.reserve(engine_seq, num_tokens)
 
     def chunk_size(self) -> int | None:
         """Tokens per prefill chunk now; None means the whole remainder at once."""
@@ -273,6 +308,8 @@ class Scheduler:
         by_seq = {id(r.seq): r for r in results}
         for seq, row in zip(chosen, rows):
             seq.num_computed += len(row.tokens or ())
+            if seq.request.cache_prompt:
+                self.engine.commit_tokens(seq.engine_seq, seq.all_token_ids)
             self.observer.on_event(
                 seq, "prefill_chunk", tokens=len(row.tokens or ()), context=seq.num_computed
             )
@@ -286,6 +323,7 @@ class Scheduler:
         return [res for row in rows for res in self.engine.prefill([row])]
 
     def _decode_step(self) -> None:
+        self._reserve_decode_blocks()
         rows = [s for s in self._running if s.status is SequenceStatus.DECODING]
         if self._inflight is None:
             if rows:
@@ -300,18 +338,42 @@ class Scheduler:
             and s.num_generated + 1 < s.request.max_tokens
             and s.prompt_len + s.num_generated + 1 < self.config.slot_context
         ]
-        nxt = (
-            self.engine.submit([StepRow(s.engine_seq) for s in continuing]) if continuing else None
-        )
-        self._complete_inflight()
+        rows_next = [StepRow(s.engine_seq) for s in continuing]
+        nxt = self.engine.submit(rows_next, dispatch=False) if continuing else None
+        self._complete_inflight(then_dispatch=nxt)
         self._inflight = nxt
 
-    def _complete_inflight(self) -> None:
+    def _reserve_decode_blocks(self) -> None:
+        """Each decoding row needs a slot for its next token before the forward. Short of
+        blocks (cold prefixes are evicted by the pool first), preempt the running sequence with
+        the least progress until the rest fit."""
+        while True:
+            decoding = [s for s in self._running if s.status is SequenceStatus.DECODING]
+            free = self.engine.free_blocks()
+            if free is None or not decoding:
+                return
+            needed = sum(self.engine.blocks_needed(s.engine_seq, 1) for s in decoding)
+            if needed <= free or len(self._running) <= 1:
+                break
+            victim = min(self._running, key=lambda s: (s.num_generated, -s.arrival_order))
+            log.info("KV blocks short: preempting", request_id=victim.request_id)
+            self.preempt(victim)
+        for seq in decoding:
+            if not self.engine.reserve(seq.engine_seq, 1):
+                self._finish(seq, FinishReason.ERROR, error="KV cache exhausted")
+
+    def _complete_inflight(self, then_dispatch: PendingStep | None = None) -> None:
+        """Read the in-flight step's tokens; queue `then_dispatch` as soon as they are read."""
         if self._inflight is None:
+            if then_dispatch is not None:
+                self.engine.dispatch(then_dispatch)
             return
         pending, self._inflight = self._inflight, None
         by_engine_seq = {id(s.engine_seq): s for s in self._running}
-        for result in self.engine.finish_rows(pending):
+        results = self.engine.finish_rows(pending)
+        if then_dispatch is not None:
+            self.engine.dispatch(then_dispatch)
+        for result in results:
             seq = by_engine_seq.get(id(result.seq))
             if seq is None or seq.is_finished:
                 continue  # ended while its step was in flight: drop the extra token
@@ -338,8 +400,7 @@ class Scheduler:
         self._complete_inflight()
         if seq.is_finished:
             return
-        self.engine.release(seq.engine_seq)
-        seq.engine_seq = None
+        self._release_kv(seq)
         seq.status = SequenceStatus.QUEUED
         seq.num_computed = 0
         seq.preemptions += 1
@@ -426,6 +487,14 @@ class Scheduler:
             completion_tokens=seq.num_generated,
             error=error,
         )
+
+    def _release_kv(self, seq: Sequence, keep_prefix: bool = True) -> None:
+        """Free a sequence's KV; its computed full blocks stay in the prefix cache (evictable)
+        so a resumed or follow-up request can adopt them."""
+        if keep_prefix and seq.request.cache_prompt:
+            self.engine.commit_tokens(seq.engine_seq, seq.all_token_ids)
+        self.engine.release(seq.engine_seq)
+        seq.engine_seq = None
 
     def _end_cancelled(self) -> None:
         for seq in [s for s in self._running if s.cancel_requested]:
