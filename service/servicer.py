@@ -67,6 +67,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return self.rt.model_info()
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
+        if not self.rt.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.rt.unavailable_reason())
         tok = self.rt.tokenizer
         try:
             ids = prompt_token_ids(request, tok)

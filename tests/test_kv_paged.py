@@ -289,7 +289,7 @@ def test_physical_pool_grows_on_demand_and_keeps_data(model):
     storage = paged(num_blocks=1024, block_size=8, initial_blocks=2)
     assert storage.reserved_bytes == 3 * storage.bytes_per_block
     engine = Engine(model, storage, LAYERS)
-    seqs, tokens = generate(engine, PROMPTS, steps=6)
+    _, tokens = generate(engine, PROMPTS, steps=6)
     assert storage.reserved_bytes > 3 * storage.bytes_per_block
     reference = Engine(model, dense(), LAYERS)
     _, expected = generate(reference, PROMPTS, steps=6)

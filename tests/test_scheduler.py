@@ -201,18 +201,31 @@ def test_waiting_requests_admitted_by_priority_when_a_slot_frees() -> None:
 
 def test_queue_depth_limit_raises_queue_full() -> None:
     h = Harness(max_batch_size=1, max_queue_depth=2)
-    h.submit("a")
+    h.submit("a")  # takes the free slot at the next tick: not counted as waiting
     h.submit("b")
-    with pytest.raises(QueueFullError, match=r"^Server is busy\. Retry later\.$"):
-        h.submit("c")
-    h.tick()  # "a" is admitted: one place frees in the queue
-    assert h.sched.queue_depth == 1
     h.submit("c")
+    with pytest.raises(QueueFullError, match=r"^Server is busy\. Retry later\.$"):
+        h.submit("d")
+    h.tick()  # "a" is admitted; "b" and "c" wait and fill the queue
+    assert h.sched.queue_depth == 2
     with pytest.raises(QueueFullError):
         h.submit("d")
     h.run()
     assert all(h.final(r).finish_reason is FinishReason.LENGTH for r in "abc")
     assert h.sched.queue_depth == 0
+    h.submit("d")  # room again
+    h.run()
+    assert h.final("d").finish_reason is FinishReason.LENGTH
+
+
+def test_a_burst_that_fits_the_batch_is_never_refused() -> None:
+    h = Harness(max_batch_size=8, max_queue_depth=2)
+    for i in range(10):
+        h.submit(f"r{i}")
+    with pytest.raises(QueueFullError):
+        h.submit("one-too-many")
+    h.run()
+    assert all(h.final(f"r{i}").finish_reason is FinishReason.LENGTH for i in range(10))
 
 
 def test_max_batch_size_is_respected() -> None:

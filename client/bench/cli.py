@@ -327,6 +327,9 @@ def run_bench(args: argparse.Namespace) -> int:
             server.start()
             target = server.target
             meta["server_command"] = server.command
+        else:
+            with GenerationClient(target) as client:
+                client.wait_ready(args.ready_timeout)  # SERVING: the model is loaded
         meta["target"] = target
         meta["server_before"] = _server_snapshot(target)
         plan = build_plan(workload, count_tokens_via_rpc(target))

@@ -10,6 +10,10 @@ import mlx.core as mx
 from mlx_lm.models import llama
 
 PRESETS: dict[str, dict] = {
+    # Near-free compute: measures the serving overhead (scheduler, engine, gRPC) alone.
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                 tie_word_embeddings=True, rope_theta=10000.0),
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          tie_word_embeddings=True, rope_theta=100000.0),

@@ -112,8 +112,11 @@ class Scheduler:
     # -- called from other threads ------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         """Queue a request; raises QueueFullError at once when the queue is full."""
+        # Requests that free slots will take at the next tick are not waiting: a burst that
+        # fits the batch is never refused.
+        free_slots = max(0, self.config.max_batch_size - len(self._running))
         with self._lock:
-            if self._pending_admissions >= self.config.max_queue_depth:
+            if self._pending_admissions >= self.config.max_queue_depth + free_slots:
                 raise QueueFullError("Server is busy. Retry later.")
             self._pending_admissions += 1
         self._inbox.put(seq)

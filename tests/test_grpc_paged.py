@@ -1,0 +1,180 @@
+"""Paged KV cache through gRPC on the real model: prefix sharing, parity with dense storage,
+and a tight budget under which every request still completes without leaking blocks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess, chat_request, running_server, to_stream, with_id
+
+pytestmark = pytest.mark.model
+
+# ~1000 tokens of system prompt shared by every request of the sharing test.
+SYSTEM = " ".join(
+    f"Rule {i}: answer politely, keep facts straight, and cite the section number {i}."
+    for i in range(60)
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is two plus two?",
+    "Which planet is closest to the sun?",
+    "What do bees make?",
+    "What is the opposite of hot?",
+    "How many legs does a spider have?",
+    "What color is the sky on a clear day?",
+]
+
+
+def _stats(stub: pb_grpc.GenerationServiceStub) -> pb.CacheStatsResponse:
+    return stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
+
+
+def _wait_idle(stub: pb_grpc.GenerationServiceStub, timeout: float = 20.0) -> pb.CacheStatsResponse:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = _stats(stub)
+        if stats.active_sequences == 0 and stats.queued_requests == 0:
+            return stats
+        assert time.monotonic() < deadline, f"server not idle: {stats}"
+        time.sleep(0.05)
+
+
+def _active_bytes_with(
+    stub: pb_grpc.GenerationServiceStub, requests: list[pb.GenerateRequest]
+) -> int:
+    """Start streams one after another (each once the previous one decodes, so it finds the
+    shared prefix cached), read the KV bytes in use while all decode, then cancel them."""
+    calls, started = [], []
+    for request in requests:
+        call = stub.StreamGenerate(to_stream(request), timeout=300)
+        first = threading.Event()
+
+        def drain(c=call, ev=first) -> None:
+            try:
+                for _ in c:
+                    ev.set()
+            except grpc.RpcError:
+                ev.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        assert first.wait(120), "stream produced nothing"
+        calls.append(call)
+        started.append(first)
+    stats = _stats(stub)
+    assert stats.active_sequences == len(requests)
+    for call in calls:
+        call.cancel()
+    _wait_idle(stub)
+    return stats.used_bytes
+
+
+def test_shared_system_prompt_is_stored_once(stub: pb_grpc.GenerationServiceStub) -> None:
+    def request(i: int) -> pb.GenerateRequest:
+        return chat_request(
+            QUESTIONS[i],
+            system=SYSTEM,
+            request_id=f"share-{i}",
+            max_tokens=400,
+            stopping=pb.StoppingCriteria(ignore_eos=True),
+        )
+
+    assert _stats(stub).storage_backend == "paged"
+    one = _active_bytes_with(stub, [request(0)])
+    eight = _active_bytes_with(stub, [with_id(request(i), f"share8-{i}") for i in range(8)])
+    assert one > 0
+    assert eight <= 2.5 * one, f"8 sharers use {eight} bytes, one uses {one}"
+
+
+def test_adopting_requests_decode_like_cold_runs(stub: pb_grpc.GenerationServiceStub) -> None:
+    before = _stats(stub)
+    cold = [
+        stub.Generate(
+            chat_request(q, system=SYSTEM, max_tokens=12, cache_prompt=False), timeout=120
+        )
+        for q in QUESTIONS[:2]
+    ]
+    assert all(r.usage.cached_tokens == 0 for r in cold)
+    warm_up = stub.Generate(chat_request(QUESTIONS[5], system=SYSTEM, max_tokens=2), timeout=120)
+    assert warm_up.usage.prompt_tokens > 900
+    for q, expected in zip(QUESTIONS[:2], cold):
+        got = stub.Generate(chat_request(q, system=SYSTEM, max_tokens=12), timeout=120)
+        assert got.usage.cached_tokens >= 900, got.usage
+        assert list(got.token_ids) == list(expected.token_ids), q
+    after = _stats(stub)
+    assert after.prefix_hits >= before.prefix_hits + 2
+    assert after.prefix_hit_tokens >= before.prefix_hit_tokens + 2 * 900
+
+
+@pytest.fixture(scope="module")
+def dense_server() -> Iterator[ServerProcess]:
+    with running_server("--decode-storage-backend", "dense", "--max-batch-size", "4") as s:
+        yield s
+
+
+def test_paged_output_equals_dense_output(
+    stub: pb_grpc.GenerationServiceStub, dense_server: ServerProcess
+) -> None:
+    with grpc.insecure_channel(dense_server.target) as channel:
+        dense = pb_grpc.GenerationServiceStub(channel)
+        assert _stats(dense).storage_backend == "dense"
+        for q in QUESTIONS[:3]:
+            request = chat_request(q, max_tokens=24, cache_prompt=False)
+            paged_out = stub.Generate(request, timeout=120)
+            dense_out = dense.Generate(request, timeout=120)
+            assert list(paged_out.token_ids) == list(dense_out.token_ids), q
+            assert paged_out.text == dense_out.text
+
+
+def test_tight_budget_completes_everything_without_leaks() -> None:
+    # 24 blocks of 16 tokens (~18 MB of float32 K/V): room for about 3 of the 12 requests.
+    budget = str(24 * 16 * 2 * 30 * 3 * 64 * 4)
+    with (
+        running_server(
+            "--kv-cache-budget", budget, "--max-batch-size", "8", "--max-queue-depth", "16"
+        ) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        stub = pb_grpc.GenerationServiceStub(channel)
+        assert _stats(stub).total_blocks == 24
+        results: dict[int, pb.GenerateResponse | grpc.RpcError] = {}
+
+        def run(i: int) -> None:
+            request = chat_request(
+                QUESTIONS[i % 8],
+                request_id=f"tight-{i}",
+                max_tokens=72,
+                stopping=pb.StoppingCriteria(ignore_eos=True),
+            )
+            try:
+                results[i] = stub.Generate(request, timeout=600)
+            except grpc.RpcError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failures = {i: r for i, r in results.items() if isinstance(r, grpc.RpcError)}
+        assert not failures, {i: (e.code(), e.details()) for i, e in failures.items()}
+        for r in results.values():
+            assert r.finish_reason == pb.FINISH_REASON_LENGTH
+            assert r.usage.completion_tokens == 72
+        idle = _wait_idle(stub)
+        assert idle.active_blocks == 0
+        assert idle.free_blocks == idle.total_blocks
+        assert idle.preemptions >= 1  # the budget really was tight
+
+        # A request that can never fit the budget is refused at once.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Generate(chat_request("hi", max_tokens=400), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "KV cache budget" in refused.value.details()

@@ -1,0 +1,483 @@
+"""Scheduler policies (SPEC §3, issue 4) on the fake engine of test_scheduler, tick by tick:
+adaptive / fixed / disabled chunking, decode steps between the chunks of a long prompt, the
+prefill grant interval, batched prefill and its token cap, priority order, and preemption
+(victim choice per policy; the victim keeps its tokens and is re-prefilled)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_scheduler import Forward, Harness
+
+from service.scheduler.request import (
+    FinishReason,
+    GenerationRequest,
+    Sequence,
+    SequenceStatus,
+)
+from service.scheduler.scheduler import SchedulerObserver
+
+
+def tick(h: Harness) -> list[Forward]:
+    """Run one tick; the forwards it submitted."""
+    before = len(h.engine.forwards)
+    h.tick()
+    return h.engine.forwards[before:]
+
+
+def prefill_forwards(forwards: list[Forward]) -> list[Forward]:
+    return [f for f in forwards if not f.is_decode]
+
+
+def decode_forwards(forwards: list[Forward]) -> list[Forward]:
+    return [f for f in forwards if f.is_decode]
+
+
+def chunk_lengths(h: Harness, request_id: str) -> list[int]:
+    return [
+        len(tokens)
+        for f in h.engine.forwards
+        for seq_id, tokens in f.rows
+        if seq_id == request_id and tokens is not None
+    ]
+
+
+def prefilled_ids(forwards: list[Forward]) -> list[str]:
+    return [seq_id for f in prefill_forwards(forwards) for seq_id, _ in f.rows]
+
+
+def start_decoding(h: Harness, *request_ids: str, max_tokens: int = 200) -> None:
+    """Submit short requests and tick until they all decode."""
+    for i, request_id in enumerate(request_ids):
+        h.submit(request_id, prompt=[100 * (i + 1)], max_tokens=max_tokens)
+    for _ in range(10):
+        h.tick()
+        if all(h.seqs[r].status is SequenceStatus.DECODING for r in request_ids):
+            return
+    raise AssertionError("the requests did not start decoding")
+
+
+# -- chunk size by state ------------------------------------------------------------------
+
+
+def test_adaptive_chunk_2048_idle_512_while_a_batch_decodes_aligned_from_zero() -> None:
+    """The chunk size is chosen each tick: 2048 while nothing decodes, 512 while a row decodes;
+    boundaries stay at multiples of the current size counted from position 0."""
+    h = Harness(max_batch_size=4)
+    h.submit("long", prompt=[1] * 5000, max_tokens=1)
+    h.submit("short", prompt=[7, 8, 9], max_tokens=3)
+    h.tick()  # nothing decodes yet: long [0, 2048) and short's whole prompt, batched
+    assert chunk_lengths(h, "long") == [2048]
+    assert h.seqs["short"].status is SequenceStatus.DECODING
+    h.tick()  # short decodes: long [2048, 2560)
+    assert chunk_lengths(h, "long") == [2048, 512]
+    h.tick()  # short got its 3rd token before this tick's prefill: idle again, [2560, 4096)
+    assert h.seqs["short"].finish_reason is FinishReason.LENGTH
+    h.run()
+    assert chunk_lengths(h, "long") == [2048, 512, 1536, 904]
+    assert h.tokens("long") == [2]
+
+
+def test_adaptive_chunk_is_512_for_a_prompt_arriving_while_streams_decode() -> None:
+    h = Harness(max_batch_size=3)
+    start_decoding(h, "d0", "d1")
+    h.submit("long", prompt=[1] * 2000, max_tokens=1)
+    for _ in range(4):
+        h.tick()
+    assert chunk_lengths(h, "long") == [512, 512, 512, 464]
+    assert h.tokens("long") == [2]
+
+
+def test_fixed_chunk_size_applies_while_decoding_too() -> None:
+    h = Harness(max_batch_size=2, prefill_chunk_size=300)
+    start_decoding(h, "dec")
+    h.submit("long", prompt=[1] * 1000, max_tokens=1)
+    for _ in range(4):
+        h.tick()
+    assert chunk_lengths(h, "long") == [300, 300, 300, 100]
+    assert h.sched.chunk_size() == 300
+
+
+def test_chunk_size_zero_prefills_the_whole_prompt_even_while_decoding() -> None:
+    h = Harness(max_batch_size=2, prefill_chunk_size=0)
+    start_decoding(h, "dec")
+    h.submit("long", prompt=[1] * 5000, max_tokens=2)
+    forwards = tick(h)
+    assert chunk_lengths(h, "long") == [5000]
+    assert len(prefill_forwards(forwards)) == 1
+    assert h.seqs["long"].status is SequenceStatus.DECODING
+
+
+# -- decode steps between the chunks of a long prompt ----------------------------------------
+
+
+def test_decode_steps_interleave_between_the_chunks_of_a_long_prompt() -> None:
+    """4 streams decode; a 2000-token prompt arrives (chunks of 256). Every tick runs exactly one
+    prefill pass (one chunk) and one decode step for all 4 streams, and each stream gets one
+    token per tick: the streams never stall for the whole prompt."""
+    streams = ["s0", "s1", "s2", "s3"]
+    h = Harness(max_batch_size=5, prefill_chunk_size=256)
+    start_decoding(h, *streams)
+    got_before = {s: len(h.tokens(s)) for s in streams}
+    h.submit("long", prompt=[5] * 2000, max_tokens=4)
+    ticks = 0
+    while not h.tokens("long"):
+        forwards = tick(h)
+        ticks += 1
+        prefills = prefill_forwards(forwards)
+        assert len(prefills) == 1 and prefills[0].ids == ["long"]
+        decodes = decode_forwards(forwards)
+        assert len(decodes) == 1
+        assert set(streams) <= set(decodes[0].ids)
+        assert ticks <= 20
+    assert ticks == 8  # ceil(2000 / 256) chunks, one per tick
+    assert chunk_lengths(h, "long") == [256] * 7 + [208]
+    for s in streams:
+        assert len(h.tokens(s)) - got_before[s] == ticks  # one token per stream per tick
+    # The streams' tokens continue unbroken: the chunks did not disturb them.
+    for i, s in enumerate(streams):
+        first = 100 * (i + 1) + 1
+        assert h.tokens(s) == list(range(first, first + len(h.tokens(s))))
+    for s in streams:
+        h.sched.cancel(s)
+    h.run()
+
+
+def test_without_chunking_the_streams_wait_one_tick_for_the_whole_prompt() -> None:
+    streams = ["s0", "s1"]
+    h = Harness(max_batch_size=3, prefill_chunk_size=0)
+    start_decoding(h, *streams)
+    got_before = {s: len(h.tokens(s)) for s in streams}
+    h.submit("long", prompt=[5] * 2000, max_tokens=4)
+    tick(h)
+    assert h.tokens("long") == [6]
+    assert all(len(h.tokens(s)) - got_before[s] == 1 for s in streams)
+
+
+# -- grant interval ---------------------------------------------------------------------------
+
+
+def _prefill_schedule(h: Harness, max_ticks: int = 200) -> list[list[str]]:
+    """Per tick, the ids that got a prefill chunk, until nothing prefills any more."""
+    schedule = []
+    for _ in range(max_ticks):
+        if not any(
+            s.status in (SequenceStatus.QUEUED, SequenceStatus.PREFILLING) for s in h.seqs.values()
+        ):
+            return schedule
+        schedule.append(prefilled_ids(tick(h)))
+    raise AssertionError("prefill did not end")
+
+
+@pytest.mark.parametrize("grant", [1, 3, 16])
+def test_a_parked_low_priority_prefill_gets_its_turn_after_grant_ticks(grant: int) -> None:
+    """Under a token cap that fits one chunk, a high-priority prefill takes every pass; the
+    low-priority one, parked each tick, is guaranteed the pass after `grant` parked ticks."""
+    high_chunks = grant + 4
+    h = Harness(
+        max_batch_size=4,
+        prefill_chunk_size=100,
+        max_batch_prefill_tokens=100,
+        prefill_grant_interval=grant,
+    )
+    h.submit("high", prompt=[1] * (100 * high_chunks), max_tokens=2, priority=1)
+    h.submit("low", prompt=[2] * 100, max_tokens=2, priority=0)
+    schedule = _prefill_schedule(h)
+    assert schedule[:grant] == [["high"]] * grant  # low parked `grant` ticks
+    assert schedule[grant] == ["low"]  # then it has the pass to itself
+    assert schedule[grant + 1 :] == [["high"]] * (high_chunks - grant)
+    assert chunk_lengths(h, "high") == [100] * high_chunks
+    h.run()
+    assert h.tokens("low") == [3, 4]
+
+
+def test_grant_interval_zero_lets_a_parked_prefill_wait_until_the_pass_is_free() -> None:
+    h = Harness(
+        max_batch_size=4,
+        prefill_chunk_size=100,
+        max_batch_prefill_tokens=100,
+        prefill_grant_interval=0,
+    )
+    h.submit("high", prompt=[1] * 3000, max_tokens=2, priority=1)
+    h.submit("low", prompt=[2] * 100, max_tokens=2, priority=0)
+    schedule = _prefill_schedule(h)
+    assert schedule == [["high"]] * 30 + [["low"]]
+    assert h.seqs["low"].parked_ticks == 0
+
+
+def test_default_grant_interval_is_16() -> None:
+    h = Harness(max_batch_size=4, prefill_chunk_size=100, max_batch_prefill_tokens=100)
+    assert h.sched.config.prefill_grant_interval == 16
+    h.submit("high", prompt=[1] * 2000, max_tokens=1, priority=1)
+    h.submit("low", prompt=[2] * 100, max_tokens=1)
+    schedule = _prefill_schedule(h)
+    assert schedule.index(["low"]) == 16
+
+
+# -- batched prefill ------------------------------------------------------------------------
+
+
+def test_batched_prefill_groups_up_to_max_batch_prefill_requests() -> None:
+    h = Harness(max_batch_size=8, max_batch_prefill=3)
+    for i in range(5):
+        h.submit(f"r{i}", prompt=[10 * i + 1] * 10, max_tokens=2)
+    first = prefill_forwards(tick(h))
+    assert [f.ids for f in first] == [["r0", "r1", "r2"]]  # one forward, FIFO
+    second = prefill_forwards(tick(h))
+    assert [f.ids for f in second] == [["r3", "r4"]]
+    h.run()
+    assert all(len(h.tokens(f"r{i}")) == 2 for i in range(5))
+
+
+def test_batched_prefill_respects_the_token_cap() -> None:
+    h = Harness(max_batch_size=8, max_batch_prefill=4, max_batch_prefill_tokens=25)
+    for request_id, n in [("a", 10), ("b", 10), ("c", 10), ("d", 5)]:
+        h.submit(request_id, prompt=[3] * n, max_tokens=1)
+    first = prefill_forwards(tick(h))
+    assert len(first) == 1
+    assert first[0].ids[:2] == ["a", "b"] and "c" not in first[0].ids
+    h.run()
+    for f in prefill_forwards(h.engine.forwards):
+        assert sum(len(tokens or ()) for _, tokens in f.rows) <= 25
+    assert all(h.tokens(r) == [4] for r in "abcd")
+
+
+def test_default_token_cap_is_twice_max_batch_prefill_times_min_chunk_512() -> None:
+    """Idle (chunk 2048), max_batch_prefill 4: the cap is 2 * 4 * 512 = 4096 tokens, so two
+    2000-token prompts share the first pass and the third waits a tick."""
+    h = Harness(max_batch_size=4, max_batch_prefill=4)
+    for request_id in ("a", "b", "c"):
+        h.submit(request_id, prompt=[1] * 2000, max_tokens=1)
+    assert [f.ids for f in prefill_forwards(tick(h))] == [["a", "b"]]
+    assert [f.ids for f in prefill_forwards(tick(h))] == [["c"]]
+
+
+def test_token_cap_zero_means_no_cap() -> None:
+    h = Harness(max_batch_size=4, max_batch_prefill=4, max_batch_prefill_tokens=0)
+    for request_id in ("a", "b", "c"):
+        h.submit(request_id, prompt=[1] * 2000, max_tokens=1)
+    assert [f.ids for f in prefill_forwards(tick(h))] == [["a", "b", "c"]]
+
+
+def test_one_chunk_over_the_cap_still_runs_alone() -> None:
+    h = Harness(max_batch_size=2, prefill_chunk_size=0, max_batch_prefill_tokens=100)
+    h.submit("big", prompt=[1] * 5000, max_tokens=1)
+    h.submit("small", prompt=[1] * 10, max_tokens=1)
+    assert [f.ids for f in prefill_forwards(tick(h))] == [["big"]]
+    assert [f.ids for f in prefill_forwards(tick(h))] == [["small"]]
+
+
+# -- priority order ----------------------------------------------------------------------
+
+
+def test_prefill_runs_in_priority_order_fifo_within_a_priority() -> None:
+    h = Harness(max_batch_size=8, max_batch_prefill=1)
+    for request_id, priority in [("a0", 0), ("b5", 5), ("c5", 5), ("d0", 0), ("e9", 9)]:
+        h.submit(request_id, max_tokens=1, priority=priority)
+    order = []
+    for _ in range(5):
+        order += prefilled_ids(tick(h))
+    assert order == ["e9", "b5", "c5", "a0", "d0"]
+
+
+def test_a_higher_priority_arrival_overtakes_a_chunked_prefill() -> None:
+    h = Harness(max_batch_size=4, max_batch_prefill=1, prefill_chunk_size=100)
+    h.submit("low", prompt=[1] * 500, max_tokens=1)
+    schedule = [prefilled_ids(tick(h)) for _ in range(2)]
+    h.submit("high", prompt=[2] * 300, max_tokens=1, priority=5)
+    schedule += _prefill_schedule(h)
+    assert schedule == [["low"]] * 2 + [["high"]] * 3 + [["low"]] * 3
+    assert chunk_lengths(h, "low") == [100] * 5
+
+
+# -- preemption: victim choice ----------------------------------------------------------------
+
+
+def _seq(request_id: str, priority: int, generated: int, order: int) -> Sequence:
+    seq = Sequence(GenerationRequest(request_id, (1, 2), priority=priority), lambda _: None)
+    seq.output_token_ids = list(range(generated))
+    seq.arrival_order = order
+    seq.status = SequenceStatus.DECODING
+    return seq
+
+
+def test_longest_first_picks_the_most_generated() -> None:
+    sched = Harness(enable_preemption=True).sched
+    a, b, c = _seq("a", 0, 3, 0), _seq("b", -5, 1, 1), _seq("c", 0, 7, 2)
+    assert sched.choose_victim([a, b, c]) is c
+    # A tie in generated tokens goes to the lower priority.
+    x, y = _seq("x", 0, 5, 0), _seq("y", -1, 5, 1)
+    assert sched.choose_victim([x, y]) is y
+
+
+def test_lowest_priority_picks_the_lowest_priority_ties_by_most_generated() -> None:
+    sched = Harness(enable_preemption=True, preemption_policy="lowest-priority").sched
+    a, b, c = _seq("a", 0, 9, 0), _seq("b", -1, 2, 1), _seq("c", -1, 4, 2)
+    assert sched.choose_victim([a, b, c]) is c
+    low, busy = _seq("low", -2, 0, 0), _seq("busy", -1, 50, 1)
+    assert sched.choose_victim([low, busy]) is low
+
+
+class Recorder(SchedulerObserver):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def on_event(self, seq: Sequence, name: str, **attrs: object) -> None:
+        self.events.append((seq.request_id, name, attrs))
+
+
+def _run_recording_finish_order(h: Harness, max_ticks: int = 500) -> list[str]:
+    order: list[str] = []
+    for _ in range(max_ticks):
+        h.tick()
+        order += [r for r, s in h.seqs.items() if s.is_finished and r not in order]
+        if len(order) == len(h.seqs) and h.sched._inflight is None:
+            return order
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize(
+    ("policy", "victim", "preemptions"),
+    [("longest-first", "old", 2), ("lowest-priority", "young", 1)],
+)
+def test_a_high_priority_arrival_on_a_full_batch_preempts_the_policy_victim(
+    policy: str, victim: str, preemptions: int
+) -> None:
+    """`old` (priority 0) has generated most, `young` (priority -1) less: longest-first evicts
+    old, lowest-priority evicts young. The arrival finishes first; both low ones complete.
+
+    With longest-first the re-queued `old` (priority 0) then outranks the running `young`
+    (priority -1) and evicts it at the next tick: two preemptions where lowest-priority needs
+    one."""
+    h = Harness(max_batch_size=2, enable_preemption=True, preemption_policy=policy)
+    h.submit("old", prompt=[100], max_tokens=30)
+    for _ in range(4):
+        h.tick()
+    h.submit("young", prompt=[500], max_tokens=30, priority=-1)
+    for _ in range(2):
+        h.tick()
+    assert h.seqs["old"].num_generated > h.seqs["young"].num_generated > 0
+    h.submit("high", prompt=[800], max_tokens=3, priority=5)
+    h.tick()
+    assert h.sched.stats.preemptions == 1
+    assert h.seqs[victim].status is SequenceStatus.QUEUED
+    assert victim in h.engine.released and victim not in h.engine.live
+    assert {s.request_id for s in h.running} == {"old", "young", "high"} - {victim}
+    order = _run_recording_finish_order(h)
+    assert order[0] == "high"
+    assert h.tokens("old") == list(range(101, 131))
+    assert h.tokens("young") == list(range(501, 531))
+    assert h.sched.stats.preemptions == preemptions
+    assert h.seqs["young"].preemptions == 1
+
+
+def test_only_lower_priority_rows_are_preempted() -> None:
+    h = Harness(max_batch_size=2, enable_preemption=True)
+    h.submit("vip", prompt=[100], max_tokens=40, priority=5)
+    for _ in range(6):
+        h.tick()
+    h.submit("low", prompt=[500], max_tokens=40)
+    h.tick()
+    # An equal-priority arrival preempts nobody; a priority-5 one evicts `low`, not `vip`
+    # (although vip has generated more).
+    h.submit("peer", prompt=[700], max_tokens=2, priority=0)
+    for _ in range(3):
+        h.tick()
+    assert h.sched.stats.preemptions == 0
+    assert h.seqs["peer"].status is SequenceStatus.QUEUED
+    h.submit("vip2", prompt=[800], max_tokens=2, priority=5)
+    h.tick()
+    assert h.sched.stats.preemptions == 1
+    assert h.seqs["low"].status is SequenceStatus.QUEUED
+    assert h.seqs["vip"].status is SequenceStatus.DECODING
+    h.run()
+    assert h.tokens("low") == list(range(501, 541))
+
+
+def test_preemption_is_off_by_default() -> None:
+    h = Harness(max_batch_size=1)
+    h.submit("low", prompt=[100], max_tokens=10)
+    h.tick()
+    h.submit("high", prompt=[500], max_tokens=2, priority=9)
+    order = _run_recording_finish_order(h)
+    assert order == ["low", "high"]
+    assert h.sched.stats.preemptions == 0
+
+
+def test_two_high_arrivals_preempt_two_victims() -> None:
+    h = Harness(max_batch_size=2, enable_preemption=True)
+    h.submit("l1", prompt=[100], max_tokens=20)
+    h.submit("l2", prompt=[200], max_tokens=20)
+    for _ in range(3):
+        h.tick()
+    h.submit("h1", prompt=[300], max_tokens=3, priority=1)
+    h.submit("h2", prompt=[400], max_tokens=3, priority=1)
+    order = _run_recording_finish_order(h)
+    assert set(order[:2]) == {"h1", "h2"}
+    assert h.sched.stats.preemptions == 2
+    assert h.tokens("l1") == list(range(101, 121))
+    assert h.tokens("l2") == list(range(201, 221))
+
+
+# -- preemption: the victim keeps its tokens and is re-prefilled ---------------------------
+
+
+def test_the_victim_keeps_its_tokens_and_is_re_prefilled_with_prompt_plus_generated() -> None:
+    h = Harness(max_batch_size=1, enable_preemption=True, prefill_chunk_size=4)
+    recorder = Recorder()
+    h.sched.observer = recorder
+    prompt = list(range(100, 110))
+    h.submit("low", prompt=prompt, max_tokens=12)
+    for _ in range(8):
+        h.tick()
+    streamed_before = h.tokens("low")
+    assert 0 < len(streamed_before) < 11
+    h.submit("high", prompt=[500], max_tokens=3, priority=1)
+    h.tick()
+    low = h.seqs["low"]
+    assert low.status is SequenceStatus.QUEUED and low.engine_seq is None
+    # The step in flight is read before the eviction: its token is kept and streamed.
+    kept = list(low.output_token_ids)
+    assert kept == h.tokens("low") == [*streamed_before, streamed_before[-1] + 1]
+    assert low.num_computed == 0 and low.preemptions == 1
+    assert h.sched.queue_depth == 1  # re-queued
+    assert h.engine.live == {"high"}
+    forwards_before = len(h.engine.forwards)
+    order = _run_recording_finish_order(h)
+    assert order == ["high", "low"]
+    # Re-admitted as a new engine sequence, prefilled from position 0 with prompt + generated,
+    # in chunks aligned to 4, sampling only on the last chunk.
+    assert h.engine.added == ["low", "high", "low"]
+    refed = [
+        tokens
+        for f in h.engine.forwards[forwards_before:]
+        for seq_id, tokens in f.rows
+        if seq_id == "low" and tokens is not None
+    ]
+    assert [t for chunk in refed for t in chunk] == prompt + kept
+    assert [len(c) for c in refed[:-1]] == [4] * (len(refed) - 1)
+    # It continues exactly as if never interrupted: 12 consecutive tokens, one final.
+    assert h.tokens("low") == list(range(110, 122))
+    final = h.final("low")
+    assert final.finish_reason is FinishReason.LENGTH
+    assert final.completion_tokens == 12 and final.prompt_tokens == 10
+    assert h.sched.queue_depth == 0 and h.engine.live == set()
+    low_events = [name for r, name, _ in recorder.events if r == "low"]
+    assert low_events.count("admitted") == 1
+    i = low_events.index("preempted")
+    assert low_events[i + 1] == "resumed"
+    assert ("low", "preempted", {"generated": len(kept)}) in recorder.events
+
+
+def test_a_victim_preempted_mid_prefill_restarts_its_prefill() -> None:
+    h = Harness(max_batch_size=1, enable_preemption=True, prefill_chunk_size=4)
+    h.submit("low", prompt=list(range(100, 120)), max_tokens=3)
+    h.tick()
+    h.tick()
+    assert h.seqs["low"].status is SequenceStatus.PREFILLING
+    h.submit("high", prompt=[500], max_tokens=2, priority=1)
+    order = _run_recording_finish_order(h)
+    assert order == ["high", "low"]
+    assert chunk_lengths(h, "low") == [4, 4] + [4] * 5
+    assert h.tokens("low") == [120, 121, 122]
