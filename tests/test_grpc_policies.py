@@ -109,7 +109,8 @@ async def test_long_prefill_is_interleaved_with_decode_steps(chunked_server) -> 
     chunks = -(-prompt_tokens // CHUNK)
     for request_id, times in arrivals.items():
         inside = [t for t in times if sent < t < first_token]
-        assert len(inside) >= 2, (
+        # One decode step per chunk: a token per chunk (the last may race the long's token).
+        assert len(inside) >= max(2, chunks - 2), (
             f"{request_id} got {len(inside)} tokens during the {window:.1f} s prefill "
             f"of {chunks} chunks"
         )
