@@ -77,6 +77,8 @@ class ServerConfig:
             raise ConfigError("--kv-admission-watermark must be within [0, 0.5]")
         if self.ctx_size is not None and self.ctx_size <= 0:
             raise ConfigError("--ctx-size must be positive")
+        if self.ctx_size is not None:
+            self.slot_context(self.ctx_size)  # refuses slots under 512 tokens before loading
         if self.default_max_tokens < 1:
             raise ConfigError("--default-max-tokens must be at least 1")
 

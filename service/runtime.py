@@ -22,6 +22,7 @@ from service.telemetry.telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 PAGED_BLOCK_SIZE = 16
+DETERMINISTIC_CHUNK = 2048
 
 _SLOT_STATE = {
     SequenceStatus.PREFILLING: pb.SLOT_STATE_PREFILLING,
@@ -73,8 +74,14 @@ class Runtime:
                 max_batch_size=cfg.batch_size,
                 max_queue_depth=cfg.max_queue_depth,
                 slot_context=self.slot_context,
-                prefill_chunk_size=cfg.prefill_chunk_size,
-                max_batch_prefill=1 if cfg.no_batch else cfg.max_batch_prefill,
+                # Deterministic mode: the prefill plan must not depend on what else runs, so the
+                # chunk size is fixed and every prompt is prefilled alone.
+                prefill_chunk_size=(
+                    cfg.prefill_chunk_size
+                    if cfg.prefill_chunk_size is not None or not cfg.deterministic
+                    else DETERMINISTIC_CHUNK
+                ),
+                max_batch_prefill=1 if cfg.no_batch or cfg.deterministic else cfg.max_batch_prefill,
                 max_batch_prefill_tokens=cfg.max_batch_prefill_tokens,
                 prefill_grant_interval=cfg.prefill_grant_interval,
                 enable_preemption=cfg.enable_preemption,

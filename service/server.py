@@ -63,7 +63,9 @@ async def serve(config: ServerConfig) -> None:
         {load, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
     )
     if load in done:
-        load.result()  # a failed load ends the server with its error
+        if load.exception() is not None:
+            await server.stop(0)  # a failed load ends the server with its error
+            raise load.exception()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", address=address)

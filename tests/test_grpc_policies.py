@@ -90,7 +90,7 @@ async def test_long_prefill_is_interleaved_with_decode_steps(chunked_server) -> 
                 lambda: all(len(a) >= 3 for a in arrivals.values()), 120, "4 decoding streams"
             )
             sent = time.monotonic()
-            first_token = None
+            first_token, prompt_tokens = None, 0
             long_request = chat_request(LONG_PROMPT, max_tokens=1, request_id="long-prompt")
             async for message in stub.StreamGenerate(to_stream(long_request), timeout=300):
                 if message.token_ids and first_token is None:
@@ -164,6 +164,7 @@ def test_deterministic_cli_equals_the_server(chunked_server) -> None:
 @pytest.mark.parametrize(
     ("policy", "low_priorities", "victim"),
     [("longest-first", (0, 0), "low-0"), ("lowest-priority", (0, -1), "low-1")],
+    ids=["longest-first", "lowest-priority"],
 )
 async def test_high_priority_arrival_preempts_and_the_victim_output_is_unchanged(
     policy: str, low_priorities: tuple[int, int], victim: str

@@ -348,8 +348,8 @@ class Scheduler:
 
     def _reserve_decode_blocks(self) -> None:
         """Each decoding row needs a slot for its next token before the forward. Short of
-        blocks (cold prefixes are evicted by the pool first), preempt the running sequence with
-        the least progress until the rest fit."""
+        blocks (cold prefixes are evicted by the pool first), preempt the lowest-priority
+        running sequence with the least progress until the rest fit."""
         while True:
             decoding = [s for s in self._running if s.status is SequenceStatus.DECODING]
             free = self.engine.free_blocks()
@@ -358,7 +358,10 @@ class Scheduler:
             needed = sum(self.engine.blocks_needed(s.engine_seq, 1) for s in decoding)
             if needed <= free or len(self._running) <= 1:
                 break
-            victim = min(self._running, key=lambda s: (s.num_generated, -s.arrival_order))
+            victim = min(
+                self._running,
+                key=lambda s: (s.request.priority, s.num_generated, -s.arrival_order),
+            )
             log.info("KV blocks short: preempting", request_id=victim.request_id)
             self.preempt(victim)
         for seq in decoding:
