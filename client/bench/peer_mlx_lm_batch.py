@@ -7,14 +7,13 @@ MLX is only imported there. Burst plans only: one `batch_generate` call per roun
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from client.bench.metrics import LevelResult
-from client.bench.peer_raw import levels_from_json, run_subprocess_peer
+from client.bench.peer_raw import levels_from_json, run_subprocess_peer, subprocess_main
 from client.bench.workload import Plan
 
 NAME = "mlx-lm-batch"
@@ -122,12 +121,7 @@ def measure(
 
 
 def main() -> int:
-    request = json.loads(sys.stdin.read())
-    results_out, sys.stdout = sys.stdout, sys.stderr  # stray prints must not corrupt the JSON
-    plan = Plan.from_dict(request["plan"])
-    levels = measure(plan, request.get("model"), request["load_format"], request.get("dtype"))
-    results_out.write(json.dumps({"levels": levels}) + "\n")
-    return 0
+    return subprocess_main(measure)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -31,15 +30,17 @@ from pathlib import Path
 
 from client.bench.metrics import LevelResult, RequestRecord
 from client.bench.runner import run_plan
-from client.bench.server import REPO_ROOT, free_port, mlx_env
+from client.bench.server import ManagedProcess, free_port
 from client.bench.workload import Plan, RequestSpec
 
 NAME = "mlx-lm"
 Progress = Callable[[str], None]
 
 
-class MlxLmServerProcess:
+class MlxLmServerProcess(ManagedProcess):
     """The launcher as a subprocess; ready once GET /health answers and a request went through."""
+
+    stop_signal = signal.SIGINT  # its serve_forever ends on KeyboardInterrupt
 
     def __init__(
         self,
@@ -54,7 +55,7 @@ class MlxLmServerProcess:
         self.port = free_port()
         self.host = "127.0.0.1"
         launcher = ["--backlog", "1024"] + (["--ignore-eos"] if ignore_eos else [])
-        self.command = [
+        command = [
             sys.executable,
             "-m",
             "client.bench.peer_mlx_lm_server",
@@ -70,26 +71,9 @@ class MlxLmServerProcess:
             str(decode_concurrency),
             *extra_args,
         ]
-        self.log_path = log_path
-        self.ready_timeout = ready_timeout
-        self._proc: subprocess.Popen[bytes] | None = None
+        super().__init__(command, log_path=log_path, ready_timeout=ready_timeout)
 
-    def start(self) -> None:
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        try:
-            self._proc = subprocess.Popen(
-                self.command, cwd=REPO_ROOT, env=mlx_env(), stdout=log, stderr=subprocess.STDOUT
-            )
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self) -> None:
+    def _wait_ready(self) -> None:
         assert self._proc is not None
         deadline = time.monotonic() + self.ready_timeout
         url = f"http://{self.host}:{self.port}/health"
@@ -108,22 +92,6 @@ class MlxLmServerProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"mlx_lm.server not healthy after {self.ready_timeout}s")
             time.sleep(0.25)
-
-    def stop(self, grace: float = 15.0) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGINT)  # its serve_forever ends on KeyboardInterrupt
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def log_tail(self, lines: int = 20) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 class HttpTarget:

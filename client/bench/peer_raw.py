@@ -205,13 +205,20 @@ def measure(plan: Plan, model_name: str | None, load_format: str, dtype: str | N
     return levels
 
 
-def main() -> int:
+def subprocess_main(measure_levels: Callable[..., list[dict[str, Any]]]) -> int:
+    """A peer process's entry point: the request JSON on stdin, the levels JSON on stdout."""
     request = json.loads(sys.stdin.read())
     results_out, sys.stdout = sys.stdout, sys.stderr  # stray prints must not corrupt the JSON
     plan = Plan.from_dict(request["plan"])
-    levels = measure(plan, request.get("model"), request["load_format"], request.get("dtype"))
+    levels = measure_levels(
+        plan, request.get("model"), request["load_format"], request.get("dtype")
+    )
     results_out.write(json.dumps({"levels": levels}) + "\n")
     return 0
+
+
+def main() -> int:
+    return subprocess_main(measure)
 
 
 if __name__ == "__main__":

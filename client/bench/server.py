@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from client.client import GenerationClient
 
@@ -40,19 +41,17 @@ def mlx_env() -> dict[str, str]:
     return env
 
 
-class ServerProcess:
-    """`python -m service --port P` as a subprocess, SERVING on entry, stopped on exit."""
+_Process = TypeVar("_Process", bound="ManagedProcess")
 
-    def __init__(
-        self,
-        extra_args: Sequence[str] = (),
-        *,
-        log_path: Path | None = None,
-        ready_timeout: float = 180.0,
-    ) -> None:
-        self.port = free_port()
-        self.target = f"localhost:{self.port}"
-        self.command = [sys.executable, "-m", "service", "--port", str(self.port), *extra_args]
+
+class ManagedProcess:
+    """A server subprocess with its log file: started (and ready) on entry, stopped on exit.
+    Subclasses set `command` and say what "ready" means (`_wait_ready`)."""
+
+    stop_signal = signal.SIGTERM
+
+    def __init__(self, command: list[str], *, log_path: Path | None, ready_timeout: float) -> None:
+        self.command = command
         self.log_path = log_path
         self.ready_timeout = ready_timeout
         self._proc: subprocess.Popen[bytes] | None = None
@@ -67,12 +66,59 @@ class ServerProcess:
             if log is not subprocess.DEVNULL:
                 log.close()  # the child keeps its own descriptor
         try:
-            self._wait_serving()
+            self._wait_ready()
         except BaseException:
             self.stop()
             raise
 
-    def _wait_serving(self) -> None:
+    def _wait_ready(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, grace: float = 30.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(self.stop_signal)  # lets the server drain and exit cleanly
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self: _Process) -> _Process:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class ServerProcess(ManagedProcess):
+    """`python -m service --port P` as a subprocess, SERVING on entry, stopped on exit."""
+
+    def __init__(
+        self,
+        extra_args: Sequence[str] = (),
+        *,
+        log_path: Path | None = None,
+        ready_timeout: float = 180.0,
+    ) -> None:
+        self.port = free_port()
+        self.target = f"localhost:{self.port}"
+        command = [sys.executable, "-m", "service", "--port", str(self.port), *extra_args]
+        super().__init__(command, log_path=log_path, ready_timeout=ready_timeout)
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
         with GenerationClient(self.target) as client:
             while True:
@@ -87,31 +133,3 @@ class ServerProcess:
                     if time.monotonic() >= deadline:
                         self.stop()
                         raise
-
-    def stop(self, grace: float = 30.0) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)  # lets the server drain and exit cleanly
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def log_tail(self, lines: int = 20) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def __enter__(self) -> ServerProcess:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
