@@ -41,8 +41,24 @@ class RequestRecord:
     error: str | None = None
 
 
+class LevelKey:
+    """What names a level: its concurrency (burst/closed) or its Poisson rate."""
+
+    concurrency: int | None
+    rate: float | None
+
+    @property
+    def label(self) -> str:
+        return f"C={self.concurrency}" if self.rate is None else f"rate={self.rate:g}/s"
+
+    @property
+    def x(self) -> float:
+        """The level's value on a plot's x axis."""
+        return float(self.rate if self.rate is not None else self.concurrency or 0)
+
+
 @dataclass
-class LevelResult:
+class LevelResult(LevelKey):
     """One level (a concurrency, or a Poisson rate) of one target."""
 
     target: str
@@ -55,14 +71,6 @@ class LevelResult:
     # Targets that only report totals (the in-process peers) set these directly.
     completion_tokens_total: int | None = None
     request_count: int | None = None
-
-    @property
-    def label(self) -> str:
-        return f"C={self.concurrency}" if self.rate is None else f"rate={self.rate:g}/s"
-
-    @property
-    def x(self) -> float:
-        return float(self.rate if self.rate is not None else self.concurrency or 0)
 
     @property
     def completion_tokens(self) -> int:

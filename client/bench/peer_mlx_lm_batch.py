@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from client.bench.metrics import LevelResult
-from client.bench.peer_raw import levels_from_json, run_subprocess_peer, subprocess_main
+from client.bench.peer_raw import run_peer_module, subprocess_main
 from client.bench.workload import Plan
 
 NAME = "mlx-lm-batch"
@@ -27,10 +27,11 @@ def run_peer(
     load_format: str,
     dtype: str | None,
 ) -> list[LevelResult]:
-    payload = {"plan": plan.to_dict(), "model": model, "load_format": load_format, "dtype": dtype}
-    results = run_subprocess_peer("client.bench.peer_mlx_lm_batch", NAME, payload, progress)
-    levels = [levels_from_json(NAME, level) for level in results["levels"]]
-    for level, raw in zip(levels, results["levels"], strict=True):
+    args = {"model": model, "load_format": load_format, "dtype": dtype}
+    levels, raw_levels = run_peer_module(
+        "client.bench.peer_mlx_lm_batch", NAME, plan, progress, **args
+    )
+    for level, raw in zip(levels, raw_levels, strict=True):
         level.completion_tokens_total = raw["completion_tokens"]
         level.request_count = raw["request_count"]
     return levels

@@ -62,6 +62,22 @@ def run_subprocess_peer(
     return json.loads("".join(stdout_chunks).splitlines()[-1])
 
 
+def run_peer_module(
+    module: str,
+    name: str,
+    plan: Plan,
+    progress: Callable[[str], None],
+    *,
+    model: str | None,
+    load_format: str,
+    dtype: str | None,
+) -> tuple[list[LevelResult], list[dict[str, Any]]]:
+    """Run a peer module in its own process on the plan; its levels, and the raw JSON levels."""
+    payload = {"plan": plan.to_dict(), "model": model, "load_format": load_format, "dtype": dtype}
+    raw = run_subprocess_peer(module, name, payload, progress)["levels"]
+    return [levels_from_json(name, level) for level in raw], raw
+
+
 def run_peer(
     plan: Plan,
     progress: Callable[[str], None],
@@ -70,9 +86,8 @@ def run_peer(
     load_format: str,
     dtype: str | None,
 ) -> list[LevelResult]:
-    payload = {"plan": plan.to_dict(), "model": model, "load_format": load_format, "dtype": dtype}
-    results = run_subprocess_peer("client.bench.peer_raw", NAME, payload, progress)
-    return [levels_from_json(NAME, level) for level in results["levels"]]
+    args = {"model": model, "load_format": load_format, "dtype": dtype}
+    return run_peer_module("client.bench.peer_raw", NAME, plan, progress, **args)[0]
 
 
 def levels_from_json(name: str, level: dict[str, Any]) -> LevelResult:

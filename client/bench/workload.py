@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from client.bench.metrics import LevelKey
+
 # Varied user questions so the batch is not one prompt repeated (prefix caching and
 # identical rows would flatter the numbers); lengths differ a little, as in real traffic.
 DEFAULT_PROMPTS: tuple[str, ...] = (
@@ -163,7 +165,7 @@ class RequestSpec:
 
 
 @dataclass
-class LevelPlan:
+class LevelPlan(LevelKey):
     """One level: a concurrency (burst/closed) or a rate (poisson)."""
 
     arrival: str
@@ -172,15 +174,6 @@ class LevelPlan:
     # burst: one list per round; closed and poisson: a single list.
     batches: list[list[RequestSpec]]
     warmup: list[list[RequestSpec]] = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        return f"C={self.concurrency}" if self.rate is None else f"rate={self.rate:g}/s"
-
-    @property
-    def x(self) -> float:
-        """The level's value on a plot's x axis."""
-        return float(self.rate if self.rate is not None else self.concurrency or 0)
 
     @property
     def requests(self) -> list[RequestSpec]:
