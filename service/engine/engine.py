@@ -164,11 +164,8 @@ class Engine:
     def _reserve_blocks(self, rows: list[StepRow], lengths: list[int]) -> None:
         """Paged storage: every row's new positions need slots before the forward. Idempotent,
         so blocks a scheduler reserved ahead are not reserved twice."""
-        ensure = getattr(self.storage, "ensure_reserved", None)
-        if ensure is None:
-            return
         for r, n in zip(rows, lengths):
-            if not ensure(r.seq.kv, r.seq.num_cached + n):
+            if not self.reserve(r.seq, n):
                 raise OutOfBlocksError(f"no free KV block for {r.seq.seq_id}")
 
     # -- forwards --------------------------------------------------------------------
