@@ -27,6 +27,28 @@ _FINISH = {
 BACKEND_ERROR = "inference backend error"
 
 
+class LoopSink:
+    """Hands a request's outputs from the scheduler thread to its RPC task's queue. The
+    scheduler delivers all sinks of one event loop together (`deliver_all`): one thread-safe
+    wake-up of the loop per tick, not one per request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.batch_key = loop
+        self.queue = queue
+
+    def __call__(self, outputs: list[StepOutput]) -> None:
+        self.batch_key.call_soon_threadsafe(self.queue.put_nowait, outputs)
+
+    @staticmethod
+    def deliver_all(items: list[tuple[LoopSink, list[StepOutput]]]) -> None:
+        items[0][0].batch_key.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[LoopSink, list[StepOutput]]]) -> None:
+    for sink, outputs in items:
+        sink.queue.put_nowait(outputs)
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -104,11 +126,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
             )
         bound = log.bind(request_id=req.request_id)
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
-
-        def sink(batch: list[StepOutput]) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, batch)
+        sink = LoopSink(asyncio.get_running_loop(), outputs)
 
         seq = Sequence(req, sink)
         telemetry = rt.telemetry

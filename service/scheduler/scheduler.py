@@ -28,6 +28,7 @@ from service.scheduler.detokenizer import IncrementalDetokenizer
 from service.scheduler.prefill_plan import PrefillPlan
 from service.scheduler.request import (
     FinishReason,
+    OutputSink,
     Sequence,
     SequenceStatus,
     StepOutput,
@@ -532,11 +533,20 @@ class Scheduler:
         self._outbox.setdefault(seq.sink, []).append(output)
 
     def _flush_outbox(self) -> None:
-        """Deliver one tick's outputs with one call per consumer (not one per token)."""
+        """Deliver one tick's outputs: one call per request, or one per group of sinks that
+        can be delivered together (all RPCs of one event loop: a single wake-up)."""
         outbox, self._outbox = self._outbox, {}
+        groups: dict[object, list[tuple[OutputSink, list[StepOutput]]]] = {}
         for sink, outputs in outbox.items():
+            groups.setdefault(getattr(sink, "batch_key", sink), []).append((sink, outputs))
+        for items in groups.values():
+            sink = items[0][0]
             try:
-                sink(outputs)
+                if len(items) > 1 and hasattr(sink, "deliver_all"):
+                    sink.deliver_all(items)  # e.g. one event-loop wake-up for all its RPCs
+                else:
+                    for each, outputs in items:
+                        each(outputs)
             except Exception:
                 log.exception("delivering outputs failed")
         self.stats.active_sequences = len(self._running)
