@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import structlog
 
-from service.engine.engine import Engine, PendingStep, RowResult, StepRow
+from service.engine.engine import Engine, EngineSequence, PendingStep, RowResult, StepRow
 from service.scheduler.detokenizer import IncrementalDetokenizer
 from service.scheduler.prefill_plan import PrefillPlan
 from service.scheduler.request import (
@@ -239,7 +239,7 @@ class Scheduler:
         )
         tokens = seq.all_token_ids
         cached = self.engine.adopt_prefix(engine_seq, tokens) if req.cache_prompt else 0
-        if not self._kv_admits(engine_seq, len(tokens) - cached):
+        if not self._reserve_prompt_blocks(engine_seq, len(tokens) - cached):
             self.engine.release(engine_seq)
             return False
         seq.engine_seq = engine_seq
@@ -254,7 +254,7 @@ class Scheduler:
         seq.num_computed = cached
         return True
 
-    def _kv_admits(self, engine_seq, num_tokens: int) -> bool:
+    def _reserve_prompt_blocks(self, engine_seq: EngineSequence, num_tokens: int) -> bool:
         """Reserve the prompt's blocks now (prefill chunks then never run out); while a batch
         decodes, keep --kv-admission-watermark of the pool free for the running rows."""
         free = self.engine.free_blocks()
