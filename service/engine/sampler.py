@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -71,6 +72,26 @@ class RowSamplerState:
         self.generated_counts[token_id] += 1
 
 
+def _per_row(
+    logits: mx.array,
+    states: list[RowSamplerState],
+    applies: Callable[[SamplingParams], bool],
+    transform: Callable[[mx.array, RowSamplerState], mx.array],
+) -> mx.array:
+    """Transform only the rows whose parameters ask for it; the others stay bit-identical."""
+    if not any(applies(s.params) for s in states):
+        return logits
+    return mx.stack(
+        [transform(logits[i], s) if applies(s.params) else logits[i] for i, s in enumerate(states)]
+    )
+
+
+def _apply_bias(row: mx.array, state: RowSamplerState) -> mx.array:
+    bias = state.params.logit_bias
+    ids = mx.array([t for t, _ in bias])
+    return row.at[ids].add(mx.array([b for _, b in bias], dtype=mx.float32))
+
+
 def _apply_penalties(row: mx.array, state: RowSamplerState) -> mx.array:
     p = state.params
     if p.repetition_penalty != 1.0:
@@ -113,24 +134,8 @@ def _filter(logits: mx.array, top_k: int, top_p: float, min_p: float) -> mx.arra
 def sample(logits: mx.array, states: list[RowSamplerState]) -> tuple[mx.array, mx.array]:
     """Draw one token per row. Returns (tokens [B] int32, processed logits [B, V] float32)."""
     logits = logits.astype(mx.float32)
-    biased = [i for i, s in enumerate(states) if s.params.logit_bias]
-    if biased:
-        rows = []
-        for i, s in enumerate(states):
-            if not s.params.logit_bias:
-                rows.append(logits[i])
-                continue
-            ids = mx.array([t for t, _ in s.params.logit_bias])
-            vals = mx.array([b for _, b in s.params.logit_bias], dtype=mx.float32)
-            rows.append(logits[i].at[ids].add(vals))
-        logits = mx.stack(rows)
-    if any(s.params.has_penalties for s in states):
-        logits = mx.stack(
-            [
-                _apply_penalties(logits[i], s) if s.params.has_penalties else logits[i]
-                for i, s in enumerate(states)
-            ]
-        )
+    logits = _per_row(logits, states, lambda p: bool(p.logit_bias), _apply_bias)
+    logits = _per_row(logits, states, lambda p: p.has_penalties, _apply_penalties)
 
     groups: dict[tuple[float, float, int, float], list[int]] = {}
     for i, s in enumerate(states):
