@@ -31,6 +31,8 @@ class ServerConfig:
     preemption_policy: str = "longest-first"
     no_batch: bool = False
     decode_storage_backend: str = "auto"
+    shape_buckets: str = "auto"
+    decode_attention: str = "auto"
     kv_cache_budget: str = "auto"
     kv_admission_watermark: float = 0.01
     ctx_size: int | None = None
@@ -73,6 +75,10 @@ class ServerConfig:
             raise ConfigError("--preemption-policy must be longest-first or lowest-priority")
         if self.decode_storage_backend not in ("auto", "dense", "paged"):
             raise ConfigError("--decode-storage-backend must be auto, dense or paged")
+        if self.decode_attention not in ("auto", "direct", "gather"):
+            raise ConfigError("--decode-attention must be auto, direct or gather")
+        if self.shape_buckets not in ("auto", "on", "off"):
+            raise ConfigError("--shape-buckets must be auto, on or off")
         if not 0.0 <= self.kv_admission_watermark <= 0.5:
             raise ConfigError("--kv-admission-watermark must be within [0, 0.5]")
         if self.ctx_size is not None and self.ctx_size <= 0:
@@ -171,6 +177,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-storage-backend",
         default=_env("decode_storage_backend", d.decode_storage_backend),
         help="auto | dense | paged",
+    )
+    a(
+        "--decode-attention",
+        default=_env("decode_attention", d.decode_attention),
+        help="auto (direct with CUDA and paged storage) | direct | gather",
+    )
+    a(
+        "--shape-buckets",
+        default=_env("shape_buckets", d.shape_buckets),
+        help="pad prefill forwards to a few lengths: auto (on with CUDA) | on | off",
     )
     a(
         "--kv-cache-budget",

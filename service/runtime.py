@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 
 from mlxserve.v1 import generation_pb2 as pb
 from service.config import ConfigError, ServerConfig
+from service.engine import paged_attention
 from service.engine.engine import Engine, EngineSequence
 from service.engine.kv_dense import DenseKVStorage
 from service.engine.kv_paged import PagedKVStorage
@@ -66,6 +67,9 @@ class Runtime:
             storage,
             lm.num_layers,
             batched=not cfg.no_batch,
+            shape_buckets=cfg.shape_buckets == "on"
+            or (cfg.shape_buckets == "auto" and mx.cuda.is_available()),
+            direct_decode=self._direct_decode(lm, storage),
             fault_injector=fault_injector_from_env(),
         )
         self.scheduler = Scheduler(
@@ -104,12 +108,32 @@ class Runtime:
             dtype=str(lm.dtype),
             layers=lm.num_layers,
             decode_path=self.engine.decode_path,
+            shape_buckets=self.engine.shape_buckets,
+            decode_attention="direct" if self.engine.direct_decode else "gather",
             storage_backend=storage.name,
             max_batch_size=cfg.batch_size,
             slot_context=self.slot_context,
             seconds=round(time.monotonic() - started, 2),
         )
         self.serving = True
+
+    def _direct_decode(self, lm: LoadedModel, storage: object) -> bool:
+        """--decode-attention: auto reads the paged pool directly where the CUDA kernel runs
+        (elsewhere the MLX-ops reference would be slower than gathering)."""
+        choice = self.config.decode_attention
+        if choice == "gather":
+            return False
+        usable = (
+            isinstance(storage, PagedKVStorage)
+            and paged_attention.kernel_supports(lm.head_dim)
+            and paged_attention.install(lm.model)
+        )
+        if choice == "direct" and not usable:
+            raise ConfigError(
+                "--decode-attention direct needs the paged backend, a llama-family model and a "
+                f"head dim that is a multiple of 32 (got {lm.architecture}, {lm.head_dim})"
+            )
+        return usable and (choice == "direct" or paged_attention.kernel_available())
 
     def _make_storage(self, lm: LoadedModel) -> DenseKVStorage | PagedKVStorage:
         """`auto` is paged: the batch view serves every mlx-lm attention model through it."""

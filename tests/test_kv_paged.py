@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models import llama
 
 from service.engine.batch_view import StepLayout, make_views
-from service.engine.engine import Engine, StepRow
+from service.engine.engine import Engine, StepRow, shape_bucket
 from service.engine.kv_dense import DenseKVStorage
 from service.engine.kv_paged import OutOfBlocksError, PagedKVStorage
 from service.engine.sampler import SamplingParams
@@ -18,6 +18,10 @@ LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 256
 
 @pytest.fixture(scope="module")
 def model() -> llama.Model:
+    return tiny_llama()
+
+
+def tiny_llama() -> llama.Model:
     mx.random.seed(7)
     args = llama.ModelArgs(
         model_type="llama",
@@ -97,6 +101,30 @@ def test_paged_matches_dense_tokens_batched_and_alone(model):
                 assert storage.stats().num_active_blocks == 0
         assert outs["paged"] == outs["dense"], f"batched={batched}"
         assert all(len(o) == 21 for o in outs["paged"])
+
+
+def test_shape_bucket_rounds_up_to_few_lengths():
+    assert [shape_bucket(n) for n in (2, 16, 17, 33, 1000, 1024, 1025, 3000)] == [
+        16, 16, 32, 64, 1024, 1024, 2048, 3072,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["dense", "paged"])
+def test_shape_buckets_give_the_same_tokens(model, kind):
+    """Prefill padded to bucket lengths (masked tail, writes to the scratch slot) must not
+    change a single token, batched or alone, with a prefix adopted or not."""
+    outs = {}
+    for buckets in (False, True):
+        storage = dense() if kind == "dense" else paged()
+        engine = Engine(model, storage, LAYERS, shape_buckets=buckets)
+        seqs, out = generate(engine, PROMPTS, tag=f"b{buckets}")
+        alone = [generate(engine, [p], tag=f"a{i}")[1][0] for i, p in enumerate(PROMPTS)]
+        tokens = prompt(4, 37)
+        _, split = run_split(engine, tokens, 16, 6, adopt=False)
+        outs[buckets] = (out, alone, split)
+        for s in seqs:
+            engine.release(s)
+    assert outs[True] == outs[False]
 
 
 def _forward_logits(model, storage, handles, starts, rows):

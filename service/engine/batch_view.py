@@ -32,6 +32,10 @@ class StepLayout:
     handles: list[Any]  # storage-specific per-sequence handles
     starts: list[int]
     lengths: list[int]
+    # Shape buckets: pad the step to at least this many new tokens per row (width) and this
+    # many key positions (span); the padding is masked out. See Engine's shape_buckets.
+    pad_width: int = 0
+    pad_span: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -39,11 +43,20 @@ class StepLayout:
 
     @property
     def width(self) -> int:
-        return max(self.lengths)
+        return max(max(self.lengths), self.pad_width)
 
     @property
     def total_lengths(self) -> list[int]:
         return [s + n for s, n in zip(self.starts, self.lengths)]
+
+    @property
+    def span(self) -> int:
+        """Key positions attention sees: the longest row's, or the bucket's when padded."""
+        return max(max(self.total_lengths), self.pad_span)
+
+    @property
+    def padded(self) -> bool:
+        return self.width > max(self.lengths) or self.span > max(self.total_lengths)
 
 
 class BatchView:
@@ -59,8 +72,20 @@ class BatchView:
     def offset(self) -> int | mx.array:
         return self._shared.offset
 
+    @property
+    def direct(self) -> bool:
+        """True when this step's attention reads the pool directly (`attend`): then
+        `update_and_fetch` returns the written pool arrays, not gathered K/V."""
+        return self._shared.direct
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._shared.direct:
+            return self._storage.write(self._layer, self._layout, keys, values)
         return self._storage.write_and_gather(self._layer, self._layout, keys, values)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
+        """Attention for a direct step (called through service.engine.paged_attention)."""
+        return self._storage.attend(self._layer, self._layout, queries, keys, values, scale)
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None
@@ -77,16 +102,24 @@ class BatchView:
 class _StepShared:
     """RoPE offsets and the attention mask, computed once per step for all layers."""
 
-    def __init__(self, layout: StepLayout) -> None:
+    def __init__(self, layout: StepLayout, direct: bool = False) -> None:
         b, n = layout.batch_size, layout.width
-        if b == 1:
-            # A single row needs no padding: plain int offset and the fused causal mask,
-            # exactly what a lone mlx-lm forward would use.
-            self.offset: int | mx.array = layout.starts[0]
-            self.mask: mx.array | str | None = "causal" if n > 1 else None
+        self.direct = direct
+        if direct:
+            # Attention reads each row up to its own length: no mask to build.
+            self.offset: int | mx.array = (
+                layout.starts[0] if b == 1 else mx.array(layout.starts, dtype=mx.int32)
+            )
+            self.mask: mx.array | str | None = None
+            return
+        if b == 1 and not layout.padded:
+            # A single unpadded row: plain int offset and the fused causal mask, exactly what
+            # a lone mlx-lm forward would use.
+            self.offset = layout.starts[0]
+            self.mask = "causal" if n > 1 else None
             return
         self.offset = mx.array(layout.starts, dtype=mx.int32)
-        total = max(layout.total_lengths)
+        total = layout.span
         starts = mx.array(layout.starts)[:, None, None]
         ends = mx.array(layout.total_lengths)[:, None, None]
         query_pos = starts + mx.arange(n)[None, :, None]  # [B, N, 1]
@@ -94,6 +127,9 @@ class _StepShared:
         self.mask = ((key_pos <= query_pos) & (key_pos < ends))[:, None]  # [B, 1, N, T]
 
 
-def make_views(storage: KVStorage, layout: StepLayout, num_layers: int) -> list[BatchView]:
-    shared = _StepShared(layout)
+def make_views(
+    storage: KVStorage, layout: StepLayout, num_layers: int, direct: bool = False
+) -> list[BatchView]:
+    """One view per layer; direct = attention reads the paged pool itself (decode steps)."""
+    shared = _StepShared(layout, direct)
     return [BatchView(storage, layout, layer, shared) for layer in range(num_layers)]

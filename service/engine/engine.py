@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
+from service.engine import paged_attention
 from service.engine.batch_view import KVStorage, StepLayout, make_views
 from service.engine.kv_paged import OutOfBlocksError
 from service.engine.sampler import RowSamplerState, SamplingParams, sample
@@ -38,7 +39,8 @@ class EngineSequence:
     kv: Any
     sampler: RowSamplerState
     num_cached: int = 0  # tokens whose K/V are stored
-    next_input: mx.array | None = None  # token sampled by the last step, maybe not yet read
+    # The token the last step sampled, maybe not yet read: (that step's [S] tokens, our row).
+    next_input: tuple[mx.array, int] | None = None
     top_logprobs: int = 0
     want_logprobs: bool = False
 
@@ -50,7 +52,7 @@ class StepRow:
     seq: EngineSequence
     tokens: Sequence[int] | None = None
     sample: bool = True
-    inputs: list[int] | mx.array | None = None  # resolved at submit; kept for a replay
+    inputs: list[int] | tuple[mx.array, int] | None = None  # resolved at submit; for a replay
 
 
 @dataclass
@@ -75,6 +77,14 @@ class PendingStep:
 FaultInjector = Callable[[EngineSequence], bool]
 
 
+def shape_bucket(n: int) -> int:
+    """Round a multi-token forward's length up: powers of two from 16 to 1024, then multiples
+    of 1024. Few distinct shapes means few per-shape attention plans (see Engine)."""
+    if n <= 1024:
+        return max(16, 1 << (n - 1).bit_length())
+    return -(-n // 1024) * 1024
+
+
 class Engine:
     def __init__(
         self,
@@ -83,13 +93,34 @@ class Engine:
         num_layers: int,
         *,
         batched: bool = True,
+        shape_buckets: bool = False,
+        overlap_steps: bool = False,
+        direct_decode: bool = False,
         fault_injector: FaultInjector | None = None,
     ) -> None:
+        """shape_buckets: pad multi-token forwards (prefill chunks) to `shape_bucket` lengths
+        with a masked tail. On MLX's CUDA backend the attention of such a forward builds a
+        cuDNN plan per distinct shape (~50 ms the first time, measured on an H200), so
+        unpadded prompts of new lengths would pay it on nearly every request.
+
+        overlap_steps: the scheduler may dispatch decode step N+1 before reading step N, as
+        mlx-lm's generate loop does. Step N+1's K/V writes then cannot update the pool in place
+        (step N still reads it), so MLX copies each layer's pool: worth it where the device is
+        fast and the host is the bottleneck (a GPU), not where memory bandwidth is (a CPU).
+
+        direct_decode: decode steps attend straight from the paged pool through each row's
+        slots (service.engine.paged_attention: a CUDA kernel, or MLX ops elsewhere) instead of
+        gathering padded K/V and masking it. Needs paged storage and a llama-family model."""
         self.model = model
         self.storage = storage
         self.num_layers = num_layers
         self.batched = batched
         self.decode_path = "batched" if batched else "per-row"
+        self.shape_buckets = shape_buckets
+        self.overlap_steps = overlap_steps
+        if direct_decode and not (hasattr(storage, "attend") and paged_attention.install(model)):
+            raise ValueError("direct decode attention needs paged storage and a llama-family model")
+        self.direct_decode = direct_decode
         self._fault_injector = fault_injector
         self._head = ModelHead(model)
 
@@ -180,14 +211,14 @@ class Engine:
             r.inputs = self._row_input(r)
         lengths = [len(r.inputs) if isinstance(r.inputs, list) else 1 for r in rows]
         self._reserve_blocks(rows, lengths)
-        width = max(lengths)
-        layout = StepLayout(
-            handles=[r.seq.kv for r in rows],
-            starts=[r.seq.num_cached for r in rows],
-            lengths=lengths,
-        )
-        tokens = mx.stack([self._pad_row(r.inputs, width) for r in rows])  # [B, N]
-        views = make_views(self.storage, layout, self.num_layers)
+        starts = [r.seq.num_cached for r in rows]
+        layout = StepLayout([r.seq.kv for r in rows], starts, lengths)
+        if self.shape_buckets and max(lengths) > 1:
+            layout.pad_width = shape_bucket(max(lengths))
+            layout.pad_span = shape_bucket(max(layout.total_lengths))
+        tokens = self._input_tokens(rows, layout.width)  # [B, N]
+        direct = self.direct_decode and layout.width == 1
+        views = make_views(self.storage, layout, self.num_layers, direct)
         hidden = self._head.hidden(tokens, views)  # [B, N, H]
         for r, n in zip(rows, lengths):
             r.seq.num_cached += n
@@ -197,7 +228,7 @@ class Engine:
             # Evaluating the last hidden state forces every layer's K/V write.
             pending = PendingStep(rows, [], None, None, None, hidden)
             return self.dispatch(pending) if dispatch else pending
-        if width == 1:
+        if layout.width == 1:
             last_hidden = hidden[mx.array(sampled), 0] if len(sampled) < len(rows) else hidden[:, 0]
         else:
             last = mx.array([lengths[i] - 1 for i in sampled])
@@ -214,7 +245,7 @@ class Engine:
                 top_ids = mx.argsort(-all_lp, axis=-1)[:, :k]
                 top = (top_ids, mx.take_along_axis(all_lp, top_ids, axis=-1))
         for j, i in enumerate(sampled):
-            rows[i].seq.next_input = drawn[j : j + 1]
+            rows[i].seq.next_input = (drawn, j)
         pending = PendingStep(rows, sampled, drawn, logprobs, top, None)
         return self.dispatch(pending) if dispatch else pending
 
@@ -264,7 +295,21 @@ class Engine:
 
     # -- helpers ---------------------------------------------------------------------
     @staticmethod
-    def _row_input(row: StepRow) -> list[int] | mx.array:
+    def _input_tokens(rows: list[StepRow], width: int) -> mx.array:
+        """The step's [B, width] input ids. A decode step whose rows all feed tokens of one
+        earlier step (the steady state) takes them with one op instead of B slices + a stack."""
+        refs = [r.inputs for r in rows]
+        if width == 1 and all(isinstance(x, tuple) for x in refs):
+            source = refs[0][0]
+            if all(x[0] is source for x in refs):
+                index = [x[1] for x in refs]
+                if index != list(range(source.shape[0])):
+                    source = source[mx.array(index)]
+                return source.astype(mx.int32)[:, None]
+        return mx.stack([Engine._pad_row(x, width) for x in refs])
+
+    @staticmethod
+    def _row_input(row: StepRow) -> list[int] | tuple[mx.array, int]:
         if row.tokens is not None:
             if len(row.tokens) == 0:
                 raise ValueError("a step row needs at least one token")
@@ -274,10 +319,11 @@ class Engine:
         return row.seq.next_input
 
     @staticmethod
-    def _pad_row(x: list[int] | mx.array, width: int) -> mx.array:
+    def _pad_row(x: list[int] | tuple[mx.array, int], width: int) -> mx.array:
         if isinstance(x, list):
             return mx.array(x + [0] * (width - len(x)), dtype=mx.int32)
-        x = x.astype(mx.int32)
+        source, j = x
+        x = source[j : j + 1].astype(mx.int32)
         return x if width == 1 else mx.concatenate([x, mx.zeros(width - 1, dtype=mx.int32)])
 
     def _check_faults(self, pending: PendingStep) -> None:

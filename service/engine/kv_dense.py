@@ -76,8 +76,7 @@ class DenseKVStorage:
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
         # keys/values: [B, kv_heads, N, head_dim]
-        totals = batch.total_lengths
-        width = max(totals)
+        width = batch.span
         out_k, out_v = [], []
         for i, seq in enumerate(batch.handles):
             start, n = batch.starts[i], batch.lengths[i]
@@ -85,7 +84,7 @@ class DenseKVStorage:
             k_store, v_store = seq.keys[layer], seq.values[layer]
             k_store[:, start : start + n] = keys[i, :, :n].astype(self.dtype)
             v_store[:, start : start + n] = values[i, :, :n].astype(self.dtype)
-            if batch.batch_size == 1:
+            if batch.batch_size == 1 and width == start + n:
                 return k_store[None, :, : start + n], v_store[None, :, : start + n]
             k_row, v_row = k_store[:, :width], v_store[:, :width]
             if k_row.shape[1] < width:

@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from service.engine.batch_view import StepLayout
+from service.engine.paged_attention import paged_decode_attention
 from service.kv.block_pool import KVCacheManager, KVCacheStats, SequenceBlocks
 
 
@@ -56,6 +57,8 @@ class _StepPlan:
     # [B, kv_heads, T] row of the pool viewed as [slots * kv_heads, head_dim] for each gathered
     # (position, head): slot * kv_heads + head (padding -> the scratch slot's rows).
     read: mx.array
+    slots: mx.array  # [B, T] slot of each position (padding -> scratch)
+    lengths: mx.array  # [B] positions each row attends to
 
 
 class PagedKVStorage:
@@ -178,17 +181,16 @@ class PagedKVStorage:
         return self.manager.stats()
 
     # -- the forward -----------------------------------------------------------------
-    def write_and_gather(
+    def write(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """Write the rows' new K/V ([B, kv_heads, N, head_dim]) into their slots and return
-        every row's positions 0..end-1 as [B, kv_heads, T, head_dim].
+        """Write the rows' new K/V ([B, kv_heads, N, head_dim]) into their slots; returns the
+        layer's pool arrays ([slots, kv_heads, head_dim]) as written.
 
         `store[idx] = x` replaces the pool in place only if, when the step is dispatched, no
         other array or queued task still references the pool's buffer; otherwise MLX copies
         the whole pool for that layer. So nothing here keeps a reference to a pool array
-        beyond the lazy graph, and a caller queueing step N+1 must let step N finish before
-        dispatching it (building N+1's graph earlier is fine)."""
+        beyond the lazy graph (see the engine's overlap_steps for the trade-off)."""
         plan = self._step_plan(layer, batch)
         b, _, n, _ = keys.shape
         new_k = keys.transpose(0, 2, 1, 3).reshape(b * n, self.kv_heads, self.head_dim)
@@ -196,6 +198,14 @@ class PagedKVStorage:
         k_store, v_store = self._keys[layer], self._values[layer]
         k_store[plan.write] = new_k.astype(self.dtype)
         v_store[plan.write] = new_v.astype(self.dtype)
+        return k_store, v_store
+
+    def write_and_gather(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """`write`, then every row's positions 0..end-1 as [B, kv_heads, T, head_dim]."""
+        k_store, v_store = self.write(layer, batch, keys, values)
+        plan = self._step_plan(layer, batch)
         # Gathering (slot, head) rows straight into [B, kv_heads, T, head_dim] gives attention
         # a contiguous operand; taking [B, T] slots and transposing the result measured 3x
         # slower in the CPU attention (a strided K/V view).
@@ -203,6 +213,19 @@ class PagedKVStorage:
         out_k = mx.take(k_store.reshape(rows, self.head_dim), plan.read, axis=0)
         out_v = mx.take(v_store.reshape(rows, self.head_dim), plan.read, axis=0)
         return out_k, out_v
+
+    def attend(
+        self,
+        layer: int,
+        batch: StepLayout,
+        queries: mx.array,
+        k_pool: mx.array,
+        v_pool: mx.array,
+        scale: float,
+    ) -> mx.array:
+        """Decode attention of the step's rows read through their slots (after `write`)."""
+        plan = self._step_plan(layer, batch)
+        return paged_decode_attention(queries, k_pool, v_pool, plan.slots, plan.lengths, scale)
 
     def gather(self, handle: PagedSequenceKV, layer: int, num_tokens: int) -> tuple[mx.array, ...]:
         """A sequence's first num_tokens K and V of one layer, [kv_heads, num_tokens, head_dim]
@@ -220,7 +243,7 @@ class PagedKVStorage:
             return self._plan
         b, n = batch.batch_size, batch.width
         totals = batch.total_lengths
-        t = max(totals)
+        t = batch.span
         write = np.full((b, n), self.scratch_slot, dtype=np.int32)
         read = np.full((b, t), self.scratch_slot, dtype=np.int32)  # slots, expanded below
         for i, handle in enumerate(batch.handles):
@@ -237,7 +260,12 @@ class PagedKVStorage:
             write[i, :count] = slots[start:end]
         heads = np.arange(self.kv_heads, dtype=np.int32)[None, :, None]
         read_rows = read[:, None, :] * self.kv_heads + heads  # [B, kv_heads, T]
-        self._plan = _StepPlan(mx.array(write.reshape(-1)), mx.array(read_rows))
+        self._plan = _StepPlan(
+            write=mx.array(write.reshape(-1)),
+            read=mx.array(read_rows),
+            slots=mx.array(read),
+            lengths=mx.array(np.asarray(totals, dtype=np.int32)),
+        )
         self._plan_layout = weakref.ref(batch)
         return self._plan
 

@@ -14,6 +14,11 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
                  tie_word_embeddings=True, rope_theta=10000.0),
+    # SmolLM2's depth and vocabulary at a width that costs next to nothing: the per-step host
+    # work (graph building, kernel dispatch, scheduling) of a 30-layer model, without its math.
+    "thin-30": dict(hidden_size=96, num_hidden_layers=30, intermediate_size=192,
+                    num_attention_heads=3, num_key_value_heads=1, vocab_size=49152,
+                    tie_word_embeddings=True, rope_theta=100000.0),
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          tie_word_embeddings=True, rope_theta=100000.0),

@@ -343,8 +343,9 @@ class Scheduler:
             and s.prompt_len + s.num_generated + 1 < self.config.slot_context
         ]
         rows_next = [StepRow(s.engine_seq) for s in continuing]
-        nxt = self.engine.submit(rows_next, dispatch=False) if continuing else None
-        self._complete_inflight(then_dispatch=nxt)
+        overlap = getattr(self.engine, "overlap_steps", False)
+        nxt = self.engine.submit(rows_next, dispatch=overlap) if continuing else None
+        self._complete_inflight(then_dispatch=None if overlap else nxt)
         self._inflight = nxt
 
     def _reserve_decode_blocks(self) -> None:

@@ -1,0 +1,203 @@
+"""Decode attention read straight from the paged KV pool, without gathering it first.
+
+A decode step whose rows have different lengths needs a mask over the padded keys of a gathered
+`[B, kv_heads, T, head_dim]` K/V. MLX's fused CUDA attention (sdpa_vector) takes no array mask,
+so such a step falls back to unfused ops (matmul, mask, softmax, matmul) in every layer, after
+two gathers that copy every row's K/V. `paged_decode_attention` instead reads each row's keys
+through its slot list and stops at the row's own length: one kernel per layer, no mask, no copy.
+On CUDA it is a custom kernel; elsewhere a reference built from MLX ops (gather, mask, fused
+attention), which is what tests on the CPU exercise.
+
+mlx-lm's llama-family attention calls its module's `scaled_dot_product_attention(queries, keys,
+values, cache=..., scale=..., mask=...)`. `install` wraps that function once per module so that a
+step whose cache view is `direct` (the view wrote the new K/V into the pool and returned the pool
+itself) is answered here; every other call goes to mlx-lm's function unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+
+# Modules whose Attention calls `scaled_dot_product_attention(q, k, v, cache=, scale=, mask=)`
+# right after `cache.update_and_fetch`, with no sliding window or attention sinks.
+SUPPORTED_MODULES = ("llama", "qwen2", "qwen3")
+WARPS = 4  # warps per (row, head): each takes every WARPS-th key, then they merge
+
+_SOURCE = """
+    // One block of WARPS warps per (row, query head). Warp w scores keys w, w+WARPS, ...;
+    // lane l holds dimensions [l*PER, (l+1)*PER) of the head. Online softmax per warp, then
+    // the warps merge through shared memory.
+    constexpr int PER = D / 32;
+    const int bh = blockIdx.x;
+    const int b = bh / HEADS;
+    const int h = bh % HEADS;
+    const int kvh = h / (HEADS / KV_HEADS);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int length = lengths[b];
+    const int width = meta[0];
+    const float scale = scale_arr[0];
+
+    float qv[PER];
+    float acc[PER];
+    for (int i = 0; i < PER; ++i) {
+        qv[i] = static_cast<float>(q[(size_t)bh * D + lane * PER + i]) * scale;
+        acc[i] = 0.0f;
+    }
+    float m = -inf;
+    float s = 0.0f;
+    for (int t = warp; t < length; t += WARPS) {
+        const size_t slot = slots[(size_t)b * width + t];
+        const size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
+        float dot = 0.0f;
+        for (int i = 0; i < PER; ++i) {
+            dot += qv[i] * static_cast<float>(k_pool[base + i]);
+        }
+        for (int offset = 16; offset > 0; offset /= 2) {
+            dot += __shfl_xor_sync(0xffffffff, dot, offset);
+        }
+        const float m_new = fmaxf(m, dot);
+        const float correction = __expf(m - m_new);
+        const float p = __expf(dot - m_new);
+        s = s * correction + p;
+        for (int i = 0; i < PER; ++i) {
+            acc[i] = acc[i] * correction + p * static_cast<float>(v_pool[base + i]);
+        }
+        m = m_new;
+    }
+
+    __shared__ float warp_max[WARPS];
+    __shared__ float warp_sum[WARPS];
+    __shared__ float warp_acc[WARPS][D];
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum[warp] = s;
+    }
+    for (int i = 0; i < PER; ++i) {
+        warp_acc[warp][lane * PER + i] = acc[i];
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float total_max = -inf;
+        for (int w = 0; w < WARPS; ++w) {
+            total_max = fmaxf(total_max, warp_max[w]);
+        }
+        float total = 0.0f;
+        float out_v[PER];
+        for (int i = 0; i < PER; ++i) {
+            out_v[i] = 0.0f;
+        }
+        for (int w = 0; w < WARPS; ++w) {
+            const float c = warp_max[w] == -inf ? 0.0f : __expf(warp_max[w] - total_max);
+            total += warp_sum[w] * c;
+            for (int i = 0; i < PER; ++i) {
+                out_v[i] += warp_acc[w][lane * PER + i] * c;
+            }
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int i = 0; i < PER; ++i) {
+            out[(size_t)bh * D + lane * PER + i] = static_cast<T>(out_v[i] * inv);
+        }
+    }
+"""
+
+
+def kernel_available() -> bool:
+    """The custom kernel runs on MLX's CUDA backend only."""
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+@cache
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_paged_decode_attention",
+        input_names=["q", "k_pool", "v_pool", "slots", "lengths", "meta", "scale_arr"],
+        output_names=["out"],
+        source=_SOURCE,
+    )
+
+
+@cache
+def _scale_array(scale: float) -> mx.array:
+    return mx.array([scale], dtype=mx.float32)
+
+
+def paged_decode_attention(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    slots: mx.array,
+    lengths: mx.array,
+    scale: float,
+) -> mx.array:
+    """Attention of one new token per row over that row's first `lengths[b]` positions.
+
+    queries [B, heads, 1, head_dim]; k_pool/v_pool [slots, kv_heads, head_dim]; slots [B, T]
+    int32, the pool slot of each position (entries past a row's length are ignored); lengths
+    [B] int32. Returns [B, heads, 1, head_dim]."""
+    b, heads, n, head_dim = queries.shape
+    kv_heads = k_pool.shape[1]
+    if n != 1:
+        raise ValueError(f"paged decode attention takes one query per row, got {n}")
+    if not kernel_available():
+        return _reference(queries, k_pool, v_pool, slots, lengths, scale)
+    meta = mx.array([slots.shape[1]], dtype=mx.int32)
+    (out,) = _kernel()(
+        inputs=[queries, k_pool, v_pool, slots, lengths, meta, _scale_array(scale)],
+        template=[
+            ("T", queries.dtype),
+            ("D", head_dim),
+            ("HEADS", heads),
+            ("KV_HEADS", kv_heads),
+            ("WARPS", WARPS),
+        ],
+        grid=(b * heads * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+def kernel_supports(head_dim: int) -> bool:
+    return head_dim % 32 == 0 and head_dim <= 256
+
+
+def _reference(queries, k_pool, v_pool, slots, lengths, scale) -> mx.array:
+    """The same attention from MLX ops: gather the rows' K/V, mask past each length."""
+    head_dim = k_pool.shape[2]
+    kv_heads = k_pool.shape[1]
+    rows = slots[:, None, :] * kv_heads + mx.arange(kv_heads)[None, :, None]  # [B, kvh, T]
+    keys = mx.take(k_pool.reshape(-1, head_dim), rows, axis=0)
+    values = mx.take(v_pool.reshape(-1, head_dim), rows, axis=0)
+    mask = (mx.arange(slots.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def install(model: Any) -> bool:
+    """Route the model's attention calls through `_dispatch` (once per module). False when the
+    architecture is not one whose attention call we know."""
+    module = sys.modules.get(type(model).__module__)
+    if module is None or module.__name__.rsplit(".", 1)[-1] not in SUPPORTED_MODULES:
+        return False
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        return False
+    if not getattr(original, "_mlxserve_dispatch", False):
+        module.scaled_dot_product_attention = _dispatcher(original)
+    return True
+
+
+def _dispatcher(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if sinks is None and getattr(cache, "direct", False):
+            return cache.attend(queries, keys, values, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    attention._mlxserve_dispatch = True  # type: ignore[attr-defined]
+    return attention
