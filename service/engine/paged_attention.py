@@ -33,6 +33,7 @@ _SOURCE = """
     // lane l holds dimensions [l*PER, (l+1)*PER) of the head. Online softmax per warp, then
     // the warps merge through shared memory.
     constexpr int PER = D / 32;
+    const float NEG_INF = __int_as_float(0xff800000);
     const int bh = blockIdx.x;
     const int b = bh / HEADS;
     const int h = bh % HEADS;
@@ -49,7 +50,7 @@ _SOURCE = """
         qv[i] = static_cast<float>(q[(size_t)bh * D + lane * PER + i]) * scale;
         acc[i] = 0.0f;
     }
-    float m = -inf;
+    float m = NEG_INF;
     float s = 0.0f;
     for (int t = warp; t < length; t += WARPS) {
         const size_t slot = slots[(size_t)b * width + t];
@@ -83,7 +84,7 @@ _SOURCE = """
     }
     __syncthreads();
     if (warp == 0) {
-        float total_max = -inf;
+        float total_max = NEG_INF;
         for (int w = 0; w < WARPS; ++w) {
             total_max = fmaxf(total_max, warp_max[w]);
         }
@@ -93,7 +94,7 @@ _SOURCE = """
             out_v[i] = 0.0f;
         }
         for (int w = 0; w < WARPS; ++w) {
-            const float c = warp_max[w] == -inf ? 0.0f : __expf(warp_max[w] - total_max);
+            const float c = warp_max[w] == NEG_INF ? 0.0f : __expf(warp_max[w] - total_max);
             total += warp_sum[w] * c;
             for (int i = 0; i < PER; ++i) {
                 out_v[i] += warp_acc[w][lane * PER + i] * c;
