@@ -25,7 +25,7 @@ class ServerConfig:
     max_queue_depth: int = 32
     prefill_chunk_size: int | None = None
     prefill_grant_interval: int = 16
-    max_batch_prefill: int = 4
+    max_batch_prefill: int | None = None  # None: 16 with CUDA, 4 elsewhere
     max_batch_prefill_tokens: int | None = None
     enable_preemption: bool = False
     preemption_policy: str = "longest-first"
@@ -152,8 +152,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--max-batch-prefill",
         type=int,
-        default=int(_env("max_batch_prefill", d.max_batch_prefill)),
-        help="waiting requests prefilled together",
+        default=_optional_int(_env("max_batch_prefill", None)),
+        help="waiting requests prefilled together (default 16 with CUDA, 4 elsewhere)",
     )
     a(
         "--max-batch-prefill-tokens",

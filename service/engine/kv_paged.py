@@ -40,6 +40,7 @@ class PagedSequenceKV:
     """One sequence's handle: its block table in the shared pool."""
 
     blocks: SequenceBlocks
+    slot_cache: tuple[tuple[int, ...], np.ndarray] | None = None  # (block table, its slots)
 
     @property
     def num_reserved(self) -> int:
@@ -118,11 +119,13 @@ class PagedKVStorage:
         """Reserve slots for num_new_tokens positions past those already reserved. All or
         nothing: False (out of blocks, after evicting cold prefixes) changes nothing. Shared
         blocks in the range are copied on write here, for every layer."""
-        if not self.manager.allocate_slots(handle.blocks, num_new_tokens):
+        blocks = handle.blocks
+        held = len(blocks.block_ids)
+        if not self.manager.allocate_slots(blocks, num_new_tokens):
             return False
-        if handle.blocks.block_ids:
-            self._ensure_physical(max(handle.blocks.block_ids))
-        self._apply_copies(handle.blocks.take_pending_copies())
+        if len(blocks.block_ids) != held or blocks.pending_copies:  # new or copied blocks
+            self._ensure_physical(max(blocks.block_ids))
+            self._apply_copies(blocks.take_pending_copies())
         return True
 
     def ensure_reserved(self, handle: PagedSequenceKV, num_tokens: int) -> bool:
@@ -290,9 +293,15 @@ class PagedKVStorage:
         self._capacity_blocks = capacity_blocks
 
     def _slots(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:
-        size = self.block_size
-        table = np.asarray(handle.blocks.block_ids[: -(-num_tokens // size)], dtype=np.int32)
-        return (table[:, None] * size + np.arange(size, dtype=np.int32)).reshape(-1)[:num_tokens]
+        """Slot of each of the sequence's first num_tokens positions (cached per block table:
+        a decode step reuses it until the table changes)."""
+        key = tuple(handle.blocks.block_ids)
+        if handle.slot_cache is None or handle.slot_cache[0] != key:
+            size = self.block_size
+            table = np.asarray(key, dtype=np.int32)
+            slots = (table[:, None] * size + np.arange(size, dtype=np.int32)).reshape(-1)
+            handle.slot_cache = (key, slots)
+        return handle.slot_cache[1][:num_tokens]
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every layer: one gather + one scatter per array.

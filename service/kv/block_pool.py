@@ -312,6 +312,19 @@ class KVCacheManager:
         Shared blocks in the written range are copied on write; see seq.pending_copies."""
         if num_new_tokens < 0:
             raise ValueError(f"cannot reserve {num_new_tokens} tokens")
+        if not prefix_blocks and seq.num_tokens + num_new_tokens <= len(seq.block_ids) * (
+            self.block_size
+        ):
+            # The common decode step: the positions fit blocks this sequence alone holds and
+            # nobody has cached; anything else (copy-on-write, leaving the cache) takes the
+            # full path below.
+            pool, blocks = self.pool, seq.block_ids
+            if all(
+                pool.block(blocks[i]).ref_count == 1 and pool.block(blocks[i]).block_hash is None
+                for i in self._write_range(seq, num_new_tokens)
+            ):
+                seq.num_tokens += num_new_tokens
+                return True
         if prefix_blocks:
             if seq.block_ids:
                 raise ValueError("prefix blocks can only start an empty sequence")

@@ -29,27 +29,46 @@ class Tokenizer:
         self.vocab_size: int = len(hf)
         self.has_chat_template: bool = bool(getattr(hf, "chat_template", None))
         self._byte_decoder = _byte_level_decoder(hf)
+        self._token_bytes: dict[int, bytes] = {}
+        # The Rust tokenizer's decode, when the wrapper would add nothing to it (the wrapper's
+        # Python conversions cost more than the decode itself, twice per generated token).
+        backend = getattr(hf, "backend_tokenizer", None)
+        self._backend_decode = (
+            backend.decode
+            if backend is not None and not getattr(hf, "clean_up_tokenization_spaces", False)
+            else None
+        )
 
     def ends_mid_character(self, token_ids: Sequence[int]) -> bool | None:
         """Whether these tokens' bytes end inside a UTF-8 character; None when the tokenizer is
         not byte-level (then the caller has to judge from the decoded text)."""
         if self._byte_decoder is None:
             return None
-        table = self._byte_decoder
-        data = bytearray()
-        for piece in self._hf.convert_ids_to_tokens(list(token_ids)):
-            if piece and all(ch in table for ch in piece):  # special tokens are whole text
-                data.extend(table[ch] for ch in piece)
+        data = b"".join(self._bytes_of(t) for t in token_ids)
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as exc:
             return exc.end == len(data) and exc.reason == "unexpected end of data"
         return False
 
+    def _bytes_of(self, token_id: int) -> bytes:
+        """A token's bytes under the byte-level map (special tokens: none), cached."""
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            table = self._byte_decoder
+            assert table is not None
+            piece = self._hf.convert_ids_to_tokens(int(token_id)) or ""
+            whole = piece and all(ch in table for ch in piece)  # special tokens are whole text
+            data = bytes(table[ch] for ch in piece) if whole else b""
+            self._token_bytes[token_id] = data
+        return data
+
     def encode(self, text: str) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(list(token_ids), skip_special_tokens=False)
         return self._hf.decode(list(token_ids), skip_special_tokens=False)
 
     def id_to_token(self, token_id: int) -> str:
