@@ -26,7 +26,7 @@ import mlx.core as mx
 # Modules whose Attention calls `scaled_dot_product_attention(q, k, v, cache=, scale=, mask=)`
 # right after `cache.update_and_fetch`, with no sliding window or attention sinks.
 SUPPORTED_MODULES = ("llama", "qwen2", "qwen3")
-WARPS = 4  # warps per (row, head): each takes every WARPS-th key, then they merge
+WARPS = 16  # warps per (row, head): each takes every WARPS-th key, then they merge
 
 _SOURCE = """
     // One block of WARPS warps per (row, query head). Warp w scores keys w, w+WARPS, ...;
