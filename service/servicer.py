@@ -61,9 +61,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             response.request_id = out.request_id
             response.text += out.text
             response.token_ids.extend(out.token_ids)
-            response.logprobs.extend(self._logprobs(out))
-            if out.finished:
-                self._fill_final(response, out)
+            self._fill_extras(response, out)
         return response
 
     async def StreamGenerate(
@@ -73,9 +71,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             message = pb.StreamGenerateResponse(
                 request_id=out.request_id, text=out.text, token_ids=out.token_ids
             )
-            message.logprobs.extend(self._logprobs(out))
-            if out.finished:
-                self._fill_final(message, out)
+            self._fill_extras(message, out)
             yield message
 
     async def CacheStats(
@@ -165,6 +161,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 bound.info("request cancelled by the client")
                 rt.scheduler.cancel(req.request_id)
             telemetry.request_ended(seq)
+
+    def _fill_extras(self, message: Any, out: StepOutput) -> None:
+        """Logprobs and, on the last output, the final fields (skipped cheaply when absent:
+        this runs once per token of every stream)."""
+        if out.logprobs:
+            message.logprobs.extend(self._logprobs(out))
+        if out.finish_reason is not None:
+            self._fill_final(message, out)
 
     def _logprobs(self, out: StepOutput) -> list[pb.TokenLogprob]:
         tok = self.rt.tokenizer
