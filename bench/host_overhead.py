@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8,64")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--modes", default=None, help="comma-separated subset of the modes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -145,6 +146,8 @@ def main() -> None:
         ("served+overlap", "served", runtime.engine.direct_decode, True),
     ]
     modes = [m for m in modes if direct_ok or not m[2]]
+    if args.modes:
+        modes = [m for m in modes if m[0] in args.modes.split(",")]
     print("B".rjust(4), "raw".rjust(8), *(m[0].rjust(22) for m in modes), " (ratio to raw)")
     results = []
     for b in batches:

@@ -178,3 +178,21 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
             stub.Generate(chat_request("hi", max_tokens=400), timeout=30)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "KV cache budget" in refused.value.details()
+
+
+def test_cuda_mechanisms_give_the_same_tokens_on_the_cpu(
+    stub: pb_grpc.GenerationServiceStub,
+) -> None:
+    """The two mechanisms `auto` turns on with CUDA — prefill padded to shape buckets and decode
+    attention read straight from the pool (here through its MLX-ops reference) — served on the
+    real model, three requests decoding together: the same tokens as the default server."""
+    flags = ("--shape-buckets", "on", "--decode-attention", "direct", "--max-batch-size", "4")
+    requests = [chat_request(q, max_tokens=20, cache_prompt=False) for q in QUESTIONS[:3]]
+    expected = [stub.Generate(r, timeout=120) for r in requests]
+    with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
+        other = pb_grpc.GenerationServiceStub(channel)
+        assert any('"decode_attention": "direct"' in line for line in server.lines)
+        futures = [other.Generate.future(r, timeout=120) for r in requests]
+        for request, future, want in zip(requests, futures, expected):
+            got = future.result()
+            assert list(got.token_ids) == list(want.token_ids), request.chat.messages[-1].content
