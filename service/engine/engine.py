@@ -105,8 +105,9 @@ class Engine:
 
         overlap_steps: the scheduler may dispatch decode step N+1 before reading step N, as
         mlx-lm's generate loop does. Step N+1's K/V writes then cannot update the pool in place
-        (step N still reads it), so MLX copies each layer's pool: worth it where the device is
-        fast and the host is the bottleneck (a GPU), not where memory bandwidth is (a CPU).
+        (step N still reads it), so MLX copies each layer's pool. Measured on an H200
+        (bench/host_overhead.py): no consistent gain, since the host builds and launches each
+        step either way; so the runtime leaves it off and it stays for measurement.
 
         direct_decode: decode steps attend straight from the paged pool through each row's
         slots (service.engine.paged_attention: a CUDA kernel, or MLX ops elsewhere) instead of
