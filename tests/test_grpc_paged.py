@@ -3,6 +3,7 @@ and a tight budget under which every request still completes without leaking blo
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -191,7 +192,10 @@ def test_cuda_mechanisms_give_the_same_tokens_on_the_cpu(
     expected = [stub.Generate(r, timeout=120) for r in requests]
     with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
         other = pb_grpc.GenerationServiceStub(channel)
-        assert any('"decode_attention": "direct"' in line for line in server.lines)
+        loaded = next(json.loads(x) for x in server.lines if '"model loaded"' in x)
+        assert loaded["decode_attention"] == "direct" and loaded["shape_buckets"] is True
+        assert loaded["warm_up_seconds"] > 0  # the buckets were run before serving ...
+        assert _stats(other).active_blocks == 0  # ... and left nothing behind
         futures = [other.Generate.future(r, timeout=120) for r in requests]
         for request, future, want in zip(requests, futures, expected):
             got = future.result()
