@@ -22,6 +22,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -54,12 +55,28 @@ class PagedSequenceKV:
 
 @dataclass
 class _StepPlan:
+    """One step's slot indices (host arrays), turned into device arrays on first use: a
+    gathering step reads `read`, a direct decode step `slots` and `lengths`."""
+
     write: mx.array  # [B * N] slot of each new token position (padding -> scratch slot)
-    # [B, kv_heads, T] row of the pool viewed as [slots * kv_heads, head_dim] for each gathered
-    # (position, head): slot * kv_heads + head (padding -> the scratch slot's rows).
-    read: mx.array
-    slots: mx.array  # [B, T] slot of each position (padding -> scratch)
-    lengths: mx.array  # [B] positions each row attends to
+    slot_table: np.ndarray  # [B, T] slot of each position (padding -> scratch slot)
+    totals: list[int]  # positions each row attends to
+    kv_heads: int
+
+    @cached_property
+    def read(self) -> mx.array:
+        """[B, kv_heads, T] row of the pool viewed as [slots * kv_heads, head_dim] for each
+        gathered (position, head): slot * kv_heads + head."""
+        heads = np.arange(self.kv_heads, dtype=np.int32)[None, :, None]
+        return mx.array(self.slot_table[:, None, :] * self.kv_heads + heads)
+
+    @cached_property
+    def slots(self) -> mx.array:
+        return mx.array(self.slot_table)
+
+    @cached_property
+    def lengths(self) -> mx.array:
+        return mx.array(np.asarray(self.totals, dtype=np.int32))
 
 
 class PagedKVStorage:
@@ -97,6 +114,7 @@ class PagedKVStorage:
         self._live: set[int] = set()
         self._plan_layout: weakref.ref[StepLayout] | None = None
         self._plan: _StepPlan | None = None
+        self._plan_layer = 0  # the last layer that asked for the plan
 
     # -- sequences -------------------------------------------------------------------
     def new_sequence(self, cache_prefix: bool = True) -> PagedSequenceKV:
@@ -240,9 +258,13 @@ class PagedKVStorage:
 
     # -- helpers ---------------------------------------------------------------------
     def _step_plan(self, layer: int, batch: StepLayout) -> _StepPlan:
-        """Slot indices of one step, computed at layer 0 and reused by the other layers."""
+        """Slot indices of one step, computed once and reused by every layer (and by the
+        write, gather and attend calls of a layer). A forward visits its layers in order, so
+        a lower layer with the same layout is a new pass and gets a fresh plan."""
         cached = self._plan_layout() if self._plan_layout is not None else None
-        if layer != 0 and cached is batch and self._plan is not None:
+        fresh_pass = layer < self._plan_layer
+        self._plan_layer = layer
+        if cached is batch and self._plan is not None and not fresh_pass:
             return self._plan
         b, n = batch.batch_size, batch.width
         totals = batch.total_lengths
@@ -261,14 +283,7 @@ class PagedKVStorage:
             slots = self._slots(handle, end)
             read[i, :end] = slots
             write[i, :count] = slots[start:end]
-        heads = np.arange(self.kv_heads, dtype=np.int32)[None, :, None]
-        read_rows = read[:, None, :] * self.kv_heads + heads  # [B, kv_heads, T]
-        self._plan = _StepPlan(
-            write=mx.array(write.reshape(-1)),
-            read=mx.array(read_rows),
-            slots=mx.array(read),
-            lengths=mx.array(np.asarray(totals, dtype=np.int32)),
-        )
+        self._plan = _StepPlan(mx.array(write.reshape(-1)), read, totals, self.kv_heads)
         self._plan_layout = weakref.ref(batch)
         return self._plan
 
