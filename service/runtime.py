@@ -149,7 +149,7 @@ class Runtime:
         """--decode-attention: auto reads the paged pool directly where the CUDA kernel runs
         (elsewhere the MLX-ops reference would be slower than gathering)."""
         choice = self.config.decode_attention
-        if choice == "gather":
+        if choice == "gather" or (choice == "auto" and not paged_attention.kernel_available()):
             return False
         usable = (
             isinstance(storage, PagedKVStorage)
@@ -161,7 +161,7 @@ class Runtime:
                 "--decode-attention direct needs the paged backend, a llama-family model and a "
                 f"head dim that is a multiple of 32 (got {lm.architecture}, {lm.head_dim})"
             )
-        return usable and (choice == "direct" or paged_attention.kernel_available())
+        return usable
 
     def _make_storage(self, lm: LoadedModel) -> DenseKVStorage | PagedKVStorage:
         """`auto` is paged: the batch view serves every mlx-lm attention model through it."""
