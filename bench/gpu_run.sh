@@ -9,7 +9,8 @@
 # inside its limit with what it measured.
 #
 # Env: OUT (results dir), BUDGET_S (seconds this script may run, default 540), RUNS, CONC,
-# MAX_TOKENS, PY (the python, default python3).
+# MAX_TOKENS, PY (the python, default python3), CHECK (1: first check the CUDA decode attention
+# kernel with bench/check_paged_attention.py and stop if it is wrong; default 1).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 BUDGET_S=${BUDGET_S:-540}
@@ -44,6 +45,13 @@ if mx.default_device() == mx.gpu:
     t = time.perf_counter(); [mx.eval(a @ a) for _ in range(10)]; dt = (time.perf_counter() - t) / 10
     print(f"bf16 8192^3 matmul: {2 * 8192**3 / dt / 1e12:.0f} TFLOP/s")
 EOF
+
+# The direct decode attention kernel against a naive attention, before any sweep relies on it.
+if [ "${CHECK:-1}" = 1 ]; then
+  timeout 90 "$PY" bench/check_paged_attention.py > "$OUT/check.txt" 2>&1
+  rc=$?; cat "$OUT/check.txt"
+  [ $rc -eq 0 ] || { echo "== paged attention kernel check failed (exit $rc): no sweep"; exit 6; }
+fi
 
 for spec in $RUNS; do
   IFS=: read -r preset rounds peers need <<<"$spec"
