@@ -138,6 +138,15 @@ class Harness:
         self.received: dict[str, list[list[StepOutput]]] = {}
         self.seqs: dict[str, Sequence] = {}
 
+    def prefill_chunks(self, request_id: str) -> list[int]:
+        """Token counts of the prefill rows the engine ran for request_id, in order."""
+        return [
+            len(tokens)
+            for f in self.engine.forwards
+            for seq_id, tokens in f.rows
+            if seq_id == request_id and tokens is not None
+        ]
+
     def submit(
         self, request_id: str, prompt: Seq[int] = (1, 2, 3), *, max_tokens: int = 4, **kw
     ) -> Sequence:
@@ -410,15 +419,6 @@ def test_each_decode_tick_runs_exactly_one_forward() -> None:
         assert len(h.engine.forwards) - before == 1
 
 
-def _prefill_chunks(h: Harness, request_id: str) -> list[int]:
-    return [
-        len(tokens)
-        for f in h.engine.forwards
-        for seq_id, tokens in f.rows
-        if seq_id == request_id and tokens is not None
-    ]
-
-
 def test_chunk_size_choice() -> None:
     h = Harness()
     assert h.sched.chunk_size() == ADAPTIVE_CHUNK_IDLE == 2048
@@ -434,7 +434,7 @@ def test_prefill_chunks_2048_when_idle() -> None:
     h = Harness(max_batch_size=2)
     h.submit("long", prompt=[1] * 5000, max_tokens=2)
     h.run()
-    assert _prefill_chunks(h, "long") == [2048, 2048, 904]
+    assert h.prefill_chunks("long") == [2048, 2048, 904]
     assert h.tokens("long") == [2, 3]
 
 
@@ -449,7 +449,7 @@ def test_prefill_chunks_512_while_decoding() -> None:
         new = h.engine.forwards[before:]
         # each tick: one prefill chunk of the long prompt, and a decode step for the other
         assert any(f.is_decode and "decoding" in f.ids for f in new)
-    assert _prefill_chunks(h, "long") == [512, 512, 476]
+    assert h.prefill_chunks("long") == [512, 512, 476]
     h.sched.cancel("decoding")
     h.run()
 
@@ -458,14 +458,14 @@ def test_prefill_chunk_size_fixed() -> None:
     h = Harness(prefill_chunk_size=300)
     h.submit("long", prompt=[1] * 1000, max_tokens=1)
     h.run()
-    assert _prefill_chunks(h, "long") == [300, 300, 300, 100]
+    assert h.prefill_chunks("long") == [300, 300, 300, 100]
 
 
 def test_prefill_chunk_size_zero_means_whole_prompt() -> None:
     h = Harness(prefill_chunk_size=0)
     h.submit("long", prompt=[1] * 5000, max_tokens=1)
     h.run()
-    assert _prefill_chunks(h, "long") == [5000]
+    assert h.prefill_chunks("long") == [5000]
 
 
 def test_chunked_prefill_samples_only_on_the_last_chunk() -> None:
@@ -473,7 +473,7 @@ def test_chunked_prefill_samples_only_on_the_last_chunk() -> None:
     h.submit("a", prompt=list(range(10)), max_tokens=2)
     h.run()
     assert h.tokens("a") == [10, 11]  # sampled after the last prompt token (9), not before
-    assert _prefill_chunks(h, "a") == [4, 4, 2]
+    assert h.prefill_chunks("a") == [4, 4, 2]
 
 
 # -- the loop thread ------------------------------------------------------------------------

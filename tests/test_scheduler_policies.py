@@ -34,15 +34,6 @@ def decode_forwards(forwards: list[Forward]) -> list[Forward]:
     return [f for f in forwards if f.is_decode]
 
 
-def chunk_lengths(h: Harness, request_id: str) -> list[int]:
-    return [
-        len(tokens)
-        for f in h.engine.forwards
-        for seq_id, tokens in f.rows
-        if seq_id == request_id and tokens is not None
-    ]
-
-
 def prefilled_ids(forwards: list[Forward]) -> list[str]:
     return [seq_id for f in prefill_forwards(forwards) for seq_id, _ in f.rows]
 
@@ -68,14 +59,14 @@ def test_adaptive_chunk_2048_idle_512_while_a_batch_decodes_aligned_from_zero() 
     h.submit("long", prompt=[1] * 5000, max_tokens=1)
     h.submit("short", prompt=[7, 8, 9], max_tokens=3)
     h.tick()  # nothing decodes yet: long [0, 2048) and short's whole prompt, batched
-    assert chunk_lengths(h, "long") == [2048]
+    assert h.prefill_chunks("long") == [2048]
     assert h.seqs["short"].status is SequenceStatus.DECODING
     h.tick()  # short decodes: long [2048, 2560)
-    assert chunk_lengths(h, "long") == [2048, 512]
+    assert h.prefill_chunks("long") == [2048, 512]
     h.tick()  # short got its 3rd token before this tick's prefill: idle again, [2560, 4096)
     assert h.seqs["short"].finish_reason is FinishReason.LENGTH
     h.run()
-    assert chunk_lengths(h, "long") == [2048, 512, 1536, 904]
+    assert h.prefill_chunks("long") == [2048, 512, 1536, 904]
     assert h.tokens("long") == [2]
 
 
@@ -85,7 +76,7 @@ def test_adaptive_chunk_is_512_for_a_prompt_arriving_while_streams_decode() -> N
     h.submit("long", prompt=[1] * 2000, max_tokens=1)
     for _ in range(4):
         h.tick()
-    assert chunk_lengths(h, "long") == [512, 512, 512, 464]
+    assert h.prefill_chunks("long") == [512, 512, 512, 464]
     assert h.tokens("long") == [2]
 
 
@@ -95,7 +86,7 @@ def test_fixed_chunk_size_applies_while_decoding_too() -> None:
     h.submit("long", prompt=[1] * 1000, max_tokens=1)
     for _ in range(4):
         h.tick()
-    assert chunk_lengths(h, "long") == [300, 300, 300, 100]
+    assert h.prefill_chunks("long") == [300, 300, 300, 100]
     assert h.sched.chunk_size() == 300
 
 
@@ -104,7 +95,7 @@ def test_chunk_size_zero_prefills_the_whole_prompt_even_while_decoding() -> None
     start_decoding(h, "dec")
     h.submit("long", prompt=[1] * 5000, max_tokens=2)
     forwards = tick(h)
-    assert chunk_lengths(h, "long") == [5000]
+    assert h.prefill_chunks("long") == [5000]
     assert len(prefill_forwards(forwards)) == 1
     assert h.seqs["long"].status is SequenceStatus.DECODING
 
@@ -132,7 +123,7 @@ def test_decode_steps_interleave_between_the_chunks_of_a_long_prompt() -> None:
         assert set(streams) <= set(decodes[0].ids)
         assert ticks <= 20
     assert ticks == 8  # ceil(2000 / 256) chunks, one per tick
-    assert chunk_lengths(h, "long") == [256] * 7 + [208]
+    assert h.prefill_chunks("long") == [256] * 7 + [208]
     for s in streams:
         assert len(h.tokens(s)) - got_before[s] == ticks  # one token per stream per tick
     # The streams' tokens continue unbroken: the chunks did not disturb them.
@@ -187,7 +178,7 @@ def test_a_parked_low_priority_prefill_gets_its_turn_after_grant_ticks(grant: in
     assert schedule[:grant] == [["high"]] * grant  # low parked `grant` ticks
     assert schedule[grant] == ["low"]  # then it has the pass to itself
     assert schedule[grant + 1 :] == [["high"]] * (high_chunks - grant)
-    assert chunk_lengths(h, "high") == [100] * high_chunks
+    assert h.prefill_chunks("high") == [100] * high_chunks
     h.run()
     assert h.tokens("low") == [3, 4]
 
@@ -288,7 +279,7 @@ def test_a_higher_priority_arrival_overtakes_a_chunked_prefill() -> None:
     h.submit("high", prompt=[2] * 300, max_tokens=1, priority=5)
     schedule += _prefill_schedule(h)
     assert schedule == [["low"]] * 2 + [["high"]] * 3 + [["low"]] * 3
-    assert chunk_lengths(h, "low") == [100] * 5
+    assert h.prefill_chunks("low") == [100] * 5
 
 
 # -- preemption: victim choice ----------------------------------------------------------------
@@ -479,5 +470,5 @@ def test_a_victim_preempted_mid_prefill_restarts_its_prefill() -> None:
     h.submit("high", prompt=[500], max_tokens=2, priority=1)
     order = _run_recording_finish_order(h)
     assert order == ["high", "low"]
-    assert chunk_lengths(h, "low") == [4, 4] + [4] * 5
+    assert h.prefill_chunks("low") == [4, 4] + [4] * 5
     assert h.tokens("low") == [120, 121, 122]

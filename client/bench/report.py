@@ -129,30 +129,20 @@ def target_checks(
     """The issue's targets for `kind` (cpu|gpu) that this run can answer."""
     ours_by_c = {lv.concurrency: lv.tokens_per_second for lv in ours if lv.rate is None}
     checks = []
+
+    def check(label: str, value: float, goal: float) -> None:
+        checks.append({"target": f"{label} >= {goal:g}x", "value": value, "met": value >= goal})
+
     for target in TARGETS.get(kind, []):
         if target[0] == "scaling":
             _, high, low, goal = target
             if ours_by_c.get(low) and high in ours_by_c:
-                value = ours_by_c[high] / ours_by_c[low]
-                checks.append(
-                    {
-                        "target": f"ours C={high} / C={low} >= {goal:g}x",
-                        "value": value,
-                        "met": value >= goal,
-                    }
-                )
+                check(f"ours C={high} / C={low}", ours_by_c[high] / ours_by_c[low], goal)
         else:
             _, peer, c, goal = target
             peer_by_c = {lv.concurrency: lv.tokens_per_second for lv in peers.get(peer, [])}
             if peer_by_c.get(c) and c in ours_by_c:
-                value = ours_by_c[c] / peer_by_c[c]
-                checks.append(
-                    {
-                        "target": f"ours / {peer} at C={c} >= {goal:g}x",
-                        "value": value,
-                        "met": value >= goal,
-                    }
-                )
+                check(f"ours / {peer} at C={c}", ours_by_c[c] / peer_by_c[c], goal)
     return checks
 
 
