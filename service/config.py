@@ -33,6 +33,7 @@ class ServerConfig:
     decode_storage_backend: str = "auto"
     shape_buckets: str = "auto"
     decode_attention: str = "auto"
+    activations: str = "auto"
     kv_cache_budget: str = "auto"
     kv_admission_watermark: float = 0.01
     ctx_size: int | None = None
@@ -77,6 +78,8 @@ class ServerConfig:
             raise ConfigError("--decode-storage-backend must be auto, dense or paged")
         if self.decode_attention not in ("auto", "direct", "gather"):
             raise ConfigError("--decode-attention must be auto, direct or gather")
+        if self.activations not in ("auto", "fast", "mlx"):
+            raise ConfigError("--activations must be auto, fast or mlx")
         if self.shape_buckets not in ("auto", "on", "off"):
             raise ConfigError("--shape-buckets must be auto, on or off")
         if not 0.0 <= self.kv_admission_watermark <= 0.5:
@@ -182,6 +185,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-attention",
         default=_env("decode_attention", d.decode_attention),
         help="auto (direct with CUDA and paged storage) | direct | gather",
+    )
+    a(
+        "--activations",
+        default=_env("activations", d.activations),
+        help="SwiGLU of float32 llama-family models: auto (fast on the CPU) | fast | mlx",
     )
     a(
         "--shape-buckets",

@@ -17,6 +17,7 @@ from service.engine.kv_dense import DenseKVStorage
 from service.engine.kv_paged import PagedKVStorage
 from service.engine.sampler import SamplingParams
 from service.kv.budget import parse_budget
+from service.models import activations
 from service.models.loader import LoadedModel, load_model
 from service.scheduler.request import SequenceStatus
 from service.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -62,6 +63,7 @@ class Runtime:
         lm = load_model(cfg.model, cfg.dtype, cfg.load_format)
         self.loaded = lm
         self.slot_context = cfg.slot_context(lm.max_context)
+        fast_mlp_layers = self._install_activations(lm)
         storage = self._make_storage(lm)
         self.engine = Engine(
             lm.model,
@@ -112,6 +114,7 @@ class Runtime:
             decode_path=self.engine.decode_path,
             shape_buckets=self.engine.shape_buckets,
             decode_attention="direct" if self.engine.direct_decode else "gather",
+            fast_swiglu_layers=fast_mlp_layers,
             storage_backend=storage.name,
             max_batch_size=cfg.batch_size,
             slot_context=self.slot_context,
@@ -137,6 +140,14 @@ class Runtime:
             finally:
                 engine.release(seq)
         return round(time.monotonic() - started, 2)
+
+    def _install_activations(self, lm: LoadedModel) -> int:
+        """--activations: auto uses our fast SwiGLU on the CPU, where MLX's exp is slow (a
+        GPU's is not); returns how many layers run it (float32 llama-family layers only)."""
+        choice = self.config.activations
+        if choice == "mlx" or (choice == "auto" and mx.default_device() != mx.cpu):
+            return 0
+        return activations.install(lm.model)
 
     def _batch_prefill(self) -> int:
         """--max-batch-prefill, default by device: a GPU prefills 16 short prompts in about
