@@ -10,7 +10,8 @@
 #
 # Env: OUT (results dir), BUDGET_S (seconds this script may run, default 540), RUNS, CONC,
 # MAX_TOKENS, PY (the python, default python3), CHECK (1: first check the CUDA decode attention
-# kernel with bench/check_paged_attention.py and stop if it is wrong; default 1).
+# kernel with bench/check_paged_attention.py and stop if it is wrong; default 1), SERVER_ARGS
+# (extra flags for our server, one string) and TAG (suffix of the result names).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 BUDGET_S=${BUDGET_S:-540}
@@ -58,6 +59,7 @@ for spec in $RUNS; do
   now=$(date +%s); left=$((end - now))
   if [ "$left" -lt "$need" ]; then echo "== $preset: skipped, ${left}s left (needs ~${need}s)"; continue; fi
   peer_args=()
+  [ -n "${SERVER_ARGS:-}" ] && peer_args+=(--server-args "$SERVER_ARGS")
   for p in ${peers//,/ }; do peer_args+=(--peer "$p"); done
   echo "== $preset: ${left}s left (rounds $rounds, peers ${peers:-none})"
   timeout --signal=TERM $((left - 5)) "$PY" -m client bench --spawn-server \
@@ -66,7 +68,7 @@ for spec in $RUNS; do
     "${peer_args[@]}" --targets gpu --deadline $((end - 60)) \
     --export-dir /tmp/mlx-lm-export --log-dir /tmp/benchlogs \
     --title "dummy:$preset bf16, H200, $MAX_TOKENS-token completions, burst rounds of C" \
-    --out "$OUT/$preset.json"
+    --out "$OUT/$preset${TAG:-}.json"
   rc=$?
   echo "== $preset: exit $rc after $(( $(date +%s) - now ))s"
   if [ $rc -ne 0 ]; then

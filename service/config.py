@@ -34,6 +34,7 @@ class ServerConfig:
     shape_buckets: str = "auto"
     decode_attention: str = "auto"
     activations: str = "auto"
+    switch_interval_ms: float = 0.5
     kv_cache_budget: str = "auto"
     kv_admission_watermark: float = 0.01
     ctx_size: int | None = None
@@ -78,6 +79,8 @@ class ServerConfig:
             raise ConfigError("--decode-storage-backend must be auto, dense or paged")
         if self.decode_attention not in ("auto", "direct", "gather"):
             raise ConfigError("--decode-attention must be auto, direct or gather")
+        if not 0.01 <= self.switch_interval_ms <= 100.0:
+            raise ConfigError("--switch-interval-ms must be within [0.01, 100]")
         if self.activations not in ("auto", "fast", "mlx"):
             raise ConfigError("--activations must be auto, fast or mlx")
         if self.shape_buckets not in ("auto", "on", "off"):
@@ -185,6 +188,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-attention",
         default=_env("decode_attention", d.decode_attention),
         help="auto (direct with CUDA and paged storage) | direct | gather",
+    )
+    a(
+        "--switch-interval-ms",
+        type=float,
+        default=float(_env("switch_interval_ms", d.switch_interval_ms)),
+        help="how long a Python thread may hold the GIL while another waits (Python's "
+        "default is 5 ms; shorter lets the scheduler thread take it back from the RPC side sooner)",
     )
     a(
         "--activations",

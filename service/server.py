@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 
 import grpc
 import structlog
@@ -22,6 +23,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 async def serve(config: ServerConfig) -> None:
+    # The scheduler thread and the RPC event loop share one GIL: a short switch interval lets
+    # the scheduler take it back soon after a step's tokens are read, instead of waiting up to
+    # Python's default 5 ms while the loop writes stream messages.
+    sys.setswitchinterval(config.switch_interval_ms / 1000)
     telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
     runtime = Runtime(config, telemetry)
     server = grpc.aio.server(
