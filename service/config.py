@@ -34,7 +34,7 @@ class ServerConfig:
     shape_buckets: str = "auto"
     decode_attention: str = "auto"
     activations: str = "auto"
-    switch_interval_ms: float = 0.5
+    switch_interval_ms: float = 5.0
     kv_cache_budget: str = "auto"
     kv_admission_watermark: float = 0.01
     ctx_size: int | None = None
@@ -193,8 +193,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--switch-interval-ms",
         type=float,
         default=float(_env("switch_interval_ms", d.switch_interval_ms)),
-        help="how long a Python thread may hold the GIL while another waits (Python's "
-        "default is 5 ms; shorter lets the scheduler thread take it back from the RPC side sooner)",
+        help="how long a Python thread may hold the GIL while another waits (default: Python's "
+        "5 ms; an H200 sweep measured 0.5 ms at 16%% less throughput at C=64)",
     )
     a(
         "--activations",

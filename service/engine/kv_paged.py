@@ -78,6 +78,11 @@ class _StepPlan:
     def lengths(self) -> mx.array:
         return mx.array(np.asarray(self.totals, dtype=np.int32))
 
+    @cached_property
+    def span(self) -> mx.array:
+        """[1] int32: the width of the slot table, as the decode kernel reads it."""
+        return mx.array([self.slot_table.shape[1]], dtype=mx.int32)
+
 
 class PagedKVStorage:
     name = "paged"
@@ -213,13 +218,19 @@ class PagedKVStorage:
         the whole pool for that layer. So nothing here keeps a reference to a pool array
         beyond the lazy graph (see the engine's overlap_steps for the trade-off)."""
         plan = self._step_plan(layer, batch)
-        b, _, n, _ = keys.shape
-        new_k = keys.transpose(0, 2, 1, 3).reshape(b * n, self.kv_heads, self.head_dim)
-        new_v = values.transpose(0, 2, 1, 3).reshape(b * n, self.kv_heads, self.head_dim)
         k_store, v_store = self._keys[layer], self._values[layer]
-        k_store[plan.write] = new_k.astype(self.dtype)
-        v_store[plan.write] = new_v.astype(self.dtype)
+        k_store[plan.write] = self._token_major(keys)
+        v_store[plan.write] = self._token_major(values)
         return k_store, v_store
+
+    def _token_major(self, x: mx.array) -> mx.array:
+        """[B, kv_heads, N, head_dim] -> [B * N, kv_heads, head_dim] in the pool's dtype, with
+        as few graph nodes as the shape allows (a decode step runs this 2 x layers times)."""
+        b, _, n, _ = x.shape
+        if n > 1:
+            x = x.transpose(0, 2, 1, 3)
+        x = x.reshape(b * n, self.kv_heads, self.head_dim)
+        return x if x.dtype == self.dtype else x.astype(self.dtype)
 
     def write_and_gather(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
@@ -246,7 +257,9 @@ class PagedKVStorage:
     ) -> mx.array:
         """Decode attention of the step's rows read through their slots (after `write`)."""
         plan = self._step_plan(layer, batch)
-        return paged_decode_attention(queries, k_pool, v_pool, plan.slots, plan.lengths, scale)
+        return paged_decode_attention(
+            queries, k_pool, v_pool, plan.slots, plan.lengths, scale, plan.span
+        )
 
     def gather(self, handle: PagedSequenceKV, layer: int, num_tokens: int) -> tuple[mx.array, ...]:
         """A sequence's first num_tokens K and V of one layer, [kv_heads, num_tokens, head_dim]

@@ -135,19 +135,21 @@ def paged_decode_attention(
     slots: mx.array,
     lengths: mx.array,
     scale: float,
+    span: mx.array | None = None,
 ) -> mx.array:
     """Attention of one new token per row over that row's first `lengths[b]` positions.
 
     queries [B, heads, 1, head_dim]; k_pool/v_pool [slots, kv_heads, head_dim]; slots [B, T]
     int32, the pool slot of each position (entries past a row's length are ignored); lengths
-    [B] int32. Returns [B, heads, 1, head_dim]."""
+    [B] int32; span: [T] as a [1] int32 array, made once per step by the caller (else here).
+    Returns [B, heads, 1, head_dim]."""
     b, heads, n, head_dim = queries.shape
     kv_heads = k_pool.shape[1]
     if n != 1:
         raise ValueError(f"paged decode attention takes one query per row, got {n}")
     if not kernel_available():
         return _reference(queries, k_pool, v_pool, slots, lengths, scale)
-    meta = mx.array([slots.shape[1]], dtype=mx.int32)
+    meta = span if span is not None else mx.array([slots.shape[1]], dtype=mx.int32)
     (out,) = _kernel()(
         inputs=[queries, k_pool, v_pool, slots, lengths, meta, _scale_array(scale)],
         template=[
