@@ -77,8 +77,8 @@ class ServerConfig:
             raise ConfigError("--preemption-policy must be longest-first or lowest-priority")
         if self.decode_storage_backend not in ("auto", "dense", "paged"):
             raise ConfigError("--decode-storage-backend must be auto, dense or paged")
-        if self.decode_attention not in ("auto", "direct", "gather"):
-            raise ConfigError("--decode-attention must be auto, direct or gather")
+        if self.decode_attention not in ("auto", "direct", "mirror", "gather"):
+            raise ConfigError("--decode-attention must be auto, direct, mirror or gather")
         if not 0.01 <= self.switch_interval_ms <= 100.0:
             raise ConfigError("--switch-interval-ms must be within [0.01, 100]")
         if self.activations not in ("auto", "fast", "mlx"):
@@ -187,7 +187,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--decode-attention",
         default=_env("decode_attention", d.decode_attention),
-        help="auto (direct with CUDA and paged storage) | direct | gather",
+        help="auto (direct with CUDA, else mirror; paged storage) | direct | mirror | gather",
     )
     a(
         "--switch-interval-ms",

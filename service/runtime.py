@@ -25,6 +25,7 @@ from service.telemetry.telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 PAGED_BLOCK_SIZE = 16
+MIRROR_MAX_BYTES = 1 << 30  # past this (big batch x long rows), decode steps gather instead
 DETERMINISTIC_CHUNK = 2048
 
 _SLOT_STATE = {
@@ -75,6 +76,7 @@ class Runtime:
             direct_decode=self._direct_decode(lm, storage),
             fault_injector=fault_injector_from_env(),
         )
+        self._enable_mirror(storage)
         self.scheduler = Scheduler(
             self.engine,
             SchedulerConfig(
@@ -113,7 +115,7 @@ class Runtime:
             layers=lm.num_layers,
             decode_path=self.engine.decode_path,
             shape_buckets=self.engine.shape_buckets,
-            decode_attention="direct" if self.engine.direct_decode else "gather",
+            decode_attention=self.decode_attention,
             fast_swiglu_layers=fast_mlp_layers,
             storage_backend=storage.name,
             max_batch_size=cfg.batch_size,
@@ -173,6 +175,25 @@ class Runtime:
                 f"head dim that is a multiple of 32 (got {lm.architecture}, {lm.head_dim})"
             )
         return usable
+
+    def _enable_mirror(self, storage: object) -> None:
+        """--decode-attention mirror (auto without the CUDA kernel): decode steps attend over a
+        contiguous copy of the batch's K/V (service.engine.kv_mirror) instead of gathering."""
+        choice = self.config.decode_attention
+        if choice not in ("auto", "mirror") or self.engine.direct_decode:
+            return
+        if not isinstance(storage, PagedKVStorage):
+            if choice == "mirror":
+                raise ConfigError("--decode-attention mirror needs the paged backend")
+            return
+        storage.enable_mirror(MIRROR_MAX_BYTES)
+
+    @property
+    def decode_attention(self) -> str:
+        """The decode attention the engine runs: direct, mirror or gather."""
+        if self.engine.direct_decode:
+            return "direct"
+        return "mirror" if getattr(self.engine.storage, "mirror", None) is not None else "gather"
 
     def _make_storage(self, lm: LoadedModel) -> DenseKVStorage | PagedKVStorage:
         """`auto` is paged: the batch view serves every mlx-lm attention model through it."""

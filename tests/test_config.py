@@ -58,9 +58,18 @@ def test_runtime_resolves_auto_choices_on_this_machine():
         # No CUDA here: no shape buckets, gathered decode attention, 4 prompts per prefill.
         assert runtime.engine.shape_buckets is False
         assert runtime.engine.direct_decode is False
+        assert runtime.decode_attention == "mirror"  # contiguous copy of the batch's K/V
         assert runtime.scheduler.config.max_batch_prefill == 4
     finally:
         runtime.shutdown()
+
+
+def test_mirror_decode_attention_refuses_dense_storage():
+    config = ServerConfig(
+        load_format="dummy:tiny", decode_storage_backend="dense", decode_attention="mirror"
+    )
+    with pytest.raises(ConfigError, match="--decode-attention mirror needs the paged backend"):
+        Runtime(config).load()
 
 
 def test_direct_decode_attention_refuses_dense_storage():

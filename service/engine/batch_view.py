@@ -81,6 +81,8 @@ class BatchView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self._shared.direct:
             return self._storage.write(self._layer, self._layout, keys, values)
+        if self._shared.mirrored:
+            return self._storage.write_mirrored(self._layer, self._layout, keys, values)
         return self._storage.write_and_gather(self._layer, self._layout, keys, values)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
@@ -102,9 +104,16 @@ class BatchView:
 class _StepShared:
     """RoPE offsets and the attention mask, computed once per step for all layers."""
 
-    def __init__(self, layout: StepLayout, direct: bool = False) -> None:
+    def __init__(self, layout: StepLayout, direct: bool = False, mirror: Any = None) -> None:
         b, n = layout.batch_size, layout.width
         self.direct = direct
+        self.mirrored = mirror is not None
+        if mirror is not None:
+            # Attention reads the storage's contiguous mirror, whose own mask hides the left
+            # padding of shorter rows (service.engine.kv_mirror); RoPE positions are the rows'.
+            self.offset = layout.starts[0] if b == 1 else mx.array(layout.starts, dtype=mx.int32)
+            self.mask = mirror.mask
+            return
         if direct:
             # Attention reads each row up to its own length: no mask to build.
             self.offset: int | mx.array = (
@@ -130,6 +139,11 @@ class _StepShared:
 def make_views(
     storage: KVStorage, layout: StepLayout, num_layers: int, direct: bool = False
 ) -> list[BatchView]:
-    """One view per layer; direct = attention reads the paged pool itself (decode steps)."""
-    shared = _StepShared(layout, direct)
+    """One view per layer; direct = attention reads the paged pool itself (decode steps).
+    A decode step over storage that keeps a decode mirror reads the mirror instead."""
+    mirror = None
+    begin = getattr(storage, "begin_mirrored_step", None)
+    if begin is not None and not direct and layout.width == 1 and not layout.padded:
+        mirror = begin(layout)
+    shared = _StepShared(layout, direct, mirror)
     return [BatchView(storage, layout, layer, shared) for layer in range(num_layers)]

@@ -10,7 +10,9 @@ A step costs, per layer, one scatter of the new tokens' K/V into the pool and on
 row's positions 0..end into a `[B, kv_heads, T, head_dim]` array (right-padded; the BatchView
 mask hides the padding). Slot indices are computed once per step on the CPU and reused by all
 layers. The scatter updates the pool in place only while nothing else references the pool's
-buffer when the step is dispatched: see `write_and_gather`.
+buffer when the step is dispatched: see `write_and_gather`. A decode step can instead attend
+over the storage's decode mirror (`enable_mirror`, service.engine.kv_mirror), a contiguous copy
+of the batch that it appends to, or read the pool directly (`attend`, the CUDA kernel).
 
 Block reservation is not done while the model runs: the engine (or the scheduler, ahead of
 time) calls `reserve` / `ensure_reserved` before building a forward, and a sequence whose prompt
@@ -28,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from service.engine.batch_view import StepLayout
+from service.engine.kv_mirror import DecodeMirror, MirrorStep, slot_head_rows
 from service.engine.paged_attention import paged_decode_attention
 from service.kv.block_pool import KVCacheManager, KVCacheStats, SequenceBlocks
 
@@ -65,10 +68,8 @@ class _StepPlan:
 
     @cached_property
     def read(self) -> mx.array:
-        """[B, kv_heads, T] row of the pool viewed as [slots * kv_heads, head_dim] for each
-        gathered (position, head): slot * kv_heads + head."""
-        heads = np.arange(self.kv_heads, dtype=np.int32)[None, :, None]
-        return mx.array(self.slot_table[:, None, :] * self.kv_heads + heads)
+        """[B, kv_heads, T] pool row of each gathered (position, head)."""
+        return slot_head_rows(self.slot_table, self.kv_heads)
 
     @cached_property
     def slots(self) -> mx.array:
@@ -120,6 +121,12 @@ class PagedKVStorage:
         self._plan_layout: weakref.ref[StepLayout] | None = None
         self._plan: _StepPlan | None = None
         self._plan_layer = 0  # the last layer that asked for the plan
+        # Decode attention over a contiguous copy of the batch (service.engine.kv_mirror),
+        # switched on by the runtime with `enable_mirror`.
+        self.mirror: DecodeMirror | None = None
+
+    def enable_mirror(self, max_bytes: int) -> None:
+        self.mirror = DecodeMirror(max_bytes)
 
     # -- sequences -------------------------------------------------------------------
     def new_sequence(self, cache_prefix: bool = True) -> PagedSequenceKV:
@@ -131,6 +138,8 @@ class PagedKVStorage:
         """Free the sequence's blocks; registered full blocks stay cached (evictable, LRU)."""
         self.manager.free_sequence(handle.blocks)
         self._live.discard(id(handle))
+        if self.mirror is not None and any(h is handle for h in self.mirror.handles):
+            self.mirror.clear()  # the batch changed: free the copy now, rebuild when needed
 
     def fork(self, handle: PagedSequenceKV) -> PagedSequenceKV:
         """A child sharing all of handle's blocks; whichever writes a shared block copies it."""
@@ -184,8 +193,9 @@ class PagedKVStorage:
 
     @property
     def reserved_bytes(self) -> int:
-        """The K/V arrays allocated so far, scratch block included."""
-        return (self._capacity_blocks + 1) * self.bytes_per_block
+        """The K/V arrays allocated so far, scratch block and decode mirror included."""
+        mirror = self.mirror.nbytes if self.mirror is not None else 0
+        return (self._capacity_blocks + 1) * self.bytes_per_block + mirror
 
     @property
     def budget_bytes(self) -> int:
@@ -236,15 +246,37 @@ class PagedKVStorage:
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
         """`write`, then every row's positions 0..end-1 as [B, kv_heads, T, head_dim]."""
-        k_store, v_store = self.write(layer, batch, keys, values)
+        self.write(layer, batch, keys, values)  # updates the pool arrays pool_rows views
         plan = self._step_plan(layer, batch)
         # Gathering (slot, head) rows straight into [B, kv_heads, T, head_dim] gives attention
         # a contiguous operand; taking [B, T] slots and transposing the result measured 3x
         # slower in the CPU attention (a strided K/V view).
+        k_rows, v_rows = self.pool_rows(layer)
+        return mx.take(k_rows, plan.read, axis=0), mx.take(v_rows, plan.read, axis=0)
+
+    def begin_mirrored_step(self, batch: StepLayout) -> MirrorStep | None:
+        """For a decode step: bring the mirror up to date; None when there is no mirror or
+        the batch would not fit its byte limit (the step gathers instead)."""
+        return self.mirror.begin_step(self, batch) if self.mirror is not None else None
+
+    def write_mirrored(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """`write`, then append to the mirror; returns views of the mirror up to this step."""
+        self.write(layer, batch, keys, values)
+        assert self.mirror is not None
+        return self.mirror.append(layer, keys, values)
+
+    def pool_rows(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The layer's K and V pools viewed as [slots * kv_heads, head_dim]."""
         rows = self.num_slots * self.kv_heads
-        out_k = mx.take(k_store.reshape(rows, self.head_dim), plan.read, axis=0)
-        out_v = mx.take(v_store.reshape(rows, self.head_dim), plan.read, axis=0)
-        return out_k, out_v
+        return (
+            self._keys[layer].reshape(rows, self.head_dim),
+            self._values[layer].reshape(rows, self.head_dim),
+        )
+
+    def slots_of(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:
+        return self._slots(handle, num_tokens)
 
     def attend(
         self,

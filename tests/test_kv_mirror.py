@@ -1,0 +1,106 @@
+"""The decode mirror (service.engine.kv_mirror) on a tiny random-weight llama: the same logits
+and tokens as gathering from the pool, through rows joining, leaving and outgrowing the mirror;
+appends in place between rebuilds; the byte limit falls back to gathering."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from service.engine import kv_mirror
+from service.engine.batch_view import StepLayout, make_views
+from service.engine.engine import Engine, StepRow
+from service.engine.sampler import SamplingParams
+from tests.test_kv_paged import LAYERS, PROMPTS, generate, paged, prompt, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def mirrored(max_bytes: int = 1 << 30, **kw):
+    storage = paged(**kw)
+    storage.enable_mirror(max_bytes)
+    return storage
+
+
+def test_mirror_gives_the_gathered_tokens(model):
+    """Rows of different lengths (left padding masked), decoded together for 20 steps."""
+    outs = {}
+    for kind, storage in (("gather", paged()), ("mirror", mirrored())):
+        engine = Engine(model, storage, LAYERS)
+        seqs, outs[kind] = generate(engine, PROMPTS)
+        if kind == "mirror":
+            assert storage.mirror.rebuilds == 1  # built once, then appended in place
+            assert storage.reserved_bytes > (storage._capacity_blocks + 1) * storage.bytes_per_block
+        for s in seqs:
+            engine.release(s)
+        assert storage.stats().num_active_blocks == 0
+    assert outs["mirror"] == outs["gather"]
+
+
+def test_mirror_logits_match_gathered_logits_step_by_step(model):
+    stores = {"gather": paged(), "mirror": mirrored()}
+    handles = {k: [s.new_sequence() for _ in PROMPTS] for k, s in stores.items()}
+    rows = [list(p) for p in PROMPTS]
+    starts = [0, 0, 0]
+    for step in range(6):
+        logits = {}
+        for kind, storage in stores.items():
+            for h, s, r in zip(handles[kind], starts, rows):
+                assert storage.ensure_reserved(h, s + len(r))
+            width = max(len(r) for r in rows)
+            tokens = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
+            layout = StepLayout(list(handles[kind]), list(starts), [len(r) for r in rows])
+            logits[kind] = model(tokens, cache=make_views(storage, layout, LAYERS))
+            mx.eval(logits[kind])
+        last = mx.array([len(r) - 1 for r in rows])
+        got = logits["mirror"][mx.arange(3), last]
+        want = logits["gather"][mx.arange(3), last]
+        assert mx.abs(got - want).max().item() < 1e-5, f"step {step}"
+        nxt = mx.argmax(want, axis=-1).tolist()
+        starts = [s + len(r) for s, r in zip(starts, rows)]
+        rows = [[t] for t in nxt]
+    assert stores["mirror"].mirror.rebuilds == 1  # step 0 was a prefill: no mirror there
+
+
+def test_rows_joining_leaving_and_outgrowing_the_mirror(model, monkeypatch):
+    """A staggered batch: a row leaves, another joins mid-way, and the mirror runs out of
+    columns twice (small headroom): every change rebuilds it, and no token changes."""
+    monkeypatch.setattr(kv_mirror, "HEADROOM", 7)
+    prompts = [prompt(5, 9), prompt(6, 3), prompt(7, 21)]
+
+    def run(storage):
+        engine = Engine(model, storage, LAYERS)
+        seqs = [engine.add_sequence(f"r{i}", SamplingParams(), p) for i, p in enumerate(prompts)]
+        first = engine.prefill([StepRow(s, p) for s, p in zip(seqs[:2], prompts[:2])])
+        out = {0: [first[0].token_id], 1: [first[1].token_id], 2: []}
+        active = [0, 1]
+        for step in range(18):
+            if step == 5:  # row 1 leaves
+                engine.release(seqs[1])
+                active = [0]
+            if step == 8:  # row 2 joins (its prefill step is a separate forward)
+                out[2].append(engine.prefill([StepRow(seqs[2], prompts[2])])[0].token_id)
+                active = [0, 2]
+            for i, r in zip(active, engine.step([StepRow(seqs[i]) for i in active])):
+                out[i].append(r.token_id)
+        for i in (0, 2):
+            engine.release(seqs[i])
+        return out, storage
+
+    gathered, _ = run(paged())
+    mirror_out, storage = run(mirrored())
+    assert mirror_out == gathered
+    assert storage.mirror.rebuilds >= 4  # start, leave, join, and running out of columns
+    assert storage.mirror.nbytes == 0  # released rows free the copy
+
+
+def test_over_the_byte_limit_decode_steps_gather(model):
+    storage = mirrored(max_bytes=1)
+    engine = Engine(model, storage, LAYERS)
+    _, out = generate(engine, PROMPTS, steps=4)
+    reference = generate(Engine(model, paged(), LAYERS), PROMPTS, steps=4)[1]
+    assert out == reference
+    assert storage.mirror.rebuilds == 0 and storage.mirror.nbytes == 0
