@@ -59,7 +59,7 @@ for spec in $RUNS; do
   now=$(date +%s); left=$((end - now))
   if [ "$left" -lt "$need" ]; then echo "== $preset: skipped, ${left}s left (needs ~${need}s)"; continue; fi
   peer_args=()
-  [ -n "${SERVER_ARGS:-}" ] && peer_args+=(--server-args "$SERVER_ARGS")
+  [ -n "${SERVER_ARGS:-}" ] && peer_args+=("--server-args=$SERVER_ARGS")
   for p in ${peers//,/ }; do peer_args+=(--peer "$p"); done
   echo "== $preset: ${left}s left (rounds $rounds, peers ${peers:-none})"
   timeout --signal=TERM $((left - 5)) "$PY" -m client bench --spawn-server \
