@@ -13,6 +13,11 @@ only while the batch is the same rows in the same order, each exactly one token 
 at the last mirrored step; anything else (a row joins or leaves, a prefill or mixed step in
 between, capacity reached) rebuilds it from the pool with one gather: what a gathering step
 pays every time, paid once per change of the batch.
+
+Opt-in (`--decode-attention mirror`): in process it cut a B=16 CPU decode step 184 -> 147 ms,
+but through the server the harness showed no gain, and worse TTFT p95 / ITL p99: a rebuild is
+evaluated synchronously while the previous step is in flight, and a burst of requests joins
+the batch several times (bench/results/README.md, session 3).
 """
 
 from __future__ import annotations
