@@ -187,7 +187,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--decode-attention",
         default=_env("decode_attention", d.decode_attention),
-        help="auto (direct with CUDA and paged storage, else gather) | direct | mirror | gather",
+        help="auto (direct with CUDA, else mirror; paged storage) | direct | mirror | gather",
     )
     a(
         "--switch-interval-ms",

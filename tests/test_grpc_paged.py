@@ -205,14 +205,14 @@ def test_cuda_mechanisms_give_the_same_tokens_on_the_cpu(
 def test_mirror_and_gathered_decode_attention_give_the_same_tokens(
     stub: pb_grpc.GenerationServiceStub,
 ) -> None:
-    """A server whose decode steps read a contiguous mirror of the batch must produce the
-    default (gathering) server's tokens for requests of different prompt lengths decoding
-    together (the mirror's left padding is masked)."""
+    """The default CPU decode attention reads a contiguous mirror of the batch; a server that
+    gathers from the pool every step must produce the same tokens for requests of different
+    prompt lengths decoding together (the mirror's left padding is masked)."""
     requests = [chat_request(q, max_tokens=24, cache_prompt=False) for q in QUESTIONS[3:7]]
     expected = [f.result() for f in [stub.Generate.future(r, timeout=120) for r in requests]]
-    with running_server("--decode-attention", "mirror", "--max-batch-size", "4") as server:
+    with running_server("--decode-attention", "gather", "--max-batch-size", "4") as server:
         loaded = next(json.loads(x) for x in server.lines if '"model loaded"' in x)
-        assert loaded["decode_attention"] == "mirror"
+        assert loaded["decode_attention"] == "gather"
         with grpc.insecure_channel(server.target) as channel:
             other = pb_grpc.GenerationServiceStub(channel)
             futures = [other.Generate.future(r, timeout=120) for r in requests]

@@ -14,10 +14,10 @@ at the last mirrored step; anything else (a row joins or leaves, a prefill or mi
 between, capacity reached) rebuilds it from the pool with one gather: what a gathering step
 pays every time, paid once per change of the batch.
 
-Opt-in (`--decode-attention mirror`): in process it cut a B=16 CPU decode step 184 -> 147 ms,
-but through the server the harness showed no gain, and worse TTFT p95 / ITL p99: a rebuild is
-evaluated synchronously while the previous step is in flight, and a burst of requests joins
-the batch several times (bench/results/README.md, session 3).
+The runtime's choice on the CPU (`--decode-attention auto`). Through the server the harness
+measured +8-14% tok/s at C = 8 and 16 against gathering (bench/results/README.md, session 3);
+a first version that evaluated each rebuild at once, stalling the host while the previous step
+ran, showed no gain.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ class DecodeMirror:
             k_pool, v_pool = source.pool_rows(layer)
             keys.append(mx.take(k_pool, read, axis=0))
             values.append(mx.take(v_pool, read, axis=0))
-        # Evaluated now so the first append updates them in place, not a lazy gather.
-        mx.eval(keys, values)
+        # Left lazy: the step's first append consumes each gather's output (its only user), so
+        # MLX updates it in place without the host waiting here for the step in flight.
         self.handles = list(layout.handles)
         self.lefts, self.column, self.capacity = lefts, column, capacity
         self.keys, self.values = keys, values
