@@ -76,7 +76,13 @@ class DecodeMirror:
 
     def begin_step(self, source: MirrorSource, layout: StepLayout) -> MirrorStep | None:
         """Make the mirror hold every row's positions before this decode step; returns where
-        the step writes and its mask, or None (too large: gather instead)."""
+        the step writes and its mask, or None (gather instead: a single row, or too large).
+        A lone row gathers only itself, and served alone it measured faster gathering (C=1
+        through the server: TTFT 325 vs 400 ms)."""
+        if layout.batch_size < 2:
+            if self.handles:
+                self.clear()
+            return None
         if not self._continues(layout) and not self._rebuild(source, layout):
             self.step = None
             return None
