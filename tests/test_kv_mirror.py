@@ -67,26 +67,26 @@ def test_mirror_logits_match_gathered_logits_step_by_step(model):
 
 def test_rows_joining_leaving_and_outgrowing_the_mirror(model, monkeypatch):
     """A staggered batch: a row leaves, another joins mid-way, and the mirror runs out of
-    columns twice (small headroom): every change rebuilds it, and no token changes."""
+    columns (small headroom): every change rebuilds it, and no token changes."""
     monkeypatch.setattr(kv_mirror, "HEADROOM", 7)
-    prompts = [prompt(5, 9), prompt(6, 3), prompt(7, 21)]
+    prompts = [prompt(5, 9), prompt(6, 3), prompt(7, 21), prompt(8, 14)]
 
     def run(storage):
         engine = Engine(model, storage, LAYERS)
         seqs = [engine.add_sequence(f"r{i}", SamplingParams(), p) for i, p in enumerate(prompts)]
-        first = engine.prefill([StepRow(s, p) for s, p in zip(seqs[:2], prompts[:2])])
-        out = {0: [first[0].token_id], 1: [first[1].token_id], 2: []}
-        active = [0, 1]
+        first = engine.prefill([StepRow(s, p) for s, p in zip(seqs[:3], prompts[:3])])
+        out = {i: [first[i].token_id] if i < 3 else [] for i in range(4)}
+        active = [0, 1, 2]
         for step in range(18):
             if step == 5:  # row 1 leaves
                 engine.release(seqs[1])
-                active = [0]
-            if step == 8:  # row 2 joins (its prefill step is a separate forward)
-                out[2].append(engine.prefill([StepRow(seqs[2], prompts[2])])[0].token_id)
                 active = [0, 2]
+            if step == 8:  # row 3 joins (its prefill step is a separate forward)
+                out[3].append(engine.prefill([StepRow(seqs[3], prompts[3])])[0].token_id)
+                active = [0, 2, 3]
             for i, r in zip(active, engine.step([StepRow(seqs[i]) for i in active])):
                 out[i].append(r.token_id)
-        for i in (0, 2):
+        for i in active:
             engine.release(seqs[i])
         return out, storage
 
@@ -95,6 +95,14 @@ def test_rows_joining_leaving_and_outgrowing_the_mirror(model, monkeypatch):
     assert mirror_out == gathered
     assert storage.mirror.rebuilds >= 4  # start, leave, join, and running out of columns
     assert storage.mirror.nbytes == 0  # released rows free the copy
+
+
+def test_a_lone_row_gathers(model):
+    storage = mirrored()
+    engine = Engine(model, storage, LAYERS)
+    _, out = generate(engine, PROMPTS[:1], steps=4)
+    assert out == generate(Engine(model, paged(), LAYERS), PROMPTS[:1], steps=4)[1]
+    assert storage.mirror.rebuilds == 0
 
 
 def test_over_the_byte_limit_decode_steps_gather(model):
