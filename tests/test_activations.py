@@ -41,7 +41,7 @@ def test_fast_swiglu_matches_silu_times_up():
 def test_install_swaps_float32_mlps_and_keeps_the_weights_and_the_output():
     model = dummy_llama("tiny", mx.float32)
     names = sorted(k for k, _ in tree_flatten(model.parameters()))
-    tokens = mx.array([[5, 9, 2, 7, 1, 3]])
+    tokens = mx.array([[5, 9, 2, 7, 1, 3, 8, 4, 6, 0, 11, 12]])  # >= FAST_MIN_ROWS: fast path
     before = model(tokens)
     assert activations.install(model) == len(model.layers)
     assert all(isinstance(layer.mlp, activations.FastSwiGLUMLP) for layer in model.layers)
