@@ -108,18 +108,14 @@ class _StepShared:
         b, n = layout.batch_size, layout.width
         self.direct = direct
         self.mirrored = mirror is not None
-        if mirror is not None:
-            # Attention reads the storage's contiguous mirror, whose own mask hides the left
-            # padding of shorter rows (service.engine.kv_mirror); RoPE positions are the rows'.
-            self.offset = layout.starts[0] if b == 1 else mx.array(layout.starts, dtype=mx.int32)
-            self.mask = mirror.mask
-            return
-        if direct:
-            # Attention reads each row up to its own length: no mask to build.
+        if direct or mirror is not None:
+            # Direct: attention reads each row up to its own length, no mask to build. Mirror:
+            # the storage's contiguous copy, whose own mask hides the left padding of shorter
+            # rows (service.engine.kv_mirror). RoPE positions are the rows' either way.
             self.offset: int | mx.array = (
                 layout.starts[0] if b == 1 else mx.array(layout.starts, dtype=mx.int32)
             )
-            self.mask: mx.array | str | None = None
+            self.mask: mx.array | str | None = mirror.mask if mirror is not None else None
             return
         if b == 1 and not layout.padded:
             # A single unpadded row: plain int offset and the fused causal mask, exactly what
