@@ -159,6 +159,11 @@ def main() -> None:
             for label, driver, direct, overlap in modes:
                 runtime.engine.direct_decode = direct
                 runtime.engine.overlap_steps = overlap
+                # Overlapped steps write the pool in place where the CUDA kernel runs (as the
+                # runtime sets it up); elsewhere MLX copies the pool per overlapped step.
+                runtime.engine.storage.write_in_place = (
+                    overlap and direct and paged_attention.kernel_available()
+                )
                 if driver == "engine":
                     gaps = engine_steps(runtime, prompt, b, args.steps, overlap)
                 else:

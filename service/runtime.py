@@ -77,6 +77,7 @@ class Runtime:
             fault_injector=fault_injector_from_env(),
         )
         self._enable_mirror(storage)
+        self._enable_overlap(storage)
         self.scheduler = Scheduler(
             self.engine,
             SchedulerConfig(
@@ -116,6 +117,7 @@ class Runtime:
             decode_path=self.engine.decode_path,
             shape_buckets=self.engine.shape_buckets,
             decode_attention=self.decode_attention,
+            overlap_steps=self.engine.overlap_steps,
             fast_swiglu_layers=fast_mlp_layers,
             storage_backend=storage.name,
             max_batch_size=cfg.batch_size,
@@ -190,6 +192,19 @@ class Runtime:
                 raise ConfigError("--decode-attention mirror needs the paged backend")
             return
         storage.enable_mirror(MIRROR_MAX_BYTES)
+
+    def _enable_overlap(self, storage: object) -> None:
+        """--overlap-steps auto: where decode steps read the pool with the CUDA kernel, they
+        also write it in place (paged_attention.store_decode_kv), so the scheduler may queue
+        step N+1 before reading step N, as mlx-lm's generate loop does. Without in-place
+        writes MLX would copy every layer's pool for each overlapped step."""
+        if self.config.overlap_steps == "off" or not self.engine.direct_decode:
+            return
+        if not paged_attention.kernel_available():
+            return
+        assert isinstance(storage, PagedKVStorage)
+        storage.write_in_place = True
+        self.engine.overlap_steps = True
 
     @property
     def decode_attention(self) -> str:

@@ -28,6 +28,7 @@ def test_defaults_leave_device_dependent_choices_to_the_runtime():
     [
         (("--shape-buckets", "maybe"), "--shape-buckets"),
         (("--decode-attention", "fast"), "--decode-attention"),
+        (("--overlap-steps", "on"), "--overlap-steps"),
         (("--decode-storage-backend", "ring"), "--decode-storage-backend"),
         (("--preemption-policy", "random"), "--preemption-policy"),
         (("--port", "0"), "--port"),
@@ -59,6 +60,9 @@ def test_runtime_resolves_auto_choices_on_this_machine():
         assert runtime.engine.shape_buckets is False
         assert runtime.engine.direct_decode is False
         assert runtime.decode_attention == "mirror"  # contiguous copy of the batch's K/V
+        # No in-place pool writes without the CUDA kernel: steps are not overlapped.
+        assert runtime.engine.overlap_steps is False
+        assert runtime.engine.storage.write_in_place is False
         assert runtime.scheduler.config.max_batch_prefill == 4
     finally:
         runtime.shutdown()

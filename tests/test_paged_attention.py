@@ -9,11 +9,18 @@ import math
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models import llama
 
 from service.engine import paged_attention
-from service.engine.engine import Engine
-from service.engine.paged_attention import _reference, paged_decode_attention
-from tests.test_kv_paged import LAYERS, PROMPTS, dense, generate, paged, tiny_llama
+from service.engine.engine import Engine, StepRow
+from service.engine.kv_paged import PagedKVStorage
+from service.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
+from service.engine.sampler import SamplingParams
+from tests.test_kv_paged import LAYERS, PROMPTS, VOCAB, dense, generate, paged, tiny_llama
+
+cuda_only = pytest.mark.skipif(
+    not paged_attention.kernel_available(), reason="needs MLX's CUDA backend"
+)
 
 
 def random_case(batch: int, heads: int, kv_heads: int, head_dim: int, lengths: list[int], dtype):
@@ -67,7 +74,7 @@ def test_reference_matches_naive_attention(head_dim, heads, kv_heads):
     assert mx.abs(got - want).max().item() < 1e-4
 
 
-@pytest.mark.skipif(not paged_attention.kernel_available(), reason="needs MLX's CUDA backend")
+@cuda_only
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 32, 8), (128, 32, 8)])
 def test_cuda_kernel_matches_reference(dtype, head_dim, heads, kv_heads):
@@ -95,3 +102,76 @@ def test_direct_decode_gives_the_same_tokens_as_gathering(model):
 def test_direct_decode_needs_paged_storage(model):
     with pytest.raises(ValueError, match="paged storage"):
         Engine(model, dense(), LAYERS, direct_decode=True)
+
+
+@cuda_only
+def test_in_place_write_lands_in_its_slots_before_attention_reads_them():
+    kv_heads, heads, head_dim = 2, 4, 64
+    k_pool = mx.zeros((40, kv_heads, head_dim), dtype=mx.bfloat16)
+    v_pool = mx.zeros((40, kv_heads, head_dim), dtype=mx.bfloat16)
+    mx.eval(k_pool, v_pool)
+    mx.random.seed(5)
+    keys = mx.random.normal((3, kv_heads, 1, head_dim)).astype(mx.bfloat16)
+    values = mx.random.normal((3, kv_heads, 1, head_dim)).astype(mx.bfloat16)
+    queries = mx.random.normal((3, heads, 1, head_dim)).astype(mx.bfloat16)
+    slots = mx.array([7, 0, 33], dtype=mx.int32)
+    done = store_decode_kv(k_pool, v_pool, keys, values, slots)
+    # One position per row: attention returns that position's value, so it must see the
+    # write queued in the same graph (ordered by `after`), not the zeros before it.
+    out = paged_decode_attention(
+        queries, k_pool, v_pool, slots[:, None], mx.ones(3, mx.int32), 0.125, after=done
+    )
+    group = heads // kv_heads
+    want = mx.repeat(values, group, axis=1)
+    assert mx.abs(out.astype(mx.float32) - want.astype(mx.float32)).max().item() < 1e-2
+    assert mx.array_equal(k_pool[slots], keys[:, :, 0]).item()
+    assert mx.array_equal(v_pool[slots], values[:, :, 0]).item()
+    others = mx.array([i for i in range(40) if i not in (7, 0, 33)])
+    assert mx.abs(k_pool[others]).max().item() == 0
+
+
+def _llama_head_dim_64() -> llama.Model:
+    mx.random.seed(11)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=LAYERS,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+@cuda_only
+def test_overlapped_steps_with_in_place_writes_give_the_gathered_tokens():
+    """Step N+1 queued before step N is read (as the scheduler does with overlap_steps), rows
+    of different lengths, a row leaving half-way: the same greedy tokens as gathering."""
+    model = _llama_head_dim_64()
+    outs = {}
+    for overlap in (False, True):
+        storage = PagedKVStorage(LAYERS, 1, 64, mx.float32, num_blocks=64, block_size=8)
+        storage.write_in_place = overlap
+        engine = Engine(model, storage, LAYERS, direct_decode=overlap, overlap_steps=overlap)
+        seqs = [engine.add_sequence(f"o{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
+        out = [[r.token_id] for r in engine.prefill([StepRow(s, p) for s, p in zip(seqs, PROMPTS)])]
+        live = list(range(len(seqs)))
+        pending = engine.submit([StepRow(seqs[i]) for i in live])
+        for n in range(24):
+            if n == 12:
+                live = live[1:]  # the first row leaves: its step in flight is still read
+            nxt = engine.submit([StepRow(seqs[i]) for i in live], dispatch=overlap)
+            for r in engine.finish_rows(pending):
+                out[next(i for i, s in enumerate(seqs) if s is r.seq)].append(r.token_id)
+            if not overlap:
+                engine.dispatch(nxt)
+            pending = nxt
+        engine.finish_rows(pending)
+        outs[overlap] = out
+    assert outs[True] == outs[False]

@@ -81,6 +81,8 @@ class GrpcTarget:
             record.completion_tokens = final.usage.completion_tokens
             record.prompt_tokens = final.usage.prompt_tokens
             record.finish_reason = _FINISH.get(final.finish_reason, "unspecified")
+            if final.HasField("timing"):
+                record.server_ttft = final.timing.time_to_first_token_seconds
         else:
             record.completion_tokens = tokens_seen
         return record

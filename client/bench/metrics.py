@@ -37,6 +37,9 @@ class RequestRecord:
     # (where the target says how many; an HTTP peer's SSE event counts as one).
     inter_token: list[float] = field(default_factory=list)
     latency: float = 0.0
+    # Arrival to first token as the server measured it (our server's final Timing; None for
+    # peers): the rest of `ttft` is the RPC, request parsing and tokenization.
+    server_ttft: float | None = None
     finish_reason: str | None = None
     error: str | None = None
 
@@ -120,6 +123,9 @@ class LevelResult(LevelKey):
             out[f"ttft_p{pct}"] = percentile(ttft, pct)
         for pct in PERCENTILES:
             out[f"itl_p{pct}"] = percentile(itl, pct)
+        server_ttft = [r.server_ttft for r in ok if r.server_ttft is not None]
+        if server_ttft:
+            out["server_ttft_p50"] = percentile(server_ttft, 50)
         out["latency_p50"] = percentile([r.latency for r in ok], 50)
         out.update(self.extra)
         return out
@@ -130,7 +136,7 @@ class LevelResult(LevelKey):
             item = asdict(record)
             # Microseconds are plenty, and keep the JSON files small.
             item["inter_token"] = [round(gap, 6) for gap in record.inter_token]
-            for key in ("start", "ttft", "latency"):
+            for key in ("start", "ttft", "server_ttft", "latency"):
                 if item[key] is not None:
                     item[key] = round(item[key], 6)
             requests.append(item)

@@ -104,10 +104,10 @@ class Engine:
         unpadded prompts of new lengths would pay it on nearly every request.
 
         overlap_steps: the scheduler may dispatch decode step N+1 before reading step N, as
-        mlx-lm's generate loop does. Step N+1's K/V writes then cannot update the pool in place
-        (step N still reads it), so MLX copies each layer's pool. Measured on an H200
-        (bench/host_overhead.py): no consistent gain, since the host builds and launches each
-        step either way; so the runtime leaves it off and it stays for measurement.
+        mlx-lm's generate loop does, so the device never waits for the host between steps.
+        Only safe for the pool's memory when decode steps write it in place (paged storage's
+        `write_in_place`, the CUDA kernel): MLX's functional scatter would copy each layer's
+        pool, which step N still references. The runtime turns both on together.
 
         direct_decode: decode steps attend straight from the paged pool through each row's
         slots (service.engine.paged_attention: a CUDA kernel, or MLX ops elsewhere) instead of

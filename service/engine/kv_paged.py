@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import mlx.core as mx
@@ -31,7 +31,7 @@ import numpy as np
 
 from service.engine.batch_view import StepLayout
 from service.engine.kv_mirror import DecodeMirror, MirrorStep, slot_head_rows
-from service.engine.paged_attention import paged_decode_attention
+from service.engine.paged_attention import paged_decode_attention, store_decode_kv
 from service.kv.block_pool import KVCacheManager, KVCacheStats, SequenceBlocks
 
 
@@ -65,6 +65,7 @@ class _StepPlan:
     slot_table: np.ndarray  # [B, T] slot of each position (padding -> scratch slot)
     totals: list[int]  # positions each row attends to
     kv_heads: int
+    written: dict[int, mx.array] = field(default_factory=dict)  # layer -> its in-place write
 
     @cached_property
     def read(self) -> mx.array:
@@ -124,6 +125,9 @@ class PagedKVStorage:
         # Decode attention over a contiguous copy of the batch (service.engine.kv_mirror),
         # switched on by the runtime with `enable_mirror`.
         self.mirror: DecodeMirror | None = None
+        # Decode steps write their K/V with the in-place CUDA kernel (`store_decode_kv`):
+        # switched on by the runtime with the direct decode kernel, so steps can overlap.
+        self.write_in_place = False
 
     def enable_mirror(self, max_bytes: int) -> None:
         self.mirror = DecodeMirror(max_bytes)
@@ -220,13 +224,27 @@ class PagedKVStorage:
     def write(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
+        """A direct decode step's write (`attend` reads the pool next): the rows' new K/V
+        ([B, kv_heads, 1, head_dim]) into their slots; returns the layer's pool arrays. With
+        `write_in_place` this is the in-place CUDA kernel, whose result orders this layer's
+        `attend` after it; otherwise `_scatter`."""
+        if not (self.write_in_place and batch.width == 1):
+            return self._scatter(layer, batch, keys, values)
+        plan = self._step_plan(layer, batch)
+        k_store, v_store = self._keys[layer], self._values[layer]
+        plan.written[layer] = store_decode_kv(k_store, v_store, keys, values, plan.write)
+        return k_store, v_store
+
+    def _scatter(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
         """Write the rows' new K/V ([B, kv_heads, N, head_dim]) into their slots; returns the
         layer's pool arrays ([slots, kv_heads, head_dim]) as written.
 
         `store[idx] = x` replaces the pool in place only if, when the step is dispatched, no
         other array or queued task still references the pool's buffer; otherwise MLX copies
         the whole pool for that layer. So nothing here keeps a reference to a pool array
-        beyond the lazy graph (see the engine's overlap_steps for the trade-off)."""
+        beyond the lazy graph, and a step that scatters is not queued while another runs."""
         plan = self._step_plan(layer, batch)
         k_store, v_store = self._keys[layer], self._values[layer]
         k_store[plan.write] = self._token_major(keys)
@@ -245,8 +263,8 @@ class PagedKVStorage:
     def write_and_gather(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """`write`, then every row's positions 0..end-1 as [B, kv_heads, T, head_dim]."""
-        self.write(layer, batch, keys, values)  # updates the pool arrays pool_rows views
+        """`_scatter`, then every row's positions 0..end-1 as [B, kv_heads, T, head_dim]."""
+        self._scatter(layer, batch, keys, values)  # updates the pool arrays pool_rows views
         plan = self._step_plan(layer, batch)
         # Gathering (slot, head) rows straight into [B, kv_heads, T, head_dim] gives attention
         # a contiguous operand; taking [B, T] slots and transposing the result measured 3x
@@ -262,8 +280,8 @@ class PagedKVStorage:
     def write_mirrored(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """`write`, then append to the mirror; returns views of the mirror up to this step."""
-        self.write(layer, batch, keys, values)
+        """`_scatter`, then append to the mirror; returns views of the mirror up to this step."""
+        self._scatter(layer, batch, keys, values)
         assert self.mirror is not None
         return self.mirror.append(layer, keys, values)
 
@@ -290,7 +308,14 @@ class PagedKVStorage:
         """Decode attention of the step's rows read through their slots (after `write`)."""
         plan = self._step_plan(layer, batch)
         return paged_decode_attention(
-            queries, k_pool, v_pool, plan.slots, plan.lengths, scale, plan.span
+            queries,
+            k_pool,
+            v_pool,
+            plan.slots,
+            plan.lengths,
+            scale,
+            plan.span,
+            after=plan.written.get(layer),
         )
 
     def gather(self, handle: PagedSequenceKV, layer: int, num_tokens: int) -> tuple[mx.array, ...]:

@@ -12,6 +12,14 @@ mlx-lm's llama-family attention calls its module's `scaled_dot_product_attention
 values, cache=..., scale=..., mask=...)`. `install` wraps that function once per module so that a
 step whose cache view is `direct` (the view wrote the new K/V into the pool and returned the pool
 itself) is answered here; every other call goes to mlx-lm's function unchanged.
+
+`store_decode_kv` writes a decode step's new K/V into the pool in place (CUDA only). MLX's own
+scatter is functional: it reuses the pool's buffer only when nothing else references it, so a
+step queued while the previous one still reads the pool would copy every layer's pool. Writing
+in place lets the scheduler queue step N+1 before step N's tokens are read (the engine's
+overlap_steps): one CUDA stream runs the steps in order, so N's attention has read the pool
+before N+1's write lands, and each attention takes its layer's write as an input, so it runs
+after it.
 """
 
 from __future__ import annotations
@@ -117,7 +125,8 @@ def kernel_available() -> bool:
 def _kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="mlxserve_paged_decode_attention",
-        input_names=["q", "k_pool", "v_pool", "slots", "lengths", "meta", "scale_arr"],
+        # `after`: the layer's in-place K/V write (or any array): only orders the kernels.
+        input_names=["q", "k_pool", "v_pool", "slots", "lengths", "meta", "scale_arr", "after"],
         output_names=["out"],
         source=_SOURCE,
     )
@@ -136,13 +145,15 @@ def paged_decode_attention(
     lengths: mx.array,
     scale: float,
     span: mx.array | None = None,
+    after: mx.array | None = None,
 ) -> mx.array:
     """Attention of one new token per row over that row's first `lengths[b]` positions.
 
     queries [B, heads, 1, head_dim]; k_pool/v_pool [slots, kv_heads, head_dim]; slots [B, T]
     int32, the pool slot of each position (entries past a row's length are ignored); lengths
-    [B] int32; span: [T] as a [1] int32 array, made once per step by the caller (else here).
-    Returns [B, heads, 1, head_dim]."""
+    [B] int32; span: [T] as a [1] int32 array, made once per step by the caller (else here);
+    after: `store_decode_kv`'s result when the step wrote the pool in place (the kernel then
+    runs after the write). Returns [B, heads, 1, head_dim]."""
     b, heads, n, head_dim = queries.shape
     kv_heads = k_pool.shape[1]
     if n != 1:
@@ -151,7 +162,16 @@ def paged_decode_attention(
         return _reference(queries, k_pool, v_pool, slots, lengths, scale)
     meta = span if span is not None else mx.array([slots.shape[1]], dtype=mx.int32)
     (out,) = _kernel()(
-        inputs=[queries, k_pool, v_pool, slots, lengths, meta, _scale_array(scale)],
+        inputs=[
+            queries,
+            k_pool,
+            v_pool,
+            slots,
+            lengths,
+            meta,
+            _scale_array(scale),
+            after if after is not None else lengths,
+        ],
         template=[
             ("T", queries.dtype),
             ("D", head_dim),
@@ -165,6 +185,60 @@ def paged_decode_attention(
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+_STORE_SOURCE = """
+    // One thread per element of the new K and V ([tokens, KV_HEADS, D], row-contiguous).
+    // The pools arrive as const inputs and are written anyway: this IS the in-place update.
+    const size_t per_token = (size_t)KV_HEADS * D;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)slots_shape[0] * per_token) {
+        return;
+    }
+    const size_t dst = (size_t)slots[i / per_token] * per_token + i % per_token;
+    const_cast<P*>(k_pool)[dst] = static_cast<P>(k_new[i]);
+    const_cast<P*>(v_pool)[dst] = static_cast<P>(v_new[i]);
+    if (i == 0) {
+        done[0] = 1;
+    }
+"""
+
+
+@cache
+def _store_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_store_decode_kv",
+        input_names=["k_pool", "v_pool", "k_new", "v_new", "slots"],
+        output_names=["done"],
+        source=_STORE_SOURCE,
+    )
+
+
+def store_decode_kv(
+    k_pool: mx.array, v_pool: mx.array, keys: mx.array, values: mx.array, slots: mx.array
+) -> mx.array:
+    """Write one new token per row into the pools, in place (CUDA only).
+
+    k_pool/v_pool [slots, kv_heads, head_dim]; keys/values [B, kv_heads, 1, head_dim]; slots
+    [B] int32, each row's pool slot. Returns a [1] array that stands for the write: pass it as
+    `after` to every kernel that must read the written pool. The pools' array objects are not
+    replaced, so nothing but stream order and `after` tells MLX about the write: only kernels
+    queued after this one on the same stream may read the pool."""
+    if not kernel_available():
+        raise RuntimeError("in-place K/V writes need MLX's CUDA backend")
+    b, kv_heads, n, head_dim = keys.shape
+    if n != 1 or slots.shape != (b,):
+        raise ValueError(f"in-place writes take one token per row, got {keys.shape}")
+    size = b * kv_heads * head_dim
+    (done,) = _store_kernel()(
+        inputs=[k_pool, v_pool, keys, values, slots],
+        template=[("P", k_pool.dtype), ("KV_HEADS", kv_heads), ("D", head_dim)],
+        grid=(size, 1, 1),
+        threadgroup=(min(256, size), 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.int32],
+    )
+    return done
 
 
 def kernel_supports(head_dim: int) -> bool:
