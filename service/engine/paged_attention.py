@@ -158,7 +158,7 @@ def paged_decode_attention(
     kv_heads = k_pool.shape[1]
     if n != 1:
         raise ValueError(f"paged decode attention takes one query per row, got {n}")
-    if not kernel_available():
+    if not (kernel_available() and kernel_supports(head_dim)):
         return _reference(queries, k_pool, v_pool, slots, lengths, scale)
     meta = span if span is not None else mx.array([slots.shape[1]], dtype=mx.int32)
     (out,) = _kernel()(
