@@ -136,18 +136,22 @@ def main() -> None:
     model = runtime.loaded.model
     prompt = list(range(100, 140))
     print(f"{args.preset} on {mx.default_device()}: median decode step (ms)")
-    # (label, driver, direct decode attention, overlapped steps); direct needs the paged pool.
+    # (label, driver, direct decode attention, overlapped steps, compiled decode steps); direct
+    # needs the paged pool, compiled steps direct attention.
     direct_ok = runtime.engine.direct_decode or paged_attention.install(model)
     modes = [
-        ("engine:gather", "engine", False, False),
-        ("engine:direct", "engine", True, False),
-        ("engine:direct+overlap", "engine", True, True),
-        ("served", "served", runtime.engine.direct_decode, False),
-        ("served+overlap", "served", runtime.engine.direct_decode, True),
+        ("engine:gather", "engine", False, False, False),
+        ("engine:direct", "engine", True, False, False),
+        ("engine:direct+overlap", "engine", True, True, False),
+        ("engine:compiled+overlap", "engine", True, True, True),
+        ("served", "served", runtime.engine.direct_decode, False, False),
+        ("served+overlap", "served", runtime.engine.direct_decode, True, False),
+        ("served+compiled+overlap", "served", runtime.engine.direct_decode, True, True),
     ]
     modes = [m for m in modes if direct_ok or not m[2]]
     if args.modes:
         modes = [m for m in modes if m[0] in args.modes.split(",")]
+    graphs = {}  # one DecodeGraph (its compiled shapes) for every compiled mode
     print("B".rjust(4), "raw".rjust(8), *(m[0].rjust(22) for m in modes), " (ratio to raw)")
     results = []
     for b in batches:
@@ -156,13 +160,17 @@ def main() -> None:
             keep = repeat > 0
             raw = raw_steps(model, prompt, b, args.steps)
             times["raw"] += raw if keep else []
-            for label, driver, direct, overlap in modes:
+            for label, driver, direct, overlap, compiled in modes:
                 runtime.engine.direct_decode = direct
                 runtime.engine.overlap_steps = overlap
+                if compiled and "graph" not in graphs:
+                    runtime.engine.compile_decode_steps()
+                    graphs["graph"] = runtime.engine.decode_graph
+                runtime.engine.decode_graph = graphs["graph"] if compiled else None
                 # Overlapped steps write the pool in place where the CUDA kernel runs (as the
                 # runtime sets it up); elsewhere MLX copies the pool per overlapped step.
                 runtime.engine.storage.write_in_place = (
-                    overlap and direct and paged_attention.kernel_available()
+                    (overlap or compiled) and direct and paged_attention.kernel_available()
                 )
                 if driver == "engine":
                     gaps = engine_steps(runtime, prompt, b, args.steps, overlap)

@@ -35,6 +35,7 @@ class ServerConfig:
     decode_attention: str = "auto"
     activations: str = "auto"
     overlap_steps: str = "auto"
+    compile_decode: str = "auto"
     switch_interval_ms: float = 5.0
     kv_cache_budget: str = "auto"
     kv_admission_watermark: float = 0.01
@@ -84,6 +85,8 @@ class ServerConfig:
             raise ConfigError("--switch-interval-ms must be within [0.01, 100]")
         if self.overlap_steps not in ("auto", "off"):
             raise ConfigError("--overlap-steps must be auto or off")
+        if self.compile_decode not in ("auto", "off"):
+            raise ConfigError("--compile-decode must be auto or off")
         if self.activations not in ("auto", "fast", "mlx"):
             raise ConfigError("--activations must be auto, fast or mlx")
         if self.shape_buckets not in ("auto", "on", "off"):
@@ -204,6 +207,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("overlap_steps", d.overlap_steps),
         help="queue decode step N+1 before step N's tokens are read: auto (where decode "
         "writes the paged pool in place: the CUDA kernel) | off",
+    )
+    a(
+        "--compile-decode",
+        default=_env("compile_decode", d.compile_decode),
+        help="replay decode steps from compiled graphs (mx.compile): auto (where decode writes "
+        "the paged pool in place: the CUDA kernel) | off",
     )
     a(
         "--activations",

@@ -77,7 +77,7 @@ class Runtime:
             fault_injector=fault_injector_from_env(),
         )
         self._enable_mirror(storage)
-        self._enable_overlap(storage)
+        self._enable_in_place_decode(storage)
         self.scheduler = Scheduler(
             self.engine,
             SchedulerConfig(
@@ -118,6 +118,7 @@ class Runtime:
             shape_buckets=self.engine.shape_buckets,
             decode_attention=self.decode_attention,
             overlap_steps=self.engine.overlap_steps,
+            compiled_decode=self.engine.decode_graph is not None,
             fast_swiglu_layers=fast_mlp_layers,
             storage_backend=storage.name,
             max_batch_size=cfg.batch_size,
@@ -193,18 +194,21 @@ class Runtime:
             return
         storage.enable_mirror(MIRROR_MAX_BYTES)
 
-    def _enable_overlap(self, storage: object) -> None:
-        """--overlap-steps auto: where decode steps read the pool with the CUDA kernel, they
-        also write it in place (paged_attention.store_decode_kv), so the scheduler may queue
-        step N+1 before reading step N, as mlx-lm's generate loop does. Without in-place
-        writes MLX would copy every layer's pool for each overlapped step."""
-        if self.config.overlap_steps == "off" or not self.engine.direct_decode:
-            return
-        if not paged_attention.kernel_available():
+    def _enable_in_place_decode(self, storage: object) -> None:
+        """Where decode steps read the pool with the CUDA kernel, they can also write it in
+        place (paged_attention.store_decode_kv); MLX's functional writes would copy a layer's
+        pool whenever something else still references it. That makes two things safe:
+        --overlap-steps auto queues step N+1 before step N is read, as mlx-lm's generate loop
+        does, and --compile-decode auto replays decode steps from compiled graphs."""
+        cfg = self.config
+        wanted = cfg.overlap_steps != "off" or cfg.compile_decode != "off"
+        if not (wanted and self.engine.direct_decode and paged_attention.kernel_available()):
             return
         assert isinstance(storage, PagedKVStorage)
         storage.write_in_place = True
-        self.engine.overlap_steps = True
+        self.engine.overlap_steps = cfg.overlap_steps != "off"
+        if cfg.compile_decode != "off":
+            self.engine.compile_decode_steps()
 
     @property
     def decode_attention(self) -> str:

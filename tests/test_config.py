@@ -29,6 +29,7 @@ def test_defaults_leave_device_dependent_choices_to_the_runtime():
         (("--shape-buckets", "maybe"), "--shape-buckets"),
         (("--decode-attention", "fast"), "--decode-attention"),
         (("--overlap-steps", "on"), "--overlap-steps"),
+        (("--compile-decode", "on"), "--compile-decode"),
         (("--decode-storage-backend", "ring"), "--decode-storage-backend"),
         (("--preemption-policy", "random"), "--preemption-policy"),
         (("--port", "0"), "--port"),
@@ -63,6 +64,7 @@ def test_runtime_resolves_auto_choices_on_this_machine():
         # No in-place pool writes without the CUDA kernel: steps are not overlapped.
         assert runtime.engine.overlap_steps is False
         assert runtime.engine.storage.write_in_place is False
+        assert runtime.engine.decode_graph is None
         assert runtime.scheduler.config.max_batch_prefill == 4
     finally:
         runtime.shutdown()

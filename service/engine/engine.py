@@ -21,6 +21,7 @@ import structlog
 
 from service.engine import paged_attention
 from service.engine.batch_view import KVStorage, StepLayout, make_views
+from service.engine.compiled_decode import DecodeGraph
 from service.engine.kv_paged import OutOfBlocksError
 from service.engine.sampler import RowSamplerState, SamplingParams, sample
 
@@ -96,6 +97,7 @@ class Engine:
         shape_buckets: bool = False,
         overlap_steps: bool = False,
         direct_decode: bool = False,
+        compile_decode: bool = False,
         fault_injector: FaultInjector | None = None,
     ) -> None:
         """shape_buckets: pad multi-token forwards (prefill chunks) to `shape_bucket` lengths
@@ -111,7 +113,10 @@ class Engine:
 
         direct_decode: decode steps attend straight from the paged pool through each row's
         slots (service.engine.paged_attention: a CUDA kernel, or MLX ops elsewhere) instead of
-        gathering padded K/V and masking it. Needs paged storage and a llama-family model."""
+        gathering padded K/V and masking it. Needs paged storage and a llama-family model.
+
+        compile_decode: direct decode steps whose rows all sample replay a compiled graph
+        (service.engine.compiled_decode) instead of building the forward op by op."""
         self.model = model
         self.storage = storage
         self.num_layers = num_layers
@@ -124,6 +129,15 @@ class Engine:
         self.direct_decode = direct_decode
         self._fault_injector = fault_injector
         self._head = ModelHead(model)
+        self.decode_graph: DecodeGraph | None = None
+        if compile_decode:
+            self.compile_decode_steps()
+
+    def compile_decode_steps(self) -> None:
+        """From now on, direct decode steps replay compiled graphs (see compile_decode)."""
+        if not self.direct_decode:
+            raise ValueError("compiled decode steps need direct decode attention")
+        self.decode_graph = DecodeGraph(self._head, self.storage, self.num_layers)
 
     # -- sequences -------------------------------------------------------------------
     def add_sequence(
@@ -219,22 +233,28 @@ class Engine:
             layout.pad_span = shape_bucket(max(layout.total_lengths))
         tokens = self._input_tokens(rows, layout.width)  # [B, N]
         direct = self.direct_decode and layout.width == 1
-        views = make_views(self.storage, layout, self.num_layers, direct)
-        hidden = self._head.hidden(tokens, views)  # [B, N, H]
+        sampled = [i for i, r in enumerate(rows) if r.sample]
+        if direct and self.decode_graph is not None and len(sampled) == len(rows):
+            last_logits = self.decode_graph.logits(tokens, layout)  # [B, V]
+        else:
+            views = make_views(self.storage, layout, self.num_layers, direct)
+            hidden = self._head.hidden(tokens, views)  # [B, N, H]
+            if not sampled:
+                # Evaluating the last hidden state forces every layer's K/V write.
+                for r, n in zip(rows, lengths):
+                    r.seq.num_cached += n
+                pending = PendingStep(rows, [], None, None, None, hidden)
+                return self.dispatch(pending) if dispatch else pending
+            if layout.width == 1:
+                last_hidden = (
+                    hidden[mx.array(sampled), 0] if len(sampled) < len(rows) else hidden[:, 0]
+                )
+            else:
+                last = mx.array([lengths[i] - 1 for i in sampled])
+                last_hidden = hidden[mx.array(sampled), last]  # [S, H]
+            last_logits = self._head.logits(last_hidden)  # [S, V]
         for r, n in zip(rows, lengths):
             r.seq.num_cached += n
-
-        sampled = [i for i, r in enumerate(rows) if r.sample]
-        if not sampled:
-            # Evaluating the last hidden state forces every layer's K/V write.
-            pending = PendingStep(rows, [], None, None, None, hidden)
-            return self.dispatch(pending) if dispatch else pending
-        if layout.width == 1:
-            last_hidden = hidden[mx.array(sampled), 0] if len(sampled) < len(rows) else hidden[:, 0]
-        else:
-            last = mx.array([lengths[i] - 1 for i in sampled])
-            last_hidden = hidden[mx.array(sampled), last]  # [S, H]
-        last_logits = self._head.logits(last_hidden)  # [S, V]
         states = [rows[i].seq.sampler for i in sampled]
         drawn, processed = sample(last_logits, states)
         logprobs = top = None

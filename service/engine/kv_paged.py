@@ -318,6 +318,28 @@ class PagedKVStorage:
             after=plan.written.get(layer),
         )
 
+    def decode_inputs(self, batch: StepLayout, bucket: int) -> list[mx.array]:
+        """A direct decode step's plan as arrays, for a compiled forward (compiled_decode):
+        RoPE offsets [B], slots [B, T'] (T' = the span rounded up to `bucket`, padded with
+        the scratch slot), lengths [B], write slots [B] and the width T' as a [1] array."""
+        plan = self._step_plan(0, batch)
+        b, t = plan.slot_table.shape
+        width = -(-t // bucket) * bucket
+        slots = np.full((b, width), self.scratch_slot, dtype=np.int32)
+        slots[:, :t] = plan.slot_table
+        offsets = mx.array(np.asarray(batch.starts, dtype=np.int32))
+        span = mx.array([width], dtype=mx.int32)
+        return [offsets, mx.array(slots), plan.lengths, plan.write, span]
+
+    def pool_arrays(self) -> list[mx.array]:
+        """Every layer's K pool, then every layer's V pool."""
+        return [*self._keys, *self._values]
+
+    def adopt_pool_arrays(self, arrays: list[mx.array]) -> None:
+        """Take the pools a compiled forward returned (written functionally) as the pools."""
+        n = self.num_layers
+        self._keys[:], self._values[:] = arrays[:n], arrays[n:]
+
     def gather(self, handle: PagedSequenceKV, layer: int, num_tokens: int) -> tuple[mx.array, ...]:
         """A sequence's first num_tokens K and V of one layer, [kv_heads, num_tokens, head_dim]
         (for tests and debugging)."""
