@@ -58,7 +58,7 @@ for spec in $RUNS; do
   echo "== $preset: ${left}s left (rounds $rounds, peers ${peers:-none})"
   timeout --signal=TERM $((left - 5)) "$PY" -m client bench --spawn-server \
     --load-format "dummy:$preset" --dtype bfloat16 --concurrency "$CONC" \
-    --max-tokens "$MAX_TOKENS" --rounds "$rounds" --warmup 2 --warmup-rounds 1 \
+    --max-tokens "$MAX_TOKENS" --rounds "$rounds" --min-requests 8 --warmup 2 --warmup-rounds 1 \
     "${peer_args[@]}" --targets gpu --deadline $((end - 60)) \
     --export-dir /tmp/mlx-lm-export --log-dir /tmp/benchlogs \
     --title "dummy:$preset bf16, H200, $MAX_TOKENS-token completions, burst rounds of C" \

@@ -84,6 +84,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="burst: rounds of C requests per level; closed: C*rounds requests",
     )
     load.add_argument(
+        "--min-requests",
+        type=int,
+        default=d.min_requests,
+        help="burst/closed: more rounds where C*rounds is fewer requests than this (default 0)",
+    )
+    load.add_argument(
         "--rate",
         type=_float_list,
         default=d.rates,
@@ -284,6 +290,7 @@ def run_bench(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         prompt_len=args.prompt_len,
         rounds=args.rounds,
+        min_requests=args.min_requests,
         arrival=args.arrival,
         rates=args.rate,
         duration=args.duration,

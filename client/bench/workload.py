@@ -89,7 +89,8 @@ class Workload:
 
     Arrival patterns, per level:
     - `burst` (closed loop, the default): `rounds` rounds of C requests started at once, each
-      round waiting for all C (what the in-process batch peer can also run);
+      round waiting for all C (what the in-process batch peer can also run); at least
+      `min_requests` requests a level (more rounds where C is small);
     - `closed`: C workers, each sending its next request when its previous one ends,
       `rounds * C` requests in all (C in flight at every moment);
     - `poisson` (open loop): requests sent at exponential inter-arrival times at each of
@@ -106,6 +107,9 @@ class Workload:
     # prompt tokens (the rendered chat, as the server counts it).
     prompt_len: str | None = None
     rounds: int = 1
+    # Burst/closed levels get more rounds when `rounds * C` is fewer requests than this: a level
+    # of one or two requests (C=1) says little on a noisy host.
+    min_requests: int = 0
     arrival: str = "burst"
     rates: tuple[float, ...] = ()
     duration: float | None = None
@@ -312,8 +316,9 @@ def build_plan(workload: Workload, count_tokens: TokenCounter | None = None) -> 
             [spec(q) for q in workload.prompts_for(concurrency, -1 - r)]
             for r in range(workload.warmup_rounds)
         ]
+        num_rounds = max(workload.rounds, -(-workload.min_requests // concurrency))
         rounds = [
-            [spec(q) for q in workload.prompts_for(concurrency, r)] for r in range(workload.rounds)
+            [spec(q) for q in workload.prompts_for(concurrency, r)] for r in range(num_rounds)
         ]
         if workload.arrival == "closed":
             rounds = [[s for batch in rounds for s in batch]]
