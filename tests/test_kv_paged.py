@@ -21,15 +21,18 @@ def model() -> llama.Model:
     return tiny_llama()
 
 
-def tiny_llama() -> llama.Model:
-    mx.random.seed(7)
+def tiny_llama(
+    hidden_size: int = 64, heads: int = 4, kv_heads: int = KV_HEADS, seed: int = 7
+) -> llama.Model:
+    """A random llama of LAYERS layers; head_dim = hidden_size / heads (16 by default)."""
+    mx.random.seed(seed)
     args = llama.ModelArgs(
         model_type="llama",
-        hidden_size=64,
+        hidden_size=hidden_size,
         num_hidden_layers=LAYERS,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         rms_norm_eps=1e-5,
         vocab_size=VOCAB,
         tie_word_embeddings=True,

@@ -9,7 +9,6 @@ import math
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models import llama
 
 from service.engine import engine as engine_module
 from service.engine import paged_attention
@@ -17,7 +16,7 @@ from service.engine.engine import Engine, StepRow
 from service.engine.kv_paged import PagedKVStorage
 from service.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
 from service.engine.sampler import SamplingParams
-from tests.test_kv_paged import LAYERS, PROMPTS, VOCAB, dense, generate, paged, tiny_llama
+from tests.test_kv_paged import LAYERS, PROMPTS, dense, generate, paged, tiny_llama
 
 cuda_only = pytest.mark.skipif(
     not paged_attention.kernel_available(), reason="needs MLX's CUDA backend"
@@ -131,32 +130,13 @@ def test_in_place_write_lands_in_its_slots_before_attention_reads_them():
     assert mx.abs(k_pool[others]).max().item() == 0
 
 
-def _llama_head_dim_64() -> llama.Model:
-    mx.random.seed(11)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=LAYERS,
-        intermediate_size=256,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-    )
-    model = llama.Model(args)
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
-
-
 @cuda_only
 @pytest.mark.parametrize("compiled", [False, True])
 def test_overlapped_steps_with_in_place_writes_give_the_gathered_tokens(compiled):
     """Step N+1 queued before step N is read (as the scheduler does with overlap_steps), rows
     of different lengths, a row leaving half-way: the same greedy tokens as gathering, with
     the steps built op by op or replayed from compiled graphs."""
-    model = _llama_head_dim_64()
+    model = tiny_llama(hidden_size=128, heads=2, kv_heads=1, seed=11)  # head_dim 64
     outs = {}
     for overlap in (False, True):
         storage = PagedKVStorage(LAYERS, 1, 64, mx.float32, num_blocks=64, block_size=8)
