@@ -52,9 +52,8 @@ class _GraphView:
         if step.in_place:
             self._after = store_decode_kv(k_pool, v_pool, keys, values, step.write)
             return k_pool, v_pool
-        b, kv_heads, _, head_dim = keys.shape
-        k_pool[step.write] = keys.reshape(b, kv_heads, head_dim).astype(k_pool.dtype)
-        v_pool[step.write] = values.reshape(b, kv_heads, head_dim).astype(v_pool.dtype)
+        k_pool[step.write] = step.storage.token_major(keys)
+        v_pool[step.write] = step.storage.token_major(values)
         step.pools[layer], step.pools[step.num_layers + layer] = k_pool, v_pool
         return k_pool, v_pool
 
@@ -72,11 +71,12 @@ class _GraphView:
 
 
 class _StepArrays:
-    def __init__(self, args: list[mx.array], num_layers: int, in_place: bool) -> None:
+    def __init__(self, args: list[mx.array], storage: Any, num_layers: int) -> None:
         self.offsets, self.slots, self.lengths, self.write, self.span = args[:5]
         self.pools = list(args[5:])  # K of every layer, then V of every layer
+        self.storage = storage
         self.num_layers = num_layers
-        self.in_place = in_place
+        self.in_place: bool = storage.write_in_place
 
 
 class DecodeGraph:
@@ -105,7 +105,7 @@ class DecodeGraph:
         return logits
 
     def _forward(self, tokens: mx.array, *args: mx.array) -> list[mx.array]:
-        step = _StepArrays(list(args), self._num_layers, self._storage.write_in_place)
+        step = _StepArrays(list(args), self._storage, self._num_layers)
         views = [_GraphView(step, layer) for layer in range(self._num_layers)]
         hidden = self._head.hidden(tokens, views)  # [B, 1, H]
         logits = self._head.logits(hidden[:, 0])

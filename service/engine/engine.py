@@ -234,15 +234,18 @@ class Engine:
         tokens = self._input_tokens(rows, layout.width)  # [B, N]
         direct = self.direct_decode and layout.width == 1
         sampled = [i for i, r in enumerate(rows) if r.sample]
+        last_logits: mx.array | None = None
         if direct and self.decode_graph is not None and len(sampled) == len(rows):
             last_logits = self.decode_graph.logits(tokens, layout)  # [B, V]
         else:
             views = make_views(self.storage, layout, self.num_layers, direct)
             hidden = self._head.hidden(tokens, views)  # [B, N, H]
+        for r, n in zip(rows, lengths):
+            r.seq.num_cached += n
+
+        if last_logits is None:
             if not sampled:
                 # Evaluating the last hidden state forces every layer's K/V write.
-                for r, n in zip(rows, lengths):
-                    r.seq.num_cached += n
                 pending = PendingStep(rows, [], None, None, None, hidden)
                 return self.dispatch(pending) if dispatch else pending
             if layout.width == 1:
@@ -253,8 +256,6 @@ class Engine:
                 last = mx.array([lengths[i] - 1 for i in sampled])
                 last_hidden = hidden[mx.array(sampled), last]  # [S, H]
             last_logits = self._head.logits(last_hidden)  # [S, V]
-        for r, n in zip(rows, lengths):
-            r.seq.num_cached += n
         states = [rows[i].seq.sampler for i in sampled]
         drawn, processed = sample(last_logits, states)
         logprobs = top = None

@@ -247,11 +247,11 @@ class PagedKVStorage:
         beyond the lazy graph, and a step that scatters is not queued while another runs."""
         plan = self._step_plan(layer, batch)
         k_store, v_store = self._keys[layer], self._values[layer]
-        k_store[plan.write] = self._token_major(keys)
-        v_store[plan.write] = self._token_major(values)
+        k_store[plan.write] = self.token_major(keys)
+        v_store[plan.write] = self.token_major(values)
         return k_store, v_store
 
-    def _token_major(self, x: mx.array) -> mx.array:
+    def token_major(self, x: mx.array) -> mx.array:
         """[B, kv_heads, N, head_dim] -> [B * N, kv_heads, head_dim] in the pool's dtype, with
         as few graph nodes as the shape allows (a decode step runs this 2 x layers times)."""
         b, _, n, _ = x.shape
