@@ -6,8 +6,10 @@ pass (the next chunk of each admitted prompt, batched); run one batched decode
 step for every decoding row; finish completed sequences at once. With nothing
 running and nothing waiting, the loop blocks on the inbox (no busy loop).
 
-Decode is pipelined: when a tick only decodes, step N+1 is queued on the device
-before step N's tokens are read, so Python bookkeeping overlaps device work.
+Decode is pipelined: when a tick only decodes, step N+1 is built while step N runs
+and dispatched as soon as N's tokens are read, or before they are read where the
+engine's overlap_steps allows it (in-place pool writes on CUDA), so Python
+bookkeeping overlaps device work.
 """
 
 from __future__ import annotations
