@@ -87,18 +87,20 @@ class DecodeGraph:
         self._storage = storage
         self._num_layers = num_layers
         # A traced graph is bound to the streams of the thread that traced it (the runtime warms
-        # up on the main thread, the scheduler thread serves), so each thread compiles its own.
-        self._compiled: dict[int, Callable[..., list[mx.array]]] = {}
+        # up on the main thread, the scheduler thread serves), so each thread compiles its own;
+        # and to the storage's write mode at trace time, which MLX's shape-keyed cache ignores.
+        self._compiled: dict[tuple[int, bool], Callable[..., list[mx.array]]] = {}
 
     def logits(self, tokens: mx.array, layout: StepLayout) -> mx.array:
         """[B, V] next-token logits of a decode step (tokens [B, 1]); writes the step's K/V."""
         storage = self._storage
         inputs = storage.decode_inputs(layout, SLOT_BUCKET)
         pools = storage.pool_arrays()
-        compiled = self._compiled.get(threading.get_ident())
+        key = (threading.get_ident(), storage.write_in_place)
+        compiled = self._compiled.get(key)
         if compiled is None:
             compiled = mx.compile(partial(DecodeGraph._forward, self))
-            self._compiled[threading.get_ident()] = compiled
+            self._compiled[key] = compiled
         logits, *written = compiled(tokens, *inputs, *pools)
         if not storage.write_in_place:
             storage.adopt_pool_arrays(written)

@@ -293,9 +293,6 @@ class PagedKVStorage:
             self._values[layer].reshape(rows, self.head_dim),
         )
 
-    def slots_of(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:
-        return self._slots(handle, num_tokens)
-
     def attend(
         self,
         layer: int,
@@ -343,7 +340,7 @@ class PagedKVStorage:
     def gather(self, handle: PagedSequenceKV, layer: int, num_tokens: int) -> tuple[mx.array, ...]:
         """A sequence's first num_tokens K and V of one layer, [kv_heads, num_tokens, head_dim]
         (for tests and debugging)."""
-        slots = mx.array(self._slots(handle, num_tokens))
+        slots = mx.array(self.slots_of(handle, num_tokens))
         k = mx.take(self._keys[layer], slots, axis=0).transpose(1, 0, 2)
         v = mx.take(self._values[layer], slots, axis=0).transpose(1, 0, 2)
         return k, v
@@ -372,7 +369,7 @@ class PagedKVStorage:
                 )
             if handle.blocks.pending_copies:  # reserved through the manager directly
                 self._apply_copies(handle.blocks.take_pending_copies())
-            slots = self._slots(handle, end)
+            slots = self.slots_of(handle, end)
             read[i, :end] = slots
             write[i, :count] = slots[start:end]
         self._plan = _StepPlan(mx.array(write.reshape(-1)), read, totals, self.kv_heads)
@@ -399,7 +396,7 @@ class PagedKVStorage:
             mx.eval(arrays)
         self._capacity_blocks = capacity_blocks
 
-    def _slots(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:
+    def slots_of(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:
         """Slot of each of the sequence's first num_tokens positions (cached per block table:
         a decode step reuses it until the table changes)."""
         key = tuple(handle.blocks.block_ids)
