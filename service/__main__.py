@@ -30,11 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     configure_logging(config.log_level, config.log_format)
 
+    from service.models.loader import ModelLoadError
     from service.server import serve
 
     try:
         asyncio.run(serve(config))
-    except ConfigError as exc:
+    except (ConfigError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -45,7 +45,8 @@ def generate_main(argv: list[str]) -> int:
         message.sampling.seed = args.seed
 
     runtime = Runtime(config)
-    runtime.load()
+    runtime.start()
+    runtime.wait_ready()
     try:
         request = generation_request(
             message,

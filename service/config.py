@@ -31,12 +31,6 @@ class ServerConfig:
     preemption_policy: str = "longest-first"
     no_batch: bool = False
     decode_storage_backend: str = "auto"
-    shape_buckets: str = "auto"
-    decode_attention: str = "auto"
-    activations: str = "auto"
-    overlap_steps: str = "auto"
-    compile_decode: str = "auto"
-    switch_interval_ms: float = 5.0
     kv_cache_budget: str = "auto"
     kv_admission_watermark: float = 0.01
     ctx_size: int | None = None
@@ -79,18 +73,6 @@ class ServerConfig:
             raise ConfigError("--preemption-policy must be longest-first or lowest-priority")
         if self.decode_storage_backend not in ("auto", "dense", "paged"):
             raise ConfigError("--decode-storage-backend must be auto, dense or paged")
-        if self.decode_attention not in ("auto", "direct", "mirror", "gather"):
-            raise ConfigError("--decode-attention must be auto, direct, mirror or gather")
-        if not 0.01 <= self.switch_interval_ms <= 100.0:
-            raise ConfigError("--switch-interval-ms must be within [0.01, 100]")
-        if self.overlap_steps not in ("auto", "off"):
-            raise ConfigError("--overlap-steps must be auto or off")
-        if self.compile_decode not in ("auto", "off"):
-            raise ConfigError("--compile-decode must be auto or off")
-        if self.activations not in ("auto", "fast", "mlx"):
-            raise ConfigError("--activations must be auto, fast or mlx")
-        if self.shape_buckets not in ("auto", "on", "off"):
-            raise ConfigError("--shape-buckets must be auto, on or off")
         if not 0.0 <= self.kv_admission_watermark <= 0.5:
             raise ConfigError("--kv-admission-watermark must be within [0, 0.5]")
         if self.ctx_size is not None and self.ctx_size <= 0:
@@ -123,7 +105,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("model", None),
         help="mlx-lm / Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct",
     )
-    a("--dtype", default=_env("dtype", d.dtype), help="auto|float32|bfloat16|float16")
+    a(
+        "--dtype",
+        default=_env("dtype", d.dtype),
+        help="float parameters and KV cache: auto (float32 on the CPU, where MLX's half-precision "
+        "matmuls are slow; bfloat16 on a GPU) | float32 | bfloat16 | float16",
+    )
     a(
         "--load-format",
         default=_env("load_format", d.load_format),
@@ -188,41 +175,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--decode-storage-backend",
         default=_env("decode_storage_backend", d.decode_storage_backend),
-        help="auto | dense | paged",
-    )
-    a(
-        "--decode-attention",
-        default=_env("decode_attention", d.decode_attention),
-        help="auto (direct with CUDA, else mirror; paged storage) | direct | mirror | gather",
-    )
-    a(
-        "--switch-interval-ms",
-        type=float,
-        default=float(_env("switch_interval_ms", d.switch_interval_ms)),
-        help="how long a Python thread may hold the GIL while another waits (default: Python's "
-        "5 ms; an H200 sweep measured 0.5 ms at 16%% less throughput at C=64)",
-    )
-    a(
-        "--overlap-steps",
-        default=_env("overlap_steps", d.overlap_steps),
-        help="queue decode step N+1 before step N's tokens are read: auto (where decode "
-        "writes the paged pool in place: the CUDA kernel) | off",
-    )
-    a(
-        "--compile-decode",
-        default=_env("compile_decode", d.compile_decode),
-        help="replay decode steps from compiled graphs (mx.compile): auto (where decode writes "
-        "the paged pool in place: the CUDA kernel) | off",
-    )
-    a(
-        "--activations",
-        default=_env("activations", d.activations),
-        help="SwiGLU of float32 llama-family models: auto (fast on the CPU) | fast | mlx",
-    )
-    a(
-        "--shape-buckets",
-        default=_env("shape_buckets", d.shape_buckets),
-        help="pad prefill forwards to a few lengths: auto (on with CUDA) | on | off",
+        help="auto (paged for families verified against mlx-lm, else dense) | dense | paged",
     )
     a(
         "--kv-cache-budget",

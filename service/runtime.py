@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import structlog
@@ -12,20 +14,22 @@ from mlx.utils import tree_flatten
 from mlxserve.v1 import generation_pb2 as pb
 from service.config import ConfigError, ServerConfig
 from service.engine import paged_attention
-from service.engine.engine import Engine, EngineSequence, StepRow
+from service.engine.config import resolve
+from service.engine.engine import Engine, EngineSequence, FaultInjector, StepRow
 from service.engine.kv_dense import DenseKVStorage
 from service.engine.kv_paged import PagedKVStorage
 from service.engine.sampler import SamplingParams
 from service.kv.budget import parse_budget
 from service.models import activations
-from service.models.loader import LoadedModel, load_model
+from service.models.families import Family, family
+from service.models.layout import CacheLayout, UnsupportedModelError, probe_layout
+from service.models.loader import LoadedModel, ModelLoadError, load_model
 from service.scheduler.request import SequenceStatus
 from service.scheduler.scheduler import Scheduler, SchedulerConfig
 from service.telemetry.telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 PAGED_BLOCK_SIZE = 16
-MIRROR_MAX_BYTES = 1 << 30  # past this (big batch x long rows), decode steps gather instead
 DETERMINISTIC_CHUNK = 2048
 
 _SLOT_STATE = {
@@ -34,15 +38,19 @@ _SLOT_STATE = {
 }
 
 
-def fault_injector_from_env() -> object | None:
-    """Test hook: MLXSERVE_INJECT_FAULT=marker makes every evaluation of a request whose id
-    contains the marker fail at the evaluation boundary, as a device error would."""
-    marker = os.environ.get("MLXSERVE_INJECT_FAULT")
-    if not marker:
+def fault_injector_from_env() -> FaultInjector | None:
+    """Test hook: MLXSERVE_INJECT_FAULT is a comma-separated list of markers. A request whose id
+    contains a marker fails at the evaluation boundary, as a device error would; with the
+    prefix `build:`, it fails while its forward is built, as a model-code error would."""
+    spec = os.environ.get("MLXSERVE_INJECT_FAULT")
+    if not spec:
         return None
+    markers = [m.strip() for m in spec.split(",") if m.strip()]
+    build = [m.removeprefix("build:") for m in markers if m.startswith("build:")]
+    evaluate = [m for m in markers if not m.startswith("build:")]
 
-    def inject(seq: EngineSequence) -> bool:
-        return marker in seq.seq_id
+    def inject(seq: EngineSequence, stage: str) -> bool:
+        return any(m in seq.seq_id for m in (build if stage == "build" else evaluate))
 
     return inject
 
@@ -54,34 +62,82 @@ class Runtime:
         self.serving = False
         self.draining = False
         self.loaded: LoadedModel | None = None
+        self.layout: CacheLayout | None = None
         self.scheduler: Scheduler | None = None
         self.slot_context = 0
         self.kv_budget_unlimited = True
+        # Told (from the engine thread) when the engine turns unhealthy or healthy again.
+        self.on_engine_health: Callable[[bool], object] | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- start-up --------------------------------------------------------------------
+    def start(self) -> None:
+        """Load and serve on one engine thread: MLX binds arrays and compiled graphs to the
+        streams of the thread that makes them, so the thread that loads the model (and
+        evaluates what mlx-lm creates lazily) is the one that runs every forward."""
+        self._thread = threading.Thread(target=self._engine_main, name="engine", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the model is loaded; raises what loading raised."""
+        self._ready.wait(timeout)
+        if self._load_error is not None:
+            raise self._load_error
+
+    def _engine_main(self) -> None:
+        try:
+            self.load()
+        except BaseException as exc:
+            self._load_error = exc
+            self._ready.set()
+            mx.clear_streams()
+            return
+        self._ready.set()
+        assert self.scheduler is not None
+        self.scheduler.run_forever()
 
     def load(self) -> None:
+        """Load the model and build storage, engine and scheduler on the calling thread (which
+        then serves: `start` does both on the engine thread)."""
         cfg = self.config
         started = time.monotonic()
         lm = load_model(cfg.model, cfg.dtype, cfg.load_format)
-        self.loaded = lm
+        try:
+            layout = probe_layout(lm.model)
+        except UnsupportedModelError as exc:
+            raise ModelLoadError(
+                f"{lm.model_id} ({lm.architecture}) cannot be served: {exc}"
+            ) from exc
+        self.loaded, self.layout = lm, layout
         self.slot_context = cfg.slot_context(lm.max_context)
-        fast_mlp_layers = self._install_activations(lm)
-        storage = self._make_storage(lm)
+        fam = family(lm.family)
+        storage = self._make_storage(lm, layout, fam)
+        paged = isinstance(storage, PagedKVStorage)
+        engine_config = resolve(
+            fam,
+            layout,
+            paged=paged,
+            batched=not cfg.no_batch and fam.verified,
+            head_dim_supported=paged_attention.kernel_supports(layout.head_dim),
+            float32=lm.dtype == mx.float32,
+            grouped_heads=lm.num_heads > layout.kv_heads,
+        )
+        fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
         self.engine = Engine(
             lm.model,
             storage,
-            lm.num_layers,
-            batched=not cfg.no_batch,
-            shape_buckets=cfg.shape_buckets == "on"
-            or (cfg.shape_buckets == "auto" and mx.cuda.is_available()),
-            direct_decode=self._direct_decode(lm, storage),
+            layout,
+            engine_config,
+            split_head=fam.split_head,
             fault_injector=fault_injector_from_env(),
         )
-        self._enable_mirror(storage)
-        self._enable_in_place_decode(storage)
+        batch_size = cfg.batch_size
         self.scheduler = Scheduler(
             self.engine,
             SchedulerConfig(
-                max_batch_size=cfg.batch_size,
+                max_batch_size=batch_size,
                 max_queue_depth=cfg.max_queue_depth,
                 slot_context=self.slot_context,
                 # Deterministic mode: the prefill plan must not depend on what else runs, so the
@@ -91,7 +147,9 @@ class Runtime:
                     if cfg.prefill_chunk_size is not None or not cfg.deterministic
                     else DETERMINISTIC_CHUNK
                 ),
-                max_batch_prefill=1 if cfg.no_batch or cfg.deterministic else self._batch_prefill(),
+                max_batch_prefill=1
+                if cfg.no_batch or cfg.deterministic or engine_config.single_row_prefill
+                else self._batch_prefill(),
                 max_batch_prefill_tokens=cfg.max_batch_prefill_tokens,
                 prefill_grant_interval=cfg.prefill_grant_interval,
                 enable_preemption=cfg.enable_preemption,
@@ -105,36 +163,57 @@ class Runtime:
             if lm.model_id.startswith("dummy:")
             else lm.tokenizer.eos_token_ids,
             observer=self.telemetry.observer,
+            on_health=self._engine_health,
         )
         warm_up_seconds = self._warm_up()
-        self.scheduler.start()
+        self._log_decode_path(lm, fam.verified)
         log.info(
             "model loaded",
             model=lm.model_id,
             architecture=lm.architecture,
+            family=lm.family,
             dtype=str(lm.dtype),
-            layers=lm.num_layers,
-            decode_path=self.engine.decode_path,
-            shape_buckets=self.engine.shape_buckets,
-            decode_attention=self.decode_attention,
-            overlap_steps=self.engine.overlap_steps,
-            compiled_decode=self.engine.decode_graph is not None,
-            fast_swiglu_layers=fast_mlp_layers,
+            quantization=lm.quantization.describe(),
+            layers=layout.describe(),
+            decode_path=engine_config.decode_path,
             storage_backend=storage.name,
-            max_batch_size=cfg.batch_size,
+            decode_attention=engine_config.decode_attention,
+            overlap_steps=engine_config.overlap_steps,
+            compiled_decode=engine_config.compile_decode,
+            shape_buckets=engine_config.shape_buckets,
+            fast_swiglu_layers=fast_mlp_layers,
+            max_batch_size=batch_size,
             slot_context=self.slot_context,
             warm_up_seconds=warm_up_seconds,
             seconds=round(time.monotonic() - started, 2),
         )
         self.serving = True
 
+    def _engine_health(self, healthy: bool) -> None:
+        if self.on_engine_health is not None:
+            self.on_engine_health(healthy)
+
+    def _log_decode_path(self, lm: LoadedModel, verified: bool) -> None:
+        """The design document's start-up line: how this model's decode steps run."""
+        if self.config.no_batch:
+            log.info(f"Model {lm.model_id} decode path: sequential worker (--no-batch)")
+        elif verified:
+            log.info(f"Model {lm.model_id} decode path: native batched forward")
+        else:
+            log.warning(
+                f"Model {lm.model_id} decode path: per-row fallback (aggregate decode throughput"
+                " will not scale with --parallel)",
+                family=lm.family,
+                reason="family not verified against mlx-lm's batched output",
+            )
+
     def _warm_up(self) -> float:
-        """With shape buckets or direct decode attention (CUDA by default), run the first
-        prefill buckets (16 … 128 tokens) and a decode step on a throwaway sequence before
-        serving: the attention plans and the decode kernel are compiled on first use (~0.6 s
-        per bucket on an H200), which the first requests would otherwise wait for."""
+        """With shape buckets or direct decode attention (CUDA), run the first prefill buckets
+        (16 … 128 tokens) and a decode step on a throwaway sequence before serving: the
+        attention plans and the decode kernel are compiled on first use (~0.6 s per bucket on a
+        GPU), which the first requests would otherwise wait for."""
         engine = self.engine
-        if not (engine.shape_buckets or engine.direct_decode):
+        if not (engine.config.shape_buckets or engine.config.decode_attention == "direct"):
             return 0.0
         started = time.monotonic()
         for width in (16, 32, 64, 128):
@@ -146,14 +225,6 @@ class Runtime:
                 engine.release(seq)
         return round(time.monotonic() - started, 2)
 
-    def _install_activations(self, lm: LoadedModel) -> int:
-        """--activations: auto uses our fast SwiGLU on the CPU, where MLX's exp is slow (a
-        GPU's is not); returns how many layers run it (float32 llama-family layers only)."""
-        choice = self.config.activations
-        if choice == "mlx" or (choice == "auto" and mx.default_device() != mx.cpu):
-            return 0
-        return activations.install(lm.model)
-
     def _batch_prefill(self) -> int:
         """--max-batch-prefill, default by device: a GPU prefills 16 short prompts in about
         the time of one, a CPU's prefill cost grows with every prompt added."""
@@ -161,69 +232,19 @@ class Runtime:
             return self.config.max_batch_prefill
         return 16 if mx.cuda.is_available() else 4
 
-    def _direct_decode(self, lm: LoadedModel, storage: object) -> bool:
-        """--decode-attention: auto reads the paged pool directly where the CUDA kernel runs
-        (elsewhere the MLX-ops reference would be slower than gathering)."""
-        choice = self.config.decode_attention
-        if choice in ("gather", "mirror") or (
-            choice == "auto" and not paged_attention.kernel_available()
-        ):
-            return False
-        usable = (
-            isinstance(storage, PagedKVStorage)
-            and paged_attention.kernel_supports(lm.head_dim)
-            and paged_attention.install(lm.model)
-        )
-        if choice == "direct" and not usable:
-            raise ConfigError(
-                "--decode-attention direct needs the paged backend, a llama-family model and a "
-                f"head dim that is a multiple of 32 (got {lm.architecture}, {lm.head_dim})"
-            )
-        return usable
-
-    def _enable_mirror(self, storage: object) -> None:
-        """--decode-attention mirror (auto without the CUDA kernel): decode steps attend over a
-        contiguous copy of the batch's K/V (service.engine.kv_mirror) instead of gathering it
-        from the pool every step (CPU harness, C = 8 / 16: +8-14% tok/s)."""
-        choice = self.config.decode_attention
-        if choice not in ("auto", "mirror") or self.engine.direct_decode:
-            return
-        if not isinstance(storage, PagedKVStorage):
-            if choice == "mirror":
-                raise ConfigError("--decode-attention mirror needs the paged backend")
-            return
-        storage.enable_mirror(MIRROR_MAX_BYTES)
-
-    def _enable_in_place_decode(self, storage: object) -> None:
-        """Where decode steps read the pool with the CUDA kernel, they can also write it in
-        place (paged_attention.store_decode_kv); MLX's functional writes would copy a layer's
-        pool whenever something else still references it. That makes two things safe:
-        --overlap-steps auto queues step N+1 before step N is read, as mlx-lm's generate loop
-        does, and --compile-decode auto replays decode steps from compiled graphs."""
+    def _make_storage(
+        self, lm: LoadedModel, layout: CacheLayout, fam: Family
+    ) -> DenseKVStorage | PagedKVStorage:
+        """`auto` is paged for families verified against mlx-lm, dense for the rest."""
         cfg = self.config
-        wanted = cfg.overlap_steps != "off" or cfg.compile_decode != "off"
-        if not (wanted and self.engine.direct_decode and paged_attention.kernel_available()):
-            return
-        assert isinstance(storage, PagedKVStorage)
-        storage.write_in_place = True
-        self.engine.overlap_steps = cfg.overlap_steps != "off"
-        if cfg.compile_decode != "off":
-            self.engine.compile_decode_steps()
-
-    @property
-    def decode_attention(self) -> str:
-        """The decode attention the engine runs: direct, mirror or gather."""
-        if self.engine.direct_decode:
-            return "direct"
-        return "mirror" if getattr(self.engine.storage, "mirror", None) is not None else "gather"
-
-    def _make_storage(self, lm: LoadedModel) -> DenseKVStorage | PagedKVStorage:
-        """`auto` is paged: the batch view serves every mlx-lm attention model through it."""
-        cfg = self.config
-        if cfg.decode_storage_backend == "dense":
-            return DenseKVStorage(lm.num_layers, lm.kv_heads, lm.head_dim, lm.dtype)
-        bytes_per_block = PAGED_BLOCK_SIZE * 2 * lm.num_layers * lm.kv_heads * lm.head_dim
-        bytes_per_block *= lm.dtype.size
+        backend = cfg.decode_storage_backend
+        if backend == "auto":
+            backend = "paged" if fam.verified else "dense"
+        kv_layers = max(1, layout.num_attention)
+        if backend == "dense":
+            return DenseKVStorage(kv_layers, layout.kv_heads, layout.head_dim, layout.kv_dtype)
+        bytes_per_block = PAGED_BLOCK_SIZE * 2 * kv_layers * layout.kv_heads * layout.head_dim
+        bytes_per_block *= layout.kv_dtype.size
         weights = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
         budget = parse_budget(cfg.kv_cache_budget, weights)
         # Unlimited (or huge auto) budgets are capped at what the slots could ever use twice
@@ -243,13 +264,14 @@ class Runtime:
             tokens=blocks * PAGED_BLOCK_SIZE,
         )
         return PagedKVStorage(
-            lm.num_layers,
-            lm.kv_heads,
-            lm.head_dim,
-            lm.dtype,
+            kv_layers,
+            layout.kv_heads,
+            layout.head_dim,
+            layout.kv_dtype,
             num_blocks=blocks,
             block_size=PAGED_BLOCK_SIZE,
-            enable_prefix_caching=not cfg.no_prompt_cache,
+            # A recurrent state cannot be rebuilt from shared K/V blocks.
+            enable_prefix_caching=not cfg.no_prompt_cache and not layout.stateful,
         )
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> str | None:
@@ -261,13 +283,6 @@ class Runtime:
                 f"{prompt_tokens + max_tokens} (prompt {prompt_tokens} + max_tokens {max_tokens})"
             )
         return None
-
-    def load_in_thread(self) -> None:
-        """`load` for a worker thread: MLX wants the thread's streams released when done."""
-        try:
-            self.load()
-        finally:
-            mx.clear_streams()
 
     @property
     def tokenizer(self):
@@ -317,6 +332,7 @@ class Runtime:
         response.active_sequences = len(running)
         response.queued_requests = sched.queue_depth
         response.total_completed = sched.stats.total_completed
+        response.total_failed = sched.stats.total_failed
         response.preemptions = sched.stats.preemptions
         for seq in running:
             if seq.status not in _SLOT_STATE:
@@ -343,12 +359,22 @@ class Runtime:
             num_layers=lm.num_layers,
             dtype=str(lm.dtype).removeprefix("mlx.core."),
             eos_token_ids=sorted(lm.tokenizer.eos_token_ids),
-            decode_path=self.engine.decode_path,
+            decode_path="sequential worker" if self.config.no_batch else self.engine.decode_path,
             slot_context_tokens=self.slot_context,
             max_batch_size=self.config.batch_size,
             storage_backend=self.engine.storage.name,
+            family=lm.family,
+            quantization=pb.Quantization(
+                mode=lm.quantization.mode,
+                bits=lm.quantization.bits,
+                group_size=lm.quantization.group_size,
+                overrides=lm.quantization.overrides,
+            ),
+            cache_layers=self.layout.describe() if self.layout is not None else "",
         )
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
         if self.scheduler is not None:
-            self.scheduler.stop()
+            self.scheduler.stop(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 
 import grpc
 import structlog
@@ -23,10 +22,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 async def serve(config: ServerConfig) -> None:
-    # The scheduler thread and the RPC event loop share one GIL. Measured on an H200 (C=64): a
-    # shorter interval than Python's 5 ms interrupts the scheduler's graph building more often
-    # and costs throughput (0.5 ms: -16%); a longer one (20 ms) was no better.
-    sys.setswitchinterval(config.switch_interval_ms / 1000)
     telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
     runtime = Runtime(config, telemetry)
     server = grpc.aio.server(
@@ -62,8 +57,24 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    # Load off the event loop so health and reflection answer while the weights load.
-    load = loop.run_in_executor(None, runtime.load_in_thread)
+    async def set_health(healthy: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if healthy
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        if runtime.serving:
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, status)
+
+    # The engine thread reports when repeated steps fail (and when it recovers).
+    runtime.on_engine_health = lambda healthy: asyncio.run_coroutine_threadsafe(
+        set_health(healthy), loop
+    )
+    # Load on the engine thread, off the event loop, so health and reflection answer while the
+    # weights load.
+    runtime.start()
+    load = loop.run_in_executor(None, runtime.wait_ready)
     done, _ = await asyncio.wait(
         {load, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
     )

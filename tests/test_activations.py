@@ -1,21 +1,19 @@
 """The CPU SwiGLU (service.models.activations): accuracy against float64, the swap of a model's
-MLPs, and on the real model through gRPC the same tokens as mlx-lm's own activation."""
+MLPs, and on the real model the same tokens as mlx-lm's own activation."""
 
 from __future__ import annotations
 
-import json
-
-import grpc
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.engine.kv_paged import PagedKVStorage
 from service.models import activations
-from service.models.presets import dummy_llama
-from tests.conftest import ServerProcess, chat_request, running_server
+from service.models.loader import load_model
+from service.models.presets import dummy_model
+from tests.tiny import generate, make_engine
 
 
 def test_fast_exp_is_within_an_ulp_over_the_float32_range():
@@ -39,7 +37,7 @@ def test_fast_swiglu_matches_silu_times_up():
 
 
 def test_install_swaps_float32_mlps_and_keeps_the_weights_and_the_output():
-    model = dummy_llama("tiny", mx.float32)
+    model = dummy_model("tiny", mx.float32)[0]
     names = sorted(k for k, _ in tree_flatten(model.parameters()))
     tokens = mx.array([[5, 9, 2, 7, 1, 3, 8, 4, 6, 0, 11, 12]])  # >= FAST_MIN_ROWS: fast path
     before = model(tokens)
@@ -51,26 +49,21 @@ def test_install_swaps_float32_mlps_and_keeps_the_weights_and_the_output():
 
 
 def test_install_leaves_half_precision_models_alone():
-    model = dummy_llama("tiny", mx.bfloat16)
+    model = dummy_model("tiny", mx.bfloat16)[0]
     assert activations.install(model) == 0
 
 
 @pytest.mark.model
-def test_fast_activations_give_mlx_lm_tokens_on_the_real_model(
-    server: ServerProcess, stub: pb_grpc.GenerationServiceStub
-):
-    """The default server (fast SwiGLU on the CPU) and one run with `--activations mlx`:
-    three requests decoding together, greedy, the same token ids."""
-    loaded = next(json.loads(x) for x in server.lines if '"model loaded"' in x)
-    assert loaded["fast_swiglu_layers"] == 30  # every SmolLM2 layer
-    questions = ["What is the capital of France?", "Name a primary color.", "What do bees make?"]
-    requests = [chat_request(q, max_tokens=24, cache_prompt=False) for q in questions]
-    fast = [stub.Generate(r, timeout=120) for r in requests]
-    with running_server("--activations", "mlx", "--log-format", "json") as other_server:
-        loaded = next(json.loads(x) for x in other_server.lines if '"model loaded"' in x)
-        assert loaded["fast_swiglu_layers"] == 0
-        with grpc.insecure_channel(other_server.target) as channel:
-            other = pb_grpc.GenerationServiceStub(channel)
-            futures = [other.Generate.future(r, timeout=120) for r in requests]
-            for question, future, want in zip(questions, futures, fast):
-                assert list(future.result().token_ids) == list(want.token_ids), question
+def test_fast_activations_give_mlx_lm_tokens_on_the_real_model():
+    """The embedded model, eight prompts of different lengths decoding together (so prefill
+    and decode steps take the fast path): the same greedy token ids as mlx-lm's own SwiGLU."""
+    outs = {}
+    for fast in (False, True):
+        model = load_model(None, "float32").model
+        if fast:
+            assert activations.install(model) == 30  # every SmolLM2 layer
+        storage = PagedKVStorage(30, 3, 64, mx.float32, num_blocks=128, block_size=16)
+        engine = make_engine(model, storage)
+        prompts = [[1, *range(100 + 7 * i, 110 + 11 * i)] for i in range(8)]
+        outs[fast] = generate(engine, prompts, steps=16)[1]
+    assert outs[True] == outs[False]

@@ -7,7 +7,11 @@ import argparse
 import pytest
 
 from service.config import ConfigError, ServerConfig, add_server_arguments, config_from_args
+from service.engine.config import DEBUG_REFERENCE_ENV, EngineConfig, resolve
+from service.models.families import family
+from service.models.layout import probe_layout
 from service.runtime import Runtime
+from tests.tiny import tiny_llama
 
 
 def parse(*argv: str) -> ServerConfig:
@@ -18,18 +22,13 @@ def parse(*argv: str) -> ServerConfig:
 
 def test_defaults_leave_device_dependent_choices_to_the_runtime():
     config = parse()
-    assert config.shape_buckets == "auto"
-    assert config.decode_attention == "auto"
+    assert config.decode_storage_backend == "auto"  # paged for verified families
     assert config.max_batch_prefill is None  # 16 with CUDA, 4 elsewhere
 
 
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (("--shape-buckets", "maybe"), "--shape-buckets"),
-        (("--decode-attention", "fast"), "--decode-attention"),
-        (("--overlap-steps", "on"), "--overlap-steps"),
-        (("--compile-decode", "on"), "--compile-decode"),
         (("--decode-storage-backend", "ring"), "--decode-storage-backend"),
         (("--preemption-policy", "random"), "--preemption-policy"),
         (("--port", "0"), "--port"),
@@ -41,46 +40,73 @@ def test_bad_values_name_their_flag(argv, flag):
         parse(*argv)
 
 
-def test_environment_variables_set_the_new_flags(monkeypatch):
-    monkeypatch.setenv("MLXSERVE_SHAPE_BUCKETS", "on")
-    monkeypatch.setenv("MLXSERVE_DECODE_ATTENTION", "gather")
+@pytest.mark.parametrize(
+    "flag", ["--decode-attention", "--overlap-steps", "--compile-decode", "--shape-buckets"]
+)
+def test_implementation_picking_flags_are_gone(flag, capsys):
+    with pytest.raises(SystemExit):
+        parse(flag, "auto")
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_environment_variables_set_flags(monkeypatch):
+    monkeypatch.setenv("MLXSERVE_DECODE_STORAGE_BACKEND", "dense")
     monkeypatch.setenv("MLXSERVE_MAX_BATCH_PREFILL", "6")
     config = parse()
-    assert (config.shape_buckets, config.decode_attention, config.max_batch_prefill) == (
-        "on",
-        "gather",
-        6,
-    )
+    assert (config.decode_storage_backend, config.max_batch_prefill) == ("dense", 6)
 
 
-def test_runtime_resolves_auto_choices_on_this_machine():
+def test_runtime_resolves_the_cpu_path_on_this_machine():
     runtime = Runtime(ServerConfig(load_format="dummy:tiny", parallel=2))
     runtime.load()
     try:
-        # No CUDA here: no shape buckets, gathered decode attention, 4 prompts per prefill.
-        assert runtime.engine.shape_buckets is False
-        assert runtime.engine.direct_decode is False
-        assert runtime.decode_attention == "mirror"  # contiguous copy of the batch's K/V
-        # No in-place pool writes without the CUDA kernel: steps are not overlapped.
-        assert runtime.engine.overlap_steps is False
-        assert runtime.engine.storage.write_in_place is False
+        config = runtime.engine.config
+        # No CUDA here: MLX ops, decode steps over the contiguous mirror of the batch.
+        assert config.decode_attention == "mirror"
+        assert not (config.shape_buckets or config.in_place_writes or config.overlap_steps)
         assert runtime.engine.decode_graph is None
+        assert config.decode_path == "native batched forward"
         assert runtime.scheduler.config.max_batch_prefill == 4
     finally:
         runtime.shutdown()
 
 
-def test_mirror_decode_attention_refuses_dense_storage():
-    config = ServerConfig(
-        load_format="dummy:tiny", decode_storage_backend="dense", decode_attention="mirror"
-    )
-    with pytest.raises(ConfigError, match="--decode-attention mirror needs the paged backend"):
-        Runtime(config).load()
+LLAMA = probe_layout(tiny_llama())
 
 
-def test_direct_decode_attention_refuses_dense_storage():
-    config = ServerConfig(
-        load_format="dummy:tiny", decode_storage_backend="dense", decode_attention="direct"
+def test_cuda_path_of_a_plain_attention_family():
+    config = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=True)
+    assert config == EngineConfig(
+        decode_attention="direct",
+        in_place_writes=True,
+        overlap_steps=True,
+        compile_decode=True,
+        shape_buckets=True,
     )
-    with pytest.raises(ConfigError, match="--decode-attention direct needs the paged backend"):
-        Runtime(config).load()
+
+
+def test_cuda_path_narrowed_by_the_model():
+    # Attention sinks: the kernel cannot read them, so decode steps gather.
+    assert resolve(family("gpt_oss"), LLAMA, paged=True, batched=True, cuda=True) == (
+        EngineConfig(shape_buckets=True)
+    )
+    # Dense storage: no pool to read directly.
+    assert resolve(family("llama"), LLAMA, paged=False, batched=True, cuda=True) == (
+        EngineConfig(shape_buckets=True)
+    )
+    # A head size the kernel does not take.
+    config = resolve(
+        family("llama"), LLAMA, paged=True, batched=True, cuda=True, head_dim_supported=False
+    )
+    assert config.decode_attention == "gather"
+
+
+def test_the_reference_path_can_be_forced(monkeypatch):
+    monkeypatch.setenv(DEBUG_REFERENCE_ENV, "1")
+    config = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=True, float32=True)
+    assert config == EngineConfig(decode_attention="mirror")
+
+
+def test_unverified_families_run_each_row_alone():
+    config = resolve(family("some_new_arch"), LLAMA, paged=False, batched=False, cuda=False)
+    assert config.decode_path == "per-row fallback"

@@ -112,7 +112,7 @@ def small() -> Iterator[ServerProcess]:
         "--ctx-size", "2048",  # 4 slots of 512 tokens
         "--max-queue-depth", "2",
         "--log-format", "json",
-        env={"MLXSERVE_INJECT_FAULT": "boom"},
+        env={"MLXSERVE_INJECT_FAULT": "boom,build:crash"},
     ) as s:  # fmt: skip
         yield s
 
@@ -233,6 +233,62 @@ def test_fault_is_isolated_to_its_request(small, small_stub) -> None:
         assert list(got.token_ids) == list(alone.token_ids)
     _wait_idle(small)
     assert _stats(small).active_sequences == 0
+
+
+def test_build_fault_ends_only_its_request_and_leaves_the_pool_consistent(
+    small, small_stub
+) -> None:
+    """A failure while a batched step's graph is built (model code raising for one row) ends
+    that request only: the others, prefilled and decoded in the same steps, finish with the
+    tokens they give alone; no KV block is left behind; the failure is not counted as a
+    completion."""
+    _wait_idle(small)
+    before = _stats(small)
+    normal = [
+        chat_request("What is the capital of France?", max_tokens=8, request_id="build-ok-1"),
+        chat_request("Name three fruits.", max_tokens=8, request_id="build-ok-2"),
+    ]
+    crash = chat_request("Tell me a story.", max_tokens=8, request_id="req-crash-1")
+    futures = {r.request_id: small_stub.Generate.future(r, timeout=120) for r in [*normal, crash]}
+    with pytest.raises(grpc.RpcError) as info:
+        futures["req-crash-1"].result()
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == BACKEND_ERROR
+    for request in normal:
+        got = futures[request.request_id].result()
+        alone = small_stub.Generate(chat_request(request.chat.messages[0].content, max_tokens=8))
+        assert list(got.token_ids) == list(alone.token_ids)
+    _wait_idle(small)
+    after = _stats(small)
+    assert after.active_blocks == 0
+    assert after.total_failed == before.total_failed + 1
+    assert after.total_completed == before.total_completed + 4  # 2 batched + 2 alone
+
+
+def test_repeated_engine_failures_turn_health_not_serving(small, small_stub) -> None:
+    """Every row of several steps in a row failing means the engine, not a request, is broken:
+    health says NOT_SERVING (so a balancer stops sending traffic); a good step restores it."""
+    _wait_idle(small)
+    with grpc.insecure_channel(small.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def status() -> int:
+            return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        for i in range(3):
+            request = chat_request("Hi", max_tokens=2, request_id=f"req-crash-seq-{i}")
+            with pytest.raises(grpc.RpcError):
+                small_stub.Generate(request, timeout=60)
+        deadline = time.monotonic() + 5
+        while status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "health still SERVING"
+            time.sleep(0.05)
+        small_stub.Generate(chat_request("Hi", max_tokens=2), timeout=60)
+        deadline = time.monotonic() + 5
+        while status() != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "health did not recover"
+            time.sleep(0.05)
 
 
 def test_fault_on_a_stream_ends_it_with_internal(small, small_stub) -> None:

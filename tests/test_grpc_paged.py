@@ -3,7 +3,6 @@ and a tight budget under which every request still completes without leaking blo
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -179,42 +178,3 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
             stub.Generate(chat_request("hi", max_tokens=400), timeout=30)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "KV cache budget" in refused.value.details()
-
-
-def test_cuda_mechanisms_give_the_same_tokens_on_the_cpu(
-    stub: pb_grpc.GenerationServiceStub,
-) -> None:
-    """The two mechanisms `auto` turns on with CUDA — prefill padded to shape buckets and decode
-    attention read straight from the pool (here through its MLX-ops reference) — served on the
-    real model, three requests decoding together: the same tokens as the default server."""
-    flags = ("--shape-buckets", "on", "--decode-attention", "direct", "--max-batch-size", "4")
-    requests = [chat_request(q, max_tokens=20, cache_prompt=False) for q in QUESTIONS[:3]]
-    expected = [stub.Generate(r, timeout=120) for r in requests]
-    with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
-        other = pb_grpc.GenerationServiceStub(channel)
-        loaded = next(json.loads(x) for x in server.lines if '"model loaded"' in x)
-        assert loaded["decode_attention"] == "direct" and loaded["shape_buckets"] is True
-        assert loaded["warm_up_seconds"] > 0  # the buckets were run before serving ...
-        assert _stats(other).active_blocks == 0  # ... and left nothing behind
-        futures = [other.Generate.future(r, timeout=120) for r in requests]
-        for request, future, want in zip(requests, futures, expected):
-            got = future.result()
-            assert list(got.token_ids) == list(want.token_ids), request.chat.messages[-1].content
-
-
-def test_mirror_and_gathered_decode_attention_give_the_same_tokens(
-    stub: pb_grpc.GenerationServiceStub,
-) -> None:
-    """The default CPU decode attention reads a contiguous mirror of the batch; a server that
-    gathers from the pool every step must produce the same tokens for requests of different
-    prompt lengths decoding together (the mirror's left padding is masked)."""
-    requests = [chat_request(q, max_tokens=24, cache_prompt=False) for q in QUESTIONS[3:7]]
-    expected = [f.result() for f in [stub.Generate.future(r, timeout=120) for r in requests]]
-    with running_server("--decode-attention", "gather", "--max-batch-size", "4") as server:
-        loaded = next(json.loads(x) for x in server.lines if '"model loaded"' in x)
-        assert loaded["decode_attention"] == "gather"
-        with grpc.insecure_channel(server.target) as channel:
-            other = pb_grpc.GenerationServiceStub(channel)
-            futures = [other.Generate.future(r, timeout=120) for r in requests]
-            for question, future, want in zip(QUESTIONS[3:7], futures, expected):
-                assert list(future.result().token_ids) == list(want.token_ids), question

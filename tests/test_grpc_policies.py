@@ -244,7 +244,7 @@ async def test_no_batch_serves_concurrent_requests_one_at_a_time() -> None:
             stub = _stub(channel)
             info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
             stats = await stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
-            assert info.decode_path == "per-row"
+            assert info.decode_path == "sequential worker"
             assert info.max_batch_size == stats.max_batch_size == 1
             alone = [
                 await stub.Generate(with_id(r, f"{r.request_id}-alone"), timeout=120)

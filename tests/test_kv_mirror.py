@@ -9,9 +9,12 @@ import pytest
 
 from service.engine import kv_mirror
 from service.engine.batch_view import StepLayout, make_views
-from service.engine.engine import Engine, StepRow
+from service.engine.config import EngineConfig
+from service.engine.engine import StepRow
 from service.engine.sampler import SamplingParams
-from tests.test_kv_paged import LAYERS, PROMPTS, generate, paged, prompt, tiny_llama
+from tests.tiny import PROMPTS, generate, layout_of, make_engine, paged, prompt, tiny_llama
+
+MIRROR = EngineConfig(decode_attention="mirror")
 
 
 @pytest.fixture(scope="module")
@@ -19,17 +22,23 @@ def model():
     return tiny_llama()
 
 
-def mirrored(max_bytes: int = 1 << 30, **kw):
+def mirrored(model, max_bytes: int = 1 << 30, **kw):
+    """An engine whose decode steps attend over the mirror, and its storage."""
     storage = paged(**kw)
-    storage.enable_mirror(max_bytes)
-    return storage
+    engine = make_engine(model, storage, MIRROR)
+    storage.mirror.max_bytes = max_bytes
+    return engine, storage
 
 
 def test_mirror_gives_the_gathered_tokens(model):
     """Rows of different lengths (left padding masked), decoded together for 20 steps."""
     outs = {}
-    for kind, storage in (("gather", paged()), ("mirror", mirrored())):
-        engine = Engine(model, storage, LAYERS)
+    for kind in ("gather", "mirror"):
+        if kind == "mirror":
+            engine, storage = mirrored(model)
+        else:
+            storage = paged()
+            engine = make_engine(model, storage)
         seqs, outs[kind] = generate(engine, PROMPTS)
         if kind == "mirror":
             assert storage.mirror.rebuilds == 1  # built once, then appended in place
@@ -41,7 +50,7 @@ def test_mirror_gives_the_gathered_tokens(model):
 
 
 def test_mirror_logits_match_gathered_logits_step_by_step(model):
-    stores = {"gather": paged(), "mirror": mirrored()}
+    stores = {"gather": paged(), "mirror": mirrored(model)[1]}
     handles = {k: [s.new_sequence() for _ in PROMPTS] for k, s in stores.items()}
     rows = [list(p) for p in PROMPTS]
     starts = [0, 0, 0]
@@ -53,7 +62,11 @@ def test_mirror_logits_match_gathered_logits_step_by_step(model):
             width = max(len(r) for r in rows)
             tokens = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
             layout = StepLayout(list(handles[kind]), list(starts), [len(r) for r in rows])
-            logits[kind] = model(tokens, cache=make_views(storage, layout, LAYERS))
+            mirror = storage.begin_mirrored_step(layout) if width == 1 else None
+            mode = "mirror" if mirror is not None else "gather"
+            mask = mirror.mask if mirror is not None else None
+            views = make_views(storage, layout_of(model), layout, mode=mode, mirror_mask=mask)
+            logits[kind] = model(tokens, cache=views)
             mx.eval(logits[kind])
         last = mx.array([len(r) - 1 for r in rows])
         got = logits["mirror"][mx.arange(3), last]
@@ -71,8 +84,7 @@ def test_rows_joining_leaving_and_outgrowing_the_mirror(model, monkeypatch):
     monkeypatch.setattr(kv_mirror, "HEADROOM", 7)
     prompts = [prompt(5, 9), prompt(6, 3), prompt(7, 21), prompt(8, 14)]
 
-    def run(storage):
-        engine = Engine(model, storage, LAYERS)
+    def run(engine, storage):
         seqs = [engine.add_sequence(f"r{i}", SamplingParams(), p) for i, p in enumerate(prompts)]
         first = engine.prefill([StepRow(s, p) for s, p in zip(seqs[:3], prompts[:3])])
         out = {i: [first[i].token_id] if i < 3 else [] for i in range(4)}
@@ -90,25 +102,24 @@ def test_rows_joining_leaving_and_outgrowing_the_mirror(model, monkeypatch):
             engine.release(seqs[i])
         return out, storage
 
-    gathered, _ = run(paged())
-    mirror_out, storage = run(mirrored())
+    storage = paged()
+    gathered, _ = run(make_engine(model, storage), storage)
+    mirror_out, storage = run(*mirrored(model))
     assert mirror_out == gathered
     assert storage.mirror.rebuilds >= 4  # start, leave, join, and running out of columns
     assert storage.mirror.nbytes == 0  # released rows free the copy
 
 
 def test_a_lone_row_gathers(model):
-    storage = mirrored()
-    engine = Engine(model, storage, LAYERS)
+    engine, storage = mirrored(model)
     _, out = generate(engine, PROMPTS[:1], steps=4)
-    assert out == generate(Engine(model, paged(), LAYERS), PROMPTS[:1], steps=4)[1]
+    assert out == generate(make_engine(model, paged()), PROMPTS[:1], steps=4)[1]
     assert storage.mirror.rebuilds == 0
 
 
 def test_over_the_byte_limit_decode_steps_gather(model):
-    storage = mirrored(max_bytes=1)
-    engine = Engine(model, storage, LAYERS)
+    engine, storage = mirrored(model, max_bytes=1)
     _, out = generate(engine, PROMPTS, steps=4)
-    reference = generate(Engine(model, paged(), LAYERS), PROMPTS, steps=4)[1]
+    reference = generate(make_engine(model, paged()), PROMPTS, steps=4)[1]
     assert out == reference
     assert storage.mirror.rebuilds == 0 and storage.mirror.nbytes == 0

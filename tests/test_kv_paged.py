@@ -8,12 +8,24 @@ import pytest
 from mlx_lm.models import llama
 
 from service.engine.batch_view import StepLayout, make_views
-from service.engine.engine import Engine, StepRow, shape_bucket
-from service.engine.kv_dense import DenseKVStorage
-from service.engine.kv_paged import OutOfBlocksError, PagedKVStorage
+from service.engine.config import EngineConfig
+from service.engine.engine import StepRow, shape_bucket
+from service.engine.kv_paged import OutOfBlocksError
 from service.engine.sampler import SamplingParams
-
-LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 256
+from tests.tiny import (
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    PROMPTS,
+    dense,
+    generate,
+    layout_of,
+    make_engine,
+    paged,
+    prompt,
+    run_split,
+    tiny_llama,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,73 +33,12 @@ def model() -> llama.Model:
     return tiny_llama()
 
 
-def tiny_llama(
-    hidden_size: int = 64, heads: int = 4, kv_heads: int = KV_HEADS, seed: int = 7
-) -> llama.Model:
-    """A random llama of LAYERS layers; head_dim = hidden_size / heads (16 by default)."""
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=hidden_size,
-        num_hidden_layers=LAYERS,
-        intermediate_size=2 * hidden_size,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-    )
-    m = llama.Model(args)
-    m.set_dtype(mx.float32)
-    mx.eval(m.parameters())
-    return m
-
-
-def paged(num_blocks: int = 64, block_size: int = 8, **kw) -> PagedKVStorage:
-    return PagedKVStorage(LAYERS, KV_HEADS, HEAD_DIM, mx.float32, num_blocks, block_size, **kw)
-
-
-def dense() -> DenseKVStorage:
-    return DenseKVStorage(LAYERS, KV_HEADS, HEAD_DIM, mx.float32)
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return [(seed * 131 + i * 17 + (i * i) % 7) % VOCAB for i in range(length)]
-
-
-def generate(engine: Engine, prompts: list[list[int]], steps: int = 20, tag: str = "s"):
-    seqs = [engine.add_sequence(f"{tag}{i}", SamplingParams(), p) for i, p in enumerate(prompts)]
-    results = engine.prefill([StepRow(s, p) for s, p in zip(seqs, prompts)])
-    out = [[r.token_id] for r in results]
-    for _ in range(steps):
-        for o, r in zip(out, engine.step([StepRow(s) for s in seqs])):
-            o.append(r.token_id)
-    return seqs, out
-
-
-def run_split(engine: Engine, tokens: list[int], split: int, steps: int, adopt: bool = False):
-    """Prefill tokens[:split] (or adopt them) then tokens[split:], then decode greedily."""
-    seq = engine.add_sequence("split", SamplingParams(), tokens)
-    if adopt:
-        assert engine.adopt_prefix(seq, tokens) == split
-    else:
-        engine.prefill([StepRow(seq, tokens[:split], sample=False)])
-    assert seq.num_cached == split
-    out = [engine.prefill([StepRow(seq, tokens[split:])])[0].token_id]
-    for _ in range(steps):
-        out.append(engine.step([StepRow(seq)])[0].token_id)
-    return seq, out
-
-
-PROMPTS = [prompt(1, 5), prompt(2, 13), prompt(3, 30)]
-
-
 def test_paged_matches_dense_tokens_batched_and_alone(model):
     for batched in (True, False):
         outs = {}
         for kind in ("dense", "paged"):
             storage = dense() if kind == "dense" else paged()
-            engine = Engine(model, storage, LAYERS)
+            engine = make_engine(model, storage)
             if batched:
                 seqs, out = generate(engine, PROMPTS)
             else:
@@ -119,7 +70,7 @@ def test_shape_buckets_give_the_same_tokens(model, kind):
     outs = {}
     for buckets in (False, True):
         storage = dense() if kind == "dense" else paged()
-        engine = Engine(model, storage, LAYERS, shape_buckets=buckets)
+        engine = make_engine(model, storage, EngineConfig(shape_buckets=buckets))
         seqs, out = generate(engine, PROMPTS, tag=f"b{buckets}")
         alone = [generate(engine, [p], tag=f"a{i}")[1][0] for i, p in enumerate(PROMPTS)]
         tokens = prompt(4, 37)
@@ -137,7 +88,7 @@ def _forward_logits(model, storage, handles, starts, rows):
     width = max(len(r) for r in rows)
     tokens = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
     layout = StepLayout(list(handles), list(starts), [len(r) for r in rows])
-    logits = model(tokens, cache=make_views(storage, layout, LAYERS))
+    logits = model(tokens, cache=make_views(storage, layout_of(model), layout))
     mx.eval(logits)
     return logits
 
@@ -187,7 +138,7 @@ def test_prefix_adoption_matches_cold_split_run(model):
     prompt_a = prompt(5, 40)
     prompt_b = prompt_a[:33] + prompt(9, 12)
     storage = paged(num_blocks=64, block_size=size)
-    engine = Engine(model, storage, LAYERS)
+    engine = make_engine(model, storage)
     (seq_a,), (out_a,) = generate(engine, [prompt_a], steps=5, tag="a")
     # K/V is stored for the prompt and every generated token but the last.
     assert storage.commit_tokens(seq_a.kv, prompt_a + out_a[:-1]) == 5
@@ -200,7 +151,7 @@ def test_prefix_adoption_matches_cold_split_run(model):
     assert (stats.prefix_hits, stats.prefix_hit_tokens) == (1, 32)
     engine.release(seq_b)
 
-    cold = Engine(model, paged(num_blocks=64, block_size=size), LAYERS)
+    cold = make_engine(model, paged(num_blocks=64, block_size=size))
     _, cold_out = run_split(cold, prompt_b, 32, steps=20)
     assert out_b == cold_out
 
@@ -210,7 +161,7 @@ def test_shared_prefix_blocks_stored_once(model):
     prompt_a = prompt(5, 40)
     prompt_b = prompt_a[:33] + prompt(9, 12)  # 45 tokens
     storage = paged(num_blocks=64, block_size=size)
-    engine = Engine(model, storage, LAYERS)
+    engine = make_engine(model, storage)
     (seq_a,), _ = generate(engine, [prompt_a], steps=0, tag="a")
     storage.commit_tokens(seq_a.kv, prompt_a)
     blocks_a = storage.stats().num_active_blocks
@@ -227,7 +178,7 @@ def test_shared_prefix_blocks_stored_once(model):
 
 
 def test_dense_engine_adopts_nothing(model):
-    engine = Engine(model, dense(), LAYERS)
+    engine = make_engine(model, dense())
     seq = engine.add_sequence("d", SamplingParams(), prompt(1, 20))
     assert engine.adopt_prefix(seq, prompt(1, 20)) == 0 and seq.num_cached == 0
 
@@ -285,7 +236,7 @@ def test_out_of_blocks_is_all_or_nothing_and_nothing_leaks(model):
     assert storage.stats().num_active_blocks == 0
 
     # Through the engine: a prompt the pool cannot hold fails before any forward.
-    engine = Engine(model, storage, LAYERS)
+    engine = make_engine(model, storage)
     big = engine.add_sequence("big", SamplingParams(), prompt(1, 17))
     with pytest.raises(OutOfBlocksError):
         engine.prefill([StepRow(big, prompt(1, 17))])
@@ -304,7 +255,7 @@ def test_out_of_blocks_is_all_or_nothing_and_nothing_leaks(model):
 def test_decode_step_updates_pool_in_place(model):
     """A synchronous step must not copy the pool (MLX donates the buffer to the scatter)."""
     storage = paged(num_blocks=2048, block_size=8, initial_blocks=2048)  # 1 MiB per K or V
-    engine = Engine(model, storage, LAYERS)
+    engine = make_engine(model, storage)
     seqs, _ = generate(engine, PROMPTS, steps=2)
     pool_bytes = storage._keys[0].nbytes
     mx.synchronize()
@@ -319,9 +270,9 @@ def test_physical_pool_grows_on_demand_and_keeps_data(model):
     """A large budget allocates little until used; growing keeps every sequence's K/V."""
     storage = paged(num_blocks=1024, block_size=8, initial_blocks=2)
     assert storage.reserved_bytes == 3 * storage.bytes_per_block
-    engine = Engine(model, storage, LAYERS)
+    engine = make_engine(model, storage)
     _, tokens = generate(engine, PROMPTS, steps=6)
     assert storage.reserved_bytes > 3 * storage.bytes_per_block
-    reference = Engine(model, dense(), LAYERS)
+    reference = make_engine(model, dense())
     _, expected = generate(reference, PROMPTS, steps=6)
     assert tokens == expected

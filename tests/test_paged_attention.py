@@ -11,11 +11,12 @@ import mlx.core as mx
 import pytest
 
 from service.engine import paged_attention
-from service.engine.engine import Engine, StepRow
+from service.engine.config import EngineConfig
+from service.engine.engine import StepRow
 from service.engine.kv_paged import PagedKVStorage
 from service.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
 from service.engine.sampler import SamplingParams
-from tests.test_kv_paged import LAYERS, PROMPTS, dense, generate, paged, tiny_llama
+from tests.tiny import LAYERS, PROMPTS, dense, generate, make_engine, paged, tiny_llama
 
 cuda_only = pytest.mark.skipif(
     not paged_attention.kernel_available(), reason="needs MLX's CUDA backend"
@@ -44,14 +45,15 @@ def model():
     return tiny_llama()
 
 
-def naive(queries, k_pool, v_pool, slots, lengths, scale) -> mx.array:
-    """Row by row, head by head, in float32."""
+def naive(queries, k_pool, v_pool, slots, lengths, scale, window=None) -> mx.array:
+    """Row by row, head by head, in float32; a window keeps each row's last positions."""
     batch, heads = queries.shape[:2]
     group = heads // k_pool.shape[1]
     out = []
     for b in range(batch):
         n = lengths[b].item()
-        idx = slots[b, :n]
+        first = max(0, n - window) if window else 0
+        idx = slots[b, first:n]
         rows = []
         for h in range(heads):
             k = k_pool[idx, h // group].astype(mx.float32)  # [n, D]
@@ -63,25 +65,27 @@ def naive(queries, k_pool, v_pool, slots, lengths, scale) -> mx.array:
     return mx.stack(out)
 
 
+@pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 8)])
-def test_reference_matches_naive_attention(head_dim, heads, kv_heads):
+def test_reference_matches_naive_attention(head_dim, heads, kv_heads, window):
     lengths = [1, 37, 5, 300]
     case = random_case(len(lengths), heads, kv_heads, head_dim, lengths, mx.float32)
     scale = 1 / math.sqrt(head_dim)
-    got = _reference(*case, scale)
-    want = naive(*case, scale)
+    got = _reference(*case, scale, window)
+    want = naive(*case, scale, window)
     assert mx.abs(got - want).max().item() < 1e-4
 
 
 @cuda_only
+@pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 32, 8), (128, 32, 8)])
-def test_cuda_kernel_matches_reference(dtype, head_dim, heads, kv_heads):
+def test_cuda_kernel_matches_reference(dtype, head_dim, heads, kv_heads, window):
     lengths = [1, 37, 5, 300, 1029, 64]
     case = random_case(len(lengths), heads, kv_heads, head_dim, lengths, dtype)
     scale = 1 / math.sqrt(head_dim)
-    got = paged_decode_attention(*case, scale).astype(mx.float32)
-    want = naive(*case, scale)
+    got = paged_decode_attention(*case, scale, window=window).astype(mx.float32)
+    want = naive(*case, scale, window)
     tolerance = 2e-2 if dtype == mx.bfloat16 else 1e-4
     assert mx.abs(got - want).max().item() < tolerance
 
@@ -90,7 +94,8 @@ def test_direct_decode_gives_the_same_tokens_as_gathering(model):
     outs = {}
     for direct in (False, True):
         storage = paged()
-        engine = Engine(model, storage, LAYERS, direct_decode=direct)
+        config = EngineConfig(decode_attention="direct" if direct else "gather")
+        engine = make_engine(model, storage, config)
         seqs, out = generate(engine, PROMPTS, tag=f"d{direct}")
         outs[direct] = out
         for s in seqs:
@@ -100,7 +105,7 @@ def test_direct_decode_gives_the_same_tokens_as_gathering(model):
 
 def test_direct_decode_needs_paged_storage(model):
     with pytest.raises(ValueError, match="paged storage"):
-        Engine(model, dense(), LAYERS, direct_decode=True)
+        make_engine(model, dense(), EngineConfig(decode_attention="direct"))
 
 
 @cuda_only
@@ -139,15 +144,13 @@ def test_overlapped_steps_with_in_place_writes_give_the_gathered_tokens(compiled
     outs = {}
     for overlap in (False, True):
         storage = PagedKVStorage(LAYERS, 1, 64, mx.float32, num_blocks=64, block_size=8)
-        storage.write_in_place = overlap
-        engine = Engine(
-            model,
-            storage,
-            LAYERS,
-            direct_decode=overlap,
+        config = EngineConfig(
+            decode_attention="direct" if overlap else "gather",
+            in_place_writes=overlap,
             overlap_steps=overlap,
             compile_decode=overlap and compiled,
         )
+        engine = make_engine(model, storage, config)
         seqs = [engine.add_sequence(f"o{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
         out = [[r.token_id] for r in engine.prefill([StepRow(s, p) for s, p in zip(seqs, PROMPTS)])]
         live = list(range(len(seqs)))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from service.engine.config import EngineConfig
 from service.engine.engine import EngineSequence, PendingStep, RowResult, StepRow
 from service.engine.sampler import SamplingParams
 from service.scheduler.request import (
@@ -49,12 +50,15 @@ class Forward:
 class FakeEngine:
     """The Engine's interface, deterministic: the next token is (last input + 1) % VOCAB."""
 
-    batched: bool = True
-    decode_path: str = "batched"
+    config: EngineConfig = field(default_factory=EngineConfig)
     forwards: list[Forward] = field(default_factory=list)
     added: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     live: set[str] = field(default_factory=set)
+
+    @property
+    def batched(self) -> bool:
+        return self.config.batched
 
     def add_sequence(
         self, seq_id: str, params: SamplingParams, prompt_token_ids: Seq[int], **kwargs

@@ -80,8 +80,9 @@ def export(out: Path, load_format: str, dtype_name: str) -> dict:
     tmp.mkdir(parents=True)
     weights = dict(tree_flatten(loaded.model.parameters()))
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    config = dataclasses.asdict(loaded.model.args)
-    config["model_type"] = "llama"
+    # A preset's config.json as it is (its quantization block included: mlx-lm quantizes the
+    # modules whose scales the weights carry); the GGUF's llama arguments otherwise.
+    config = dict(loaded.config or {**dataclasses.asdict(loaded.model.args), "model_type": "llama"})
     config["eos_token_id"] = sorted(loaded.tokenizer.eos_token_ids)
     config["torch_dtype"] = str(loaded.dtype).rsplit(".", 1)[-1]
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -235,7 +235,7 @@ class SlotInfo(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[SlotState, str]] = ..., generated_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CacheStatsResponse(_message.Message):
-    __slots__ = ("storage_backend", "block_size", "total_blocks", "allocated_blocks", "active_blocks", "free_blocks", "cached_blocks", "reserved_bytes", "used_bytes", "budget_bytes", "prefix_lookups", "prefix_hits", "prefix_hit_tokens", "evictions", "active_sequences", "queued_requests", "total_completed", "preemptions", "slot_context_tokens", "max_batch_size", "slots")
+    __slots__ = ("storage_backend", "block_size", "total_blocks", "allocated_blocks", "active_blocks", "free_blocks", "cached_blocks", "reserved_bytes", "used_bytes", "budget_bytes", "prefix_lookups", "prefix_hits", "prefix_hit_tokens", "evictions", "active_sequences", "queued_requests", "total_completed", "preemptions", "slot_context_tokens", "max_batch_size", "slots", "total_failed")
     STORAGE_BACKEND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class CacheStatsResponse(_message.Message):
     SLOT_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FAILED_FIELD_NUMBER: _ClassVar[int]
     storage_backend: str
     block_size: int
     total_blocks: int
@@ -278,14 +279,15 @@ class CacheStatsResponse(_message.Message):
     slot_context_tokens: int
     max_batch_size: int
     slots: _containers.RepeatedCompositeFieldContainer[SlotInfo]
-    def __init__(self, storage_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., allocated_blocks: _Optional[int] = ..., active_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., total_completed: _Optional[int] = ..., preemptions: _Optional[int] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ...) -> None: ...
+    total_failed: int
+    def __init__(self, storage_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., allocated_blocks: _Optional[int] = ..., active_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., total_completed: _Optional[int] = ..., preemptions: _Optional[int] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., total_failed: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "num_layers", "dtype", "eos_token_ids", "decode_path", "slot_context_tokens", "max_batch_size", "storage_backend")
+    __slots__ = ("model_id", "architecture", "vocab_size", "num_layers", "dtype", "eos_token_ids", "decode_path", "slot_context_tokens", "max_batch_size", "storage_backend", "family", "quantization", "cache_layers")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +298,9 @@ class GetModelInfoResponse(_message.Message):
     SLOT_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -306,7 +311,22 @@ class GetModelInfoResponse(_message.Message):
     slot_context_tokens: int
     max_batch_size: int
     storage_backend: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., decode_path: _Optional[str] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., storage_backend: _Optional[str] = ...) -> None: ...
+    family: str
+    quantization: Quantization
+    cache_layers: str
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., decode_path: _Optional[str] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., storage_backend: _Optional[str] = ..., family: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., cache_layers: _Optional[str] = ...) -> None: ...
+
+class Quantization(_message.Message):
+    __slots__ = ("mode", "bits", "group_size", "overrides")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    bits: int
+    group_size: int
+    overrides: int
+    def __init__(self, mode: _Optional[str] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., overrides: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")

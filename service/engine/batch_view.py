@@ -1,12 +1,18 @@
-"""A per-step view that lets mlx-lm's model code run a ragged batch over our storage.
+"""Per-step views that let mlx-lm's model code run a ragged batch over our storage.
 
-mlx-lm's attention layers call `cache.update_and_fetch(keys, values)`, read
-`cache.offset` for RoPE, and ask `cache.make_mask(N)` for the attention mask.
-`BatchView` answers those calls for one forward of B rows, where row i has
-`starts[i]` tokens cached already and `lengths[i]` new tokens (right-padded to
-N). The storage writes each row's new K/V into that row's own memory and
-returns the rows' K/V right-padded to the longest; the boolean mask hides the
-padding. Nothing of another row is copied or touched when a row joins or leaves.
+mlx-lm's attention layers call `cache.update_and_fetch(keys, values)`, read `cache.offset` for
+RoPE, and ask `cache.make_mask(N, window_size=...)` for the attention mask; recurrent layers
+read and assign `cache[i]`. For one forward of B rows, where row i has `starts[i]` tokens
+cached already and `lengths[i]` new tokens (right-padded to N), `make_views` builds one view
+per entry of the model's cache list (service.models.layout):
+
+- `AttentionView`: the storage writes each row's new K/V into that row's own memory and
+  returns the rows' K/V right-padded to the longest; the boolean mask hides the padding and,
+  for a sliding-window layer, the positions older than its window.
+- `StateView` (service.engine.state_store): the rows' recurrent state, stacked.
+- `ListView`: a layer with several caches (`CacheList`).
+
+Nothing of another row is copied or touched when a row joins or leaves.
 """
 
 from __future__ import annotations
@@ -15,14 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
-
-class KVStorage(Protocol):
-    """Where sequences' K/V live (dense per-sequence arrays, or a paged block pool)."""
-
-    def write_and_gather(
-        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
-    ) -> tuple[mx.array, mx.array]: ...
+from service.engine.state_store import StateView, StepStates
+from service.models.layout import AttentionEntry, CacheLayout, ListEntry, StateEntry
 
 
 @dataclass
@@ -59,13 +61,55 @@ class StepLayout:
         return self.width > max(self.lengths) or self.span > max(self.total_lengths)
 
 
-class BatchView:
-    """The cache object handed to one layer of the model for one step."""
+class KVStorage(Protocol):
+    """Where sequences' K/V live (dense per-sequence arrays, or a paged block pool)."""
 
-    def __init__(self, storage: KVStorage, layout: StepLayout, layer: int, shared: _StepShared):
+    name: str
+    bytes_per_token: int
+
+    def new_sequence(self, cache_prefix: bool = True) -> Any: ...
+    def release(self, handle: Any) -> None: ...
+    def write_and_gather(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]: ...
+
+
+class DirectAttention(Protocol):
+    """Storage whose decode steps attend straight from the pool (service.engine.kv_paged)."""
+
+    def write(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]: ...
+    def attend(
+        self,
+        layer: int,
+        batch: StepLayout,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        window: int | None,
+    ) -> mx.array: ...
+
+
+class MirroredAttention(Protocol):
+    """Storage whose decode steps attend over a contiguous copy (service.engine.kv_mirror)."""
+
+    def write_mirrored(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]: ...
+
+
+class AttentionView:
+    """The cache object handed to one attention layer of the model for one step."""
+
+    def __init__(
+        self, storage: Any, layout: StepLayout, entry: AttentionEntry, shared: _StepShared
+    ) -> None:
         self._storage = storage
         self._layout = layout
-        self._layer = layer
+        self._layer = entry.pool_layer
+        self._window = entry.window
         self._shared = shared
 
     @property
@@ -76,70 +120,122 @@ class BatchView:
     def direct(self) -> bool:
         """True when this step's attention reads the pool directly (`attend`): then
         `update_and_fetch` returns the written pool arrays, not gathered K/V."""
-        return self._shared.direct
+        return self._shared.mode == "direct"
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self._shared.direct:
+        mode = self._shared.mode
+        if mode == "direct":
             return self._storage.write(self._layer, self._layout, keys, values)
-        if self._shared.mirrored:
+        if mode == "mirror":
             return self._storage.write_mirrored(self._layer, self._layout, keys, values)
         return self._storage.write_and_gather(self._layer, self._layout, keys, values)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
         """Attention for a direct step (called through service.engine.paged_attention)."""
-        return self._storage.attend(self._layer, self._layout, queries, keys, values, scale)
+        return self._storage.attend(
+            self._layer, self._layout, queries, keys, values, scale, self._window
+        )
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array | str | None:
-        if window_size is not None:
-            raise NotImplementedError("sliding-window attention is not supported by BatchView")
-        return self._shared.mask
+        return self._shared.mask(return_array, window_size)
 
     # mlx-lm checks truthiness of the cache object before asking for a mask.
     def __bool__(self) -> bool:
         return True
 
 
-class _StepShared:
-    """RoPE offsets and the attention mask, computed once per step for all layers."""
+class ListView:
+    """A layer with several caches (mlx-lm's `CacheList`)."""
 
-    def __init__(self, layout: StepLayout, direct: bool = False, mirror: Any = None) -> None:
-        b, n = layout.batch_size, layout.width
-        self.direct = direct
-        self.mirrored = mirror is not None
-        if direct or mirror is not None:
-            # Direct: attention reads each row up to its own length, no mask to build. Mirror:
-            # the storage's contiguous copy, whose own mask hides the left padding of shorter
-            # rows (service.engine.kv_mirror). RoPE positions are the rows' either way.
-            self.offset: int | mx.array = (
-                layout.starts[0] if b == 1 else mx.array(layout.starts, dtype=mx.int32)
-            )
-            self.mask: mx.array | str | None = mirror.mask if mirror is not None else None
-            return
-        if b == 1 and not layout.padded:
-            # A single unpadded row: plain int offset and the fused causal mask, exactly what
-            # a lone mlx-lm forward would use.
+    def __init__(self, children: list[Any]) -> None:
+        self._children = children
+
+    def __getitem__(self, index: int) -> Any:
+        return self._children[index]
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class _StepShared:
+    """RoPE offsets and attention masks, computed once per step for all layers."""
+
+    def __init__(
+        self, layout: StepLayout, mode: str, mirror_mask: mx.array | None, grouped: bool
+    ) -> None:
+        self.mode = mode  # "gather", "direct" or "mirror"
+        self._layout = layout
+        self._grouped = grouped
+        self._mirror_mask = mirror_mask
+        self._masks: dict[tuple[bool, int | None], mx.array | str | None] = {}
+        b = layout.batch_size
+        # A single unpadded gathering row is exactly a lone mlx-lm forward: int offset, and
+        # the masks mlx-lm's own KVCache would give.
+        self.single = b == 1 and not layout.padded and mode == "gather"
+        if b == 1 and mode != "gather":
+            self.offset: int | mx.array = layout.starts[0]
+        elif self.single:
             self.offset = layout.starts[0]
-            self.mask = "causal" if n > 1 else None
-            return
-        self.offset = mx.array(layout.starts, dtype=mx.int32)
-        total = layout.span
+        else:
+            self.offset = mx.array(layout.starts, dtype=mx.int32)
+
+    def mask(self, return_array: bool, window: int | None) -> mx.array | str | None:
+        key = (return_array, window)
+        if key not in self._masks:
+            self._masks[key] = self._make_mask(return_array, window)
+        return self._masks[key]
+
+    def _make_mask(self, return_array: bool, window: int | None) -> mx.array | str | None:
+        layout = self._layout
+        n = layout.width
+        if self.mode == "direct":
+            return None  # attention stops at each row's length and window (the kernel)
+        if self.mode == "mirror":  # left padding of shorter rows; no window (see EngineConfig)
+            mask = self._mirror_mask
+            return mask[:, None] if self._grouped and mask is not None else mask
+        if self.single:
+            start = layout.starts[0]
+            if window is not None or (return_array and n > 1):
+                return create_causal_mask(n, start, window_size=window)
+            return "causal" if n > 1 else None
         starts = mx.array(layout.starts)[:, None, None]
         ends = mx.array(layout.total_lengths)[:, None, None]
         query_pos = starts + mx.arange(n)[None, :, None]  # [B, N, 1]
-        key_pos = mx.arange(total)[None, None, :]  # [1, 1, T]
-        self.mask = ((key_pos <= query_pos) & (key_pos < ends))[:, None]  # [B, 1, N, T]
+        key_pos = mx.arange(layout.span)[None, None, :]  # [1, 1, T]
+        mask = (key_pos <= query_pos) & (key_pos < ends)
+        if window is not None:
+            mask = mask & (key_pos > query_pos - window)
+        return mask[:, None, None] if self._grouped else mask[:, None]  # [B, (1,) 1, N, T]
 
 
 def make_views(
-    storage: KVStorage, layout: StepLayout, num_layers: int, direct: bool = False
-) -> list[BatchView]:
-    """One view per layer; direct = attention reads the paged pool itself (decode steps).
-    A decode step over storage that keeps a decode mirror reads the mirror instead."""
-    mirror = None
-    begin = getattr(storage, "begin_mirrored_step", None)
-    if begin is not None and not direct and layout.width == 1 and not layout.padded:
-        mirror = begin(layout)
-    shared = _StepShared(layout, direct, mirror)
-    return [BatchView(storage, layout, layer, shared) for layer in range(num_layers)]
+    storage: Any,
+    cache: CacheLayout,
+    layout: StepLayout,
+    states: StepStates | None = None,
+    mode: str = "gather",
+    mirror_mask: mx.array | None = None,
+    grouped_mask: bool = False,
+) -> list[Any]:
+    """One view per entry of the model's cache list. `mode`: "gather" (K/V gathered from the
+    storage, masked), "direct" (decode attention reads the paged pool itself), or "mirror"
+    (decode attention over the storage's contiguous copy; `mirror_mask` hides left padding).
+    `grouped_mask`: batched masks get a heads-repeat axis (service.models.families)."""
+    shared = _StepShared(layout, mode, mirror_mask, grouped_mask)
+
+    def view(entry: AttentionEntry | StateEntry) -> Any:
+        if isinstance(entry, AttentionEntry):
+            return AttentionView(storage, layout, entry, shared)
+        if states is None:
+            raise ValueError("a stateful model's step needs its rows' states")
+        return StateView(states, entry.state_layer)
+
+    out: list[Any] = []
+    for entry in cache.entries:
+        if isinstance(entry, ListEntry):
+            out.append(ListView([view(c) for c in entry.children]))
+        else:
+            out.append(view(entry))
+    return out

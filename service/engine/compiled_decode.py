@@ -11,9 +11,8 @@ row's length), so a batch recompiles only when its size changes or its longest r
 bucket. (MLX's shapeless compile would avoid even that, but custom kernels cannot re-infer
 their output shapes.)
 
-Only direct decode steps (one token per row, attention read from the paged pool) are compiled.
-Their K/V writes are the in-place CUDA kernel where the storage writes in place; elsewhere a
-functional scatter whose new pool arrays the replay returns and the storage adopts.
+Only direct decode steps (one token per row, attention read from the paged pool) are compiled,
+with their K/V written by the in-place CUDA kernel: the CUDA decode path.
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from service.engine.batch_view import StepLayout
-from service.engine.paged_attention import paged_decode_attention, store_decode_kv
+from service.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
+from service.models.layout import AttentionEntry, CacheLayout
 
 SLOT_BUCKET = 256  # slot-table width granularity: one compiled shape per 256 positions
 
@@ -37,9 +37,10 @@ class _GraphView:
 
     direct = True  # attention comes back through `attend` (service.engine.paged_attention)
 
-    def __init__(self, step: _StepArrays, layer: int) -> None:
+    def __init__(self, step: _StepArrays, entry: AttentionEntry) -> None:
         self._step = step
-        self._layer = layer
+        self._layer = entry.pool_layer
+        self._window = entry.window
         self._after: mx.array | None = None
 
     @property
@@ -49,18 +50,22 @@ class _GraphView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         step, layer = self._step, self._layer
         k_pool, v_pool = step.pools[layer], step.pools[step.num_layers + layer]
-        if step.in_place:
-            self._after = store_decode_kv(k_pool, v_pool, keys, values, step.write)
-            return k_pool, v_pool
-        k_pool[step.write] = step.storage.token_major(keys)
-        v_pool[step.write] = step.storage.token_major(values)
-        step.pools[layer], step.pools[step.num_layers + layer] = k_pool, v_pool
+        self._after = store_decode_kv(k_pool, v_pool, keys, values, step.write)
         return k_pool, v_pool
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
         step = self._step
+        meta = kernel_meta(step.span, self._window)
         return paged_decode_attention(
-            queries, keys, values, step.slots, step.lengths, scale, step.span, after=self._after
+            queries,
+            keys,
+            values,
+            step.slots,
+            step.lengths,
+            scale,
+            meta,
+            after=self._after,
+            window=self._window,
         )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
@@ -71,45 +76,44 @@ class _GraphView:
 
 
 class _StepArrays:
-    def __init__(self, args: list[mx.array], storage: Any, num_layers: int) -> None:
+    def __init__(self, args: list[mx.array], num_layers: int) -> None:
         self.offsets, self.slots, self.lengths, self.write, self.span = args[:5]
         self.pools = list(args[5:])  # K of every layer, then V of every layer
-        self.storage = storage
         self.num_layers = num_layers
-        self.in_place: bool = storage.write_in_place
 
 
 class DecodeGraph:
     """Compiled decode forwards (trunk and LM head) of one model over paged storage."""
 
-    def __init__(self, head: Any, storage: Any, num_layers: int) -> None:
+    def __init__(self, head: Any, storage: Any, cache: CacheLayout) -> None:
+        if cache.stateful or len(cache.attention_entries()) != len(cache.entries):
+            raise ValueError("compiled decode steps take models with attention layers only")
+        if not storage.write_in_place:
+            raise ValueError("compiled decode steps write the pool in place (CUDA)")
         self._head = head  # the engine's ModelHead
         self._storage = storage
-        self._num_layers = num_layers
-        # A traced graph is bound to the streams of the thread that traced it (the runtime warms
-        # up on the main thread, the scheduler thread serves), so each thread compiles its own;
-        # and to the storage's write mode at trace time, which MLX's shape-keyed cache ignores.
-        self._compiled: dict[tuple[int, bool], Callable[..., list[mx.array]]] = {}
+        self._entries = cache.attention_entries()
+        self._num_layers = cache.num_attention
+        # A traced graph is bound to the streams of the thread that traced it, so each thread
+        # compiles its own (tests drive engines from several threads).
+        self._compiled: dict[int, Callable[..., list[mx.array]]] = {}
 
     def logits(self, tokens: mx.array, layout: StepLayout) -> mx.array:
         """[B, V] next-token logits of a decode step (tokens [B, 1]); writes the step's K/V."""
         storage = self._storage
         inputs = storage.decode_inputs(layout, SLOT_BUCKET)
         pools = storage.pool_arrays()
-        key = (threading.get_ident(), storage.write_in_place)
+        key = threading.get_ident()
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = mx.compile(partial(DecodeGraph._forward, self))
             self._compiled[key] = compiled
-        logits, *written = compiled(tokens, *inputs, *pools)
-        if not storage.write_in_place:
-            storage.adopt_pool_arrays(written)
+        (logits,) = compiled(tokens, *inputs, *pools)
         return logits
 
     def _forward(self, tokens: mx.array, *args: mx.array) -> list[mx.array]:
-        step = _StepArrays(list(args), self._storage, self._num_layers)
-        views = [_GraphView(step, layer) for layer in range(self._num_layers)]
+        step = _StepArrays(list(args), self._num_layers)
+        views = [_GraphView(step, entry) for entry in self._entries]
         hidden = self._head.hidden(tokens, views)  # [B, 1, H]
-        logits = self._head.logits(hidden[:, 0])
-        # In place, the pools are untouched inputs: returning them would only copy them.
-        return [logits] if step.in_place else [logits, *step.pools]
+        # The pools are written in place: returning them would only copy them.
+        return [self._head.logits(hidden[:, 0])]

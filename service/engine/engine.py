@@ -22,10 +22,17 @@ import structlog
 from service.engine import paged_attention
 from service.engine.batch_view import KVStorage, StepLayout, make_views
 from service.engine.compiled_decode import DecodeGraph
-from service.engine.kv_paged import OutOfBlocksError
+from service.engine.config import EngineConfig
+from service.engine.kv_paged import OutOfBlocksError, PagedKVStorage
 from service.engine.sampler import RowSamplerState, SamplingParams, sample
+from service.engine.state_store import SequenceState, StateStore, StateUndo
+from service.models import rope
+from service.models.layout import CacheLayout
 
 log = structlog.get_logger(__name__)
+
+
+BACKEND_ERROR = "inference backend error"  # what a failed request's caller is told
 
 
 class EngineError(RuntimeError):
@@ -44,6 +51,7 @@ class EngineSequence:
     next_input: tuple[mx.array, int] | None = None
     top_logprobs: int = 0
     want_logprobs: bool = False
+    state: SequenceState | None = None  # recurrent state (stateful models)
 
 
 @dataclass
@@ -73,9 +81,12 @@ class PendingStep:
     logprobs: mx.array | None  # [S] chosen-token logprobs, when any row asked
     top: tuple[mx.array, mx.array] | None  # ([S, K] ids, [S, K] logprobs)
     hidden: mx.array | None  # set when no row sampled: what must be evaluated
+    state_undo: StateUndo | None = None  # puts the rows' recurrent states back on a retry
+    results: list[RowResult] | None = None  # already read (rows that were run one by one)
 
 
-FaultInjector = Callable[[EngineSequence], bool]
+# Test hook: (sequence, "build" | "evaluate") -> whether that stage fails for it.
+FaultInjector = Callable[[EngineSequence, str], bool]
 
 
 def shape_bucket(n: int) -> int:
@@ -91,53 +102,41 @@ class Engine:
         self,
         model: Any,
         storage: KVStorage,
-        num_layers: int,
+        cache: CacheLayout,
+        config: EngineConfig | None = None,
         *,
-        batched: bool = True,
-        shape_buckets: bool = False,
-        overlap_steps: bool = False,
-        direct_decode: bool = False,
-        compile_decode: bool = False,
+        split_head: bool = False,
         fault_injector: FaultInjector | None = None,
     ) -> None:
-        """shape_buckets: pad multi-token forwards (prefill chunks) to `shape_bucket` lengths
-        with a masked tail. On MLX's CUDA backend the attention of such a forward builds a
-        cuDNN plan per distinct shape (~50 ms the first time, measured on an H200), so
-        unpadded prompts of new lengths would pay it on nearly every request.
-
-        overlap_steps: the scheduler may dispatch decode step N+1 before reading step N, as
-        mlx-lm's generate loop does, so the device never waits for the host between steps.
-        Only safe for the pool's memory when decode steps write it in place (paged storage's
-        `write_in_place`, the CUDA kernel): MLX's functional scatter would copy each layer's
-        pool, which step N still references. The runtime turns both on together.
-
-        direct_decode: decode steps attend straight from the paged pool through each row's
-        slots (service.engine.paged_attention: a CUDA kernel, or MLX ops elsewhere) instead of
-        gathering padded K/V and masking it. Needs paged storage and a llama-family model.
-
-        compile_decode: direct decode steps whose rows all sample replay a compiled graph
-        (service.engine.compiled_decode) instead of building the forward op by op."""
+        """`cache`: what the model keeps per sequence (service.models.layout); `config`: how
+        its forwards run (service.engine.config, resolved before the engine is built)."""
         self.model = model
         self.storage = storage
-        self.num_layers = num_layers
-        self.batched = batched
-        self.decode_path = "batched" if batched else "per-row"
-        self.shape_buckets = shape_buckets
-        self.overlap_steps = overlap_steps
-        if direct_decode and not (hasattr(storage, "attend") and paged_attention.install(model)):
-            raise ValueError("direct decode attention needs paged storage and a llama-family model")
-        self.direct_decode = direct_decode
+        self.cache = cache
+        self.config = config = config or EngineConfig()
+        self.states = StateStore(cache.states) if cache.stateful else None
+        if config.decode_attention != "gather" and not isinstance(storage, PagedKVStorage):
+            raise ValueError(f"{config.decode_attention} decode attention needs paged storage")
+        if config.decode_attention == "direct" and not paged_attention.install(model):
+            raise ValueError("direct decode attention needs the model's attention function")
+        if isinstance(storage, PagedKVStorage):
+            storage.configure(
+                in_place=config.in_place_writes,
+                mirror=config.decode_attention == "mirror",
+            )
         self._fault_injector = fault_injector
-        self._head = ModelHead(model)
-        self.decode_graph: DecodeGraph | None = None
-        if compile_decode:
-            self.compile_decode_steps()
+        self._head = ModelHead(model, split_head)
+        self.decode_graph = (
+            DecodeGraph(self._head, storage, cache) if config.compile_decode else None
+        )
 
-    def compile_decode_steps(self) -> None:
-        """From now on, direct decode steps replay compiled graphs (see compile_decode)."""
-        if not self.direct_decode:
-            raise ValueError("compiled decode steps need direct decode attention")
-        self.decode_graph = DecodeGraph(self._head, self.storage, self.num_layers)
+    @property
+    def batched(self) -> bool:
+        return self.config.batched
+
+    @property
+    def decode_path(self) -> str:
+        return self.config.decode_path
 
     # -- sequences -------------------------------------------------------------------
     def add_sequence(
@@ -152,60 +151,58 @@ class Engine:
         cache_prefix: bool = True,
     ) -> EngineSequence:
         state = sampler or RowSamplerState(params, prompt_token_ids=list(prompt_token_ids))
+        # A recurrent state cannot be adopted from a prefix of another sequence's tokens.
+        cache_prefix = cache_prefix and self.states is None
         return EngineSequence(
             seq_id,
             self.storage.new_sequence(cache_prefix),
             state,
             want_logprobs=want_logprobs,
             top_logprobs=top_logprobs,
+            state=self.states.new_sequence() if self.states is not None else None,
         )
 
     def release(self, seq: EngineSequence) -> None:
         self.storage.release(seq.kv)
+        if seq.state is not None and self.states is not None:
+            self.states.release(seq.state)
         seq.next_input = None
         seq.num_cached = 0
 
     def adopt_prefix(self, seq: EngineSequence, token_ids: Sequence[int]) -> int:
-        """Adopt cached prompt-prefix blocks (paged storage; 0 for dense) into a fresh
-        sequence; prefill then starts at the returned position (seq.num_cached)."""
-        adopt = getattr(self.storage, "adopt_prefix", None)
-        if adopt is None or seq.num_cached:
+        """Adopt cached prompt-prefix blocks (paged storage; 0 for dense and for recurrent
+        models) into a fresh sequence; prefill then starts at the returned position."""
+        if seq.num_cached or self.states is not None:
             return 0
-        seq.num_cached = adopt(seq.kv, token_ids)
+        seq.num_cached = self.storage.adopt_prefix(seq.kv, token_ids)
         return seq.num_cached
 
-    # -- paged KV bookkeeping (no-ops for dense storage) --------------------------------
+    # -- KV bookkeeping (no-ops for dense storage) --------------------------------------
     @property
     def paged(self) -> bool:
-        return hasattr(self.storage, "manager")
+        return isinstance(self.storage, PagedKVStorage)
 
     def commit_tokens(self, seq: EngineSequence, token_ids: Sequence[int]) -> None:
         """Offer the sequence's computed full blocks to the prefix cache."""
-        if self.paged:
+        if self.states is None:
             self.storage.commit_tokens(seq.kv, token_ids[: seq.num_cached])
 
     def blocks_needed(self, seq: EngineSequence, num_new_tokens: int) -> int:
         """New blocks `num_new_tokens` more positions would take (0 for dense storage)."""
-        if not self.paged:
-            return 0
-        reserved = seq.kv.blocks.num_tokens
-        missing = seq.num_cached + num_new_tokens - reserved
-        return seq.kv.blocks.blocks_needed(missing) if missing > 0 else 0
+        return self.storage.blocks_needed(seq.kv, seq.num_cached + num_new_tokens)
 
     def reserve(self, seq: EngineSequence, num_new_tokens: int) -> bool:
         """Reserve KV slots for `num_new_tokens` positions past the cached ones, all or nothing.
         Always True for dense storage (it grows without a budget)."""
-        if not self.paged:
-            return True
         return self.storage.ensure_reserved(seq.kv, seq.num_cached + num_new_tokens)
 
     def free_blocks(self) -> int | None:
         """Blocks that can be handed out now (cached-but-free ones included); None = dense."""
-        return self.storage.manager.pool.num_free_blocks if self.paged else None
+        return self.storage.free_blocks()
 
     def capacity_tokens(self) -> int | None:
         """The most tokens one sequence could ever hold (the whole pool); None = dense."""
-        return self.storage.num_blocks * self.storage.block_size if self.paged else None
+        return self.storage.capacity_tokens()
 
     def _reserve_blocks(self, rows: list[StepRow], lengths: list[int]) -> None:
         """Paged storage: every row's new positions need slots before the forward. Idempotent,
@@ -219,36 +216,83 @@ class Engine:
         """Build one forward for `rows` and (unless dispatch=False) queue it on the device,
         returning without waiting. A step built with dispatch=False is queued by `dispatch`:
         the scheduler builds step N+1 while step N runs and dispatches it once N's tokens are
-        read, so the KV pool is not still referenced by N when N+1's in-place writes run."""
+        read, so the KV pool is not still referenced by N when N+1's in-place writes run.
+
+        If building the batched forward raises, each row is run alone, so the error ends only
+        the rows it comes from (their results carry it)."""
         if not self.batched and len(rows) > 1:
             raise ValueError("this engine runs one row per forward (per-row path)")
         for r in rows:
             r.inputs = self._row_input(r)
         lengths = [len(r.inputs) if isinstance(r.inputs, list) else 1 for r in rows]
+        if self.config.single_row_prefill and len(rows) > 1 and max(lengths) > 1:
+            raise ValueError("a recurrent model's multi-token forward carries one row")
         self._reserve_blocks(rows, lengths)
+        try:
+            return self._submit(rows, lengths, dispatch)
+        except OutOfBlocksError:
+            raise
+        except Exception as exc:
+            if len(rows) == 1:
+                log.warning(
+                    "building a forward failed", request_id=rows[0].seq.seq_id, error=str(exc)
+                )
+                return PendingStep(
+                    rows,
+                    [],
+                    None,
+                    None,
+                    None,
+                    None,
+                    results=[RowResult(rows[0].seq, error=BACKEND_ERROR)],
+                )
+            log.warning(
+                "building a batched forward failed; running its rows one by one", error=str(exc)
+            )
+            return self._run_rows_alone(rows)
+
+    def _submit(self, rows: list[StepRow], lengths: list[int], dispatch: bool) -> PendingStep:
         starts = [r.seq.num_cached for r in rows]
         layout = StepLayout([r.seq.kv for r in rows], starts, lengths)
-        if self.shape_buckets and max(lengths) > 1:
+        if self.config.shape_buckets and max(lengths) > 1:
             layout.pad_width = shape_bucket(max(lengths))
             layout.pad_span = shape_bucket(max(layout.total_lengths))
         tokens = self._input_tokens(rows, layout.width)  # [B, N]
-        direct = self.direct_decode and layout.width == 1
+        decode = layout.width == 1
         sampled = [i for i, r in enumerate(rows) if r.sample]
+        states = self.states.begin([r.seq.state for r in rows]) if self.states is not None else None
         last_logits: mx.array | None = None
-        if direct and self.decode_graph is not None and len(sampled) == len(rows):
+        if decode and self.decode_graph is not None and len(sampled) == len(rows):
             last_logits = self.decode_graph.logits(tokens, layout)  # [B, V]
         else:
-            views = make_views(self.storage, layout, self.num_layers, direct)
-            hidden = self._head.hidden(tokens, views)  # [B, N, H]
+            mode, mirror_mask = self._attention_mode(layout)
+            views = make_views(
+                self.storage,
+                self.cache,
+                layout,
+                states,
+                mode,
+                mirror_mask,
+                self.config.grouped_query_mask,
+            )
+            self._check_faults(rows, "build")
+            row_lengths = rope.ROW_LENGTHS.set(lengths)
+            try:
+                hidden = self._head.hidden(tokens, views)  # [B, N, H] (logits if not split)
+            finally:
+                rope.ROW_LENGTHS.reset(row_lengths)
+        if states is not None:
+            states.commit()
         for r, n in zip(rows, lengths):
             r.seq.num_cached += n
+        undo = states.undo if states is not None else None
 
         if last_logits is None:
             if not sampled:
                 # Evaluating the last hidden state forces every layer's K/V write.
-                pending = PendingStep(rows, [], None, None, None, hidden)
+                pending = PendingStep(rows, [], None, None, None, hidden, state_undo=undo)
                 return self.dispatch(pending) if dispatch else pending
-            if layout.width == 1:
+            if decode:
                 last_hidden = (
                     hidden[mx.array(sampled), 0] if len(sampled) < len(rows) else hidden[:, 0]
                 )
@@ -256,8 +300,8 @@ class Engine:
                 last = mx.array([lengths[i] - 1 for i in sampled])
                 last_hidden = hidden[mx.array(sampled), last]  # [S, H]
             last_logits = self._head.logits(last_hidden)  # [S, V]
-        states = [rows[i].seq.sampler for i in sampled]
-        drawn, processed = sample(last_logits, states)
+        states_of_rows = [rows[i].seq.sampler for i in sampled]
+        drawn, processed = sample(last_logits, states_of_rows)
         logprobs = top = None
         if any(rows[i].seq.want_logprobs for i in sampled):
             all_lp = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
@@ -268,11 +312,40 @@ class Engine:
                 top = (top_ids, mx.take_along_axis(all_lp, top_ids, axis=-1))
         for j, i in enumerate(sampled):
             rows[i].seq.next_input = (drawn, j)
-        pending = PendingStep(rows, sampled, drawn, logprobs, top, None)
+        pending = PendingStep(rows, sampled, drawn, logprobs, top, None, state_undo=undo)
         return self.dispatch(pending) if dispatch else pending
+
+    def _attention_mode(self, layout: StepLayout) -> tuple[str, mx.array | None]:
+        """How this step's attention reads K/V: "direct" and "mirror" serve decode steps
+        (one token per row, unpadded) only; everything else gathers."""
+        mode = self.config.decode_attention
+        if mode == "gather" or layout.width != 1 or layout.padded:
+            return "gather", None
+        if mode == "mirror":
+            assert isinstance(self.storage, PagedKVStorage)
+            step = self.storage.begin_mirrored_step(layout)
+            return ("mirror", step.mask) if step is not None else ("gather", None)
+        return "direct", None
+
+    def _run_rows_alone(self, rows: list[StepRow]) -> PendingStep:
+        """Run each row as its own forward and read it now (after a batched forward failed)."""
+        results: list[RowResult] = []
+        for row in rows:
+            single = StepRow(
+                row.seq, row.inputs if isinstance(row.inputs, list) else None, row.sample
+            )
+            if single.tokens is None:
+                row.seq.next_input = row.inputs  # type: ignore[assignment]
+            results.extend(self.finish_rows(self.submit([single])))
+        for res in results:
+            if res.token_id is not None:
+                res.seq.next_input = (mx.array([res.token_id], dtype=mx.int32), 0)
+        return PendingStep(rows, [], None, None, None, None, results=results)
 
     @staticmethod
     def dispatch(pending: PendingStep) -> PendingStep:
+        if pending.results is not None:
+            return pending
         if pending.tokens is None:
             mx.async_eval(pending.hidden)
         else:
@@ -281,12 +354,15 @@ class Engine:
         return pending
 
     def finish_rows(self, pending: PendingStep) -> list[RowResult]:
-        """Read a submitted step's tokens (the evaluation boundary). One result per sampled row."""
-        if pending.tokens is None:
-            mx.eval(pending.hidden)
-            return []
+        """Read a submitted step's tokens (the evaluation boundary). One result per sampled row,
+        and one per row that failed."""
+        if pending.results is not None:
+            return pending.results
         try:
-            self._check_faults(pending)
+            if pending.tokens is None:
+                mx.eval(pending.hidden)
+                return []
+            self._check_faults([pending.rows[i] for i in pending.sampled_rows], "evaluate")
             token_ids = pending.tokens.tolist()
         except Exception as exc:
             log.warning("batched evaluation failed; retrying rows one by one", error=str(exc))
@@ -348,44 +424,44 @@ class Engine:
         x = source[j : j + 1].astype(mx.int32)
         return x if width == 1 else mx.concatenate([x, mx.zeros(width - 1, dtype=mx.int32)])
 
-    def _check_faults(self, pending: PendingStep) -> None:
+    def _check_faults(self, rows: list[StepRow], stage: str) -> None:
         if self._fault_injector is None:
             return
-        for i in pending.sampled_rows:
-            if self._fault_injector(pending.rows[i].seq):
-                raise EngineError(f"injected fault for {pending.rows[i].seq.seq_id}")
+        for row in rows:
+            if self._fault_injector(row.seq, stage):
+                raise EngineError(f"injected {stage} fault for {row.seq.seq_id}")
 
     def _finish_rows_one_by_one(self, pending: PendingStep) -> list[RowResult]:
-        """Redo the failed step per row, so a failure ends only the rows that really fail."""
+        """Redo the failed step per row, so a failure ends only the rows that really fail.
+        The step's K/V writes are redone by the retries; its recurrent states are put back."""
+        if pending.state_undo is not None and self.states is not None:
+            self.states.undo(pending.state_undo)
         results = []
-        for i in pending.sampled_rows:
-            row = pending.rows[i]
+        for row in pending.rows:
             seq = row.seq
-            n = len(row.tokens) if row.tokens is not None else 1
+            n = len(row.inputs) if isinstance(row.inputs, list) else 1
             seq.num_cached -= n  # undo the failed step's advance, then redo it alone
             try:
-                if self._fault_injector is not None and self._fault_injector(seq):
-                    raise EngineError(f"injected fault for {seq.seq_id}")
+                if self._fault_injector is not None and self._fault_injector(seq, "evaluate"):
+                    raise EngineError(f"injected evaluate fault for {seq.seq_id}")
                 seq.next_input = row.inputs if not isinstance(row.inputs, list) else None
                 tokens = row.inputs if isinstance(row.inputs, list) else None
-                results.extend(self.finish_rows(self.submit([StepRow(seq, tokens, True)])))
+                results.extend(self.finish_rows(self.submit([StepRow(seq, tokens, row.sample)])))
             except Exception as exc:
                 log.warning("row evaluation failed", request_id=seq.seq_id, error=str(exc))
-                results.append(RowResult(seq, error="inference backend error"))
+                results.append(RowResult(seq, error=BACKEND_ERROR))
         return results
 
 
 class ModelHead:
     """Splits a model into its trunk and its LM head, so only the rows' last positions are
     projected to the vocabulary (a 2048-token prefill would otherwise spend most of its time
-    in the head). Architectures we do not know run whole and we slice the logits."""
+    in the head). Families whose head is not a plain projection (service.models.families)
+    run whole and we slice the logits."""
 
-    _SPLITTABLE = ("llama", "qwen2", "qwen3", "mistral")
-
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, split: bool) -> None:
         self._model = model
-        module = type(model).__module__.rsplit(".", 1)[-1]
-        self.split = module in self._SPLITTABLE and hasattr(model, "model")
+        self.split = split
 
     def hidden(self, tokens: mx.array, views: list) -> mx.array:
         if self.split:
@@ -396,6 +472,6 @@ class ModelHead:
         if not self.split:
             return hidden  # already logits
         model = self._model
-        if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-            return model.model.embed_tokens.as_linear(hidden)
-        return model.lm_head(hidden)
+        if "lm_head" in model:  # tied models have none (mlx-lm creates or drops it)
+            return model.lm_head(hidden)
+        return model.model.embed_tokens.as_linear(hidden)

@@ -47,6 +47,25 @@ class DenseKVStorage:
         seq.values = [None] * self.num_layers
         seq.capacity = 0
 
+    # The paged pool's bookkeeping, for a storage that has none: no prefix cache, no budget.
+    def adopt_prefix(self, seq: DenseSequenceKV, token_ids: object) -> int:
+        return 0
+
+    def commit_tokens(self, seq: DenseSequenceKV, token_ids: object) -> int:
+        return 0
+
+    def blocks_needed(self, seq: DenseSequenceKV, num_tokens: int) -> int:
+        return 0
+
+    def ensure_reserved(self, seq: DenseSequenceKV, num_tokens: int) -> bool:
+        return True
+
+    def free_blocks(self) -> None:
+        return None
+
+    def capacity_tokens(self) -> None:
+        return None
+
     @property
     def live_sequences(self) -> int:
         return len(self._live)

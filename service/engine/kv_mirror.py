@@ -14,10 +14,9 @@ at the last mirrored step; anything else (a row joins or leaves, a prefill or mi
 between, capacity reached) rebuilds it from the pool with one gather: what a gathering step
 pays every time, paid once per change of the batch.
 
-The runtime's choice on the CPU (`--decode-attention auto`). Through the server the harness
-measured +8-14% tok/s at C = 8 and 16 against gathering (bench/results/README.md, session 3);
-a first version that evaluated each rebuild at once, stalling the host while the previous step
-ran, showed no gain.
+The CPU decode path (service.engine.config) for models without sliding windows. Left lazy, a
+rebuild's gather is consumed by the step's first append; evaluating it at once would stall the
+host while the previous step runs.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ row's positions 0..end into a `[B, kv_heads, T, head_dim]` array (right-padded; 
 mask hides the padding). Slot indices are computed once per step on the CPU and reused by all
 layers. The scatter updates the pool in place only while nothing else references the pool's
 buffer when the step is dispatched: see `write_and_gather`. A decode step can instead attend
-over the storage's decode mirror (`enable_mirror`, service.engine.kv_mirror), a contiguous copy
+over the storage's decode mirror (`configure`, service.engine.kv_mirror), a contiguous copy
 of the batch that it appends to, or read the pool directly (`attend`, the CUDA kernel).
 
 Block reservation is not done while the model runs: the engine (or the scheduler, ahead of
@@ -31,8 +31,10 @@ import numpy as np
 
 from service.engine.batch_view import StepLayout
 from service.engine.kv_mirror import DecodeMirror, MirrorStep, slot_head_rows
-from service.engine.paged_attention import paged_decode_attention, store_decode_kv
+from service.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
 from service.kv.block_pool import KVCacheManager, KVCacheStats, SequenceBlocks
+
+MIRROR_MAX_BYTES = 1 << 30  # past this (big batch x long rows), decode steps gather instead
 
 
 class OutOfBlocksError(RuntimeError):
@@ -66,6 +68,7 @@ class _StepPlan:
     totals: list[int]  # positions each row attends to
     kv_heads: int
     written: dict[int, mx.array] = field(default_factory=dict)  # layer -> its in-place write
+    metas: dict[int | None, mx.array] = field(default_factory=dict)
 
     @cached_property
     def read(self) -> mx.array:
@@ -80,10 +83,11 @@ class _StepPlan:
     def lengths(self) -> mx.array:
         return mx.array(np.asarray(self.totals, dtype=np.int32))
 
-    @cached_property
-    def span(self) -> mx.array:
-        """[1] int32: the width of the slot table, as the decode kernel reads it."""
-        return mx.array([self.slot_table.shape[1]], dtype=mx.int32)
+    def meta(self, window: int | None) -> mx.array:
+        """The decode kernel's `meta` for a layer of this window (made once per step each)."""
+        if window not in self.metas:
+            self.metas[window] = kernel_meta(self.slot_table.shape[1], window)
+        return self.metas[window]
 
 
 class PagedKVStorage:
@@ -122,15 +126,16 @@ class PagedKVStorage:
         self._plan_layout: weakref.ref[StepLayout] | None = None
         self._plan: _StepPlan | None = None
         self._plan_layer = 0  # the last layer that asked for the plan
-        # Decode attention over a contiguous copy of the batch (service.engine.kv_mirror),
-        # switched on by the runtime with `enable_mirror`.
+        # Set once by the engine that owns the storage (`configure`), from its EngineConfig.
         self.mirror: DecodeMirror | None = None
-        # Decode steps write their K/V with the in-place CUDA kernel (`store_decode_kv`):
-        # switched on by the runtime with the direct decode kernel, so steps can overlap.
         self.write_in_place = False
 
-    def enable_mirror(self, max_bytes: int) -> None:
-        self.mirror = DecodeMirror(max_bytes)
+    def configure(self, in_place: bool, mirror: bool) -> None:
+        """in_place: decode steps write their K/V with the in-place CUDA kernel
+        (`store_decode_kv`), so steps can overlap; mirror: decode steps attend over a
+        contiguous copy of the batch (service.engine.kv_mirror)."""
+        self.write_in_place = in_place
+        self.mirror = DecodeMirror(MIRROR_MAX_BYTES) if mirror else None
 
     # -- sequences -------------------------------------------------------------------
     def new_sequence(self, cache_prefix: bool = True) -> PagedSequenceKV:
@@ -169,6 +174,19 @@ class PagedKVStorage:
         calls this before each forward, so a scheduler that reserved ahead costs nothing."""
         missing = num_tokens - handle.blocks.num_tokens
         return True if missing <= 0 else self.reserve(handle, missing)
+
+    def blocks_needed(self, handle: PagedSequenceKV, num_tokens: int) -> int:
+        """New blocks positions 0..num_tokens-1 would take beyond those reserved."""
+        missing = num_tokens - handle.blocks.num_tokens
+        return handle.blocks.blocks_needed(missing) if missing > 0 else 0
+
+    def free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached-but-free ones included)."""
+        return self.manager.pool.num_free_blocks
+
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence could ever hold: the whole pool."""
+        return self.num_blocks * self.block_size
 
     def can_reserve(self, handle: PagedSequenceKV, num_new_tokens: int) -> bool:
         needed = self.manager.blocks_required(handle.blocks, num_new_tokens)
@@ -301,8 +319,10 @@ class PagedKVStorage:
         k_pool: mx.array,
         v_pool: mx.array,
         scale: float,
+        window: int | None = None,
     ) -> mx.array:
-        """Decode attention of the step's rows read through their slots (after `write`)."""
+        """Decode attention of the step's rows read through their slots (after `write`), over
+        their last `window` positions for a sliding-window layer."""
         plan = self._step_plan(layer, batch)
         return paged_decode_attention(
             queries,
@@ -311,14 +331,16 @@ class PagedKVStorage:
             plan.slots,
             plan.lengths,
             scale,
-            plan.span,
+            plan.meta(window),
             after=plan.written.get(layer),
+            window=window,
         )
 
     def decode_inputs(self, batch: StepLayout, bucket: int) -> list[mx.array]:
         """A direct decode step's plan as arrays, for a compiled forward (compiled_decode):
         RoPE offsets [B], slots [B, T'] (T' = the span rounded up to `bucket`, padded with
-        the scratch slot), lengths [B], write slots [B] and the width T' as a [1] array."""
+        the scratch slot), lengths [B], write slots [B] and the width T' as a [1] array (the
+        compiled graph makes each layer's kernel `meta` from it)."""
         plan = self._step_plan(0, batch)
         b, t = plan.slot_table.shape
         width = -(-t // bucket) * bucket
@@ -331,11 +353,6 @@ class PagedKVStorage:
     def pool_arrays(self) -> list[mx.array]:
         """Every layer's K pool, then every layer's V pool."""
         return [*self._keys, *self._values]
-
-    def adopt_pool_arrays(self, arrays: list[mx.array]) -> None:
-        """Take the pools a compiled forward returned (written functionally) as the pools."""
-        n = self.num_layers
-        self._keys[:], self._values[:] = arrays[:n], arrays[n:]
 
     def gather(self, handle: PagedSequenceKV, layer: int, num_tokens: int) -> tuple[mx.array, ...]:
         """A sequence's first num_tokens K and V of one layer, [kv_heads, num_tokens, head_dim]
@@ -381,19 +398,22 @@ class PagedKVStorage:
             self._grow(min(self.num_blocks, max(block_id + 1, 2 * self._capacity_blocks)))
 
     def _grow(self, capacity_blocks: int) -> None:
-        """Reallocate the per-layer arrays for `capacity_blocks` (+ scratch), keeping data."""
+        """Reallocate the per-layer arrays for `capacity_blocks` (+ scratch), keeping data.
+        All or nothing: the new arrays replace the old only once every one of them exists, so
+        a failed allocation leaves K and V as they were."""
         shape = ((capacity_blocks + 1) * self.block_size, self.kv_heads, self.head_dim)
         used = self._capacity_blocks * self.block_size
+        grown: list[list[mx.array]] = []
         for arrays in (self._keys, self._values):
+            fresh_arrays = []
             for layer in range(self.num_layers):
                 fresh = mx.zeros(shape, dtype=self.dtype)
                 if used:
                     fresh[:used] = arrays[layer][:used]
-                if layer < len(arrays):
-                    arrays[layer] = fresh
-                else:
-                    arrays.append(fresh)
-            mx.eval(arrays)
+                fresh_arrays.append(fresh)
+            mx.eval(fresh_arrays)
+            grown.append(fresh_arrays)
+        self._keys, self._values = grown
         self._capacity_blocks = capacity_blocks
 
     def slots_of(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:

@@ -50,6 +50,8 @@ _SOURCE = """
     const int lane = threadIdx.x % 32;
     const int length = lengths[b];
     const int width = meta[0];
+    const int window = meta[1];  // 0: full attention; else the last `window` positions
+    const int first = (window > 0 && length > window) ? length - window : 0;
     const float scale = scale_arr[0];
 
     float qv[PER];
@@ -60,7 +62,7 @@ _SOURCE = """
     }
     float m = NEG_INF;
     float s = 0.0f;
-    for (int t = warp; t < length; t += WARPS) {
+    for (int t = first + warp; t < length; t += WARPS) {
         const size_t slot = slots[(size_t)b * width + t];
         const size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
         float dot = 0.0f;
@@ -144,14 +146,16 @@ def paged_decode_attention(
     slots: mx.array,
     lengths: mx.array,
     scale: float,
-    span: mx.array | None = None,
+    meta: mx.array | None = None,
     after: mx.array | None = None,
+    window: int | None = None,
 ) -> mx.array:
-    """Attention of one new token per row over that row's first `lengths[b]` positions.
+    """Attention of one new token per row over that row's first `lengths[b]` positions, or
+    its last `window` of them.
 
     queries [B, heads, 1, head_dim]; k_pool/v_pool [slots, kv_heads, head_dim]; slots [B, T]
     int32, the pool slot of each position (entries past a row's length are ignored); lengths
-    [B] int32; span: [T] as a [1] int32 array, made once per step by the caller (else here);
+    [B] int32; meta: `kernel_meta(T, window)`, made once per step by the caller (else here);
     after: `store_decode_kv`'s result when the step wrote the pool in place (the kernel then
     runs after the write). Returns [B, heads, 1, head_dim]."""
     b, heads, n, head_dim = queries.shape
@@ -159,8 +163,9 @@ def paged_decode_attention(
     if n != 1:
         raise ValueError(f"paged decode attention takes one query per row, got {n}")
     if not (kernel_available() and kernel_supports(head_dim)):
-        return _reference(queries, k_pool, v_pool, slots, lengths, scale)
-    meta = span if span is not None else mx.array([slots.shape[1]], dtype=mx.int32)
+        return _reference(queries, k_pool, v_pool, slots, lengths, scale, window)
+    if meta is None:
+        meta = kernel_meta(slots.shape[1], window)
     (out,) = _kernel()(
         inputs=[
             queries,
@@ -245,14 +250,26 @@ def kernel_supports(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256
 
 
-def _reference(queries, k_pool, v_pool, slots, lengths, scale) -> mx.array:
-    """The same attention from MLX ops: gather the rows' K/V, mask past each length."""
+def kernel_meta(width: int | mx.array, window: int | None) -> mx.array:
+    """The kernel's [2] int32 `meta`: the slot table's width and the window (0 = none)."""
+    if isinstance(width, int):
+        return mx.array([width, window or 0], dtype=mx.int32)
+    return mx.concatenate([width.astype(mx.int32), mx.array([window or 0], dtype=mx.int32)])
+
+
+def _reference(queries, k_pool, v_pool, slots, lengths, scale, window=None) -> mx.array:
+    """The same attention from MLX ops: gather the rows' K/V, mask past each length (and
+    before each row's window)."""
     head_dim = k_pool.shape[2]
     kv_heads = k_pool.shape[1]
     rows = slots[:, None, :] * kv_heads + mx.arange(kv_heads)[None, :, None]  # [B, kvh, T]
     keys = mx.take(k_pool.reshape(-1, head_dim), rows, axis=0)
     values = mx.take(v_pool.reshape(-1, head_dim), rows, axis=0)
-    mask = (mx.arange(slots.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
+    positions = mx.arange(slots.shape[1])[None, :]
+    mask = positions < lengths[:, None]
+    if window is not None:
+        mask = mask & (positions >= lengths[:, None] - window)
+    mask = mask[:, None, None, :]
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 

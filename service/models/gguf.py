@@ -70,8 +70,15 @@ def _dequantize(tensors: dict[str, mx.array], base: str, dtype: mx.Dtype) -> mx.
         return weight.astype(dtype)
     in_features = scales.shape[-1] * _GGUF_GROUP_SIZE
     bits = weight.shape[-1] * 32 // in_features
+    # GGUF stores the scales (and Q4_1's minimums) as float16 and `mx.load` returns them so;
+    # dequantizing in float16 would round most weights. In float32 the result is exactly the
+    # file's values (checked against the `gguf` package's dequantization).
     full = mx.dequantize(
-        weight, scales, tensors[f"{base}.biases"], group_size=_GGUF_GROUP_SIZE, bits=bits
+        weight,
+        scales.astype(mx.float32),
+        tensors[f"{base}.biases"].astype(mx.float32),
+        group_size=_GGUF_GROUP_SIZE,
+        bits=bits,
     )
     return full.astype(dtype)
 

@@ -10,7 +10,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
+from service.models import rope
 from service.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf
 
 log = logging.getLogger(__name__)
@@ -20,18 +22,36 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """How the served weights are quantized (mlx-lm's `quantization` config block)."""
+
+    mode: str = ""  # "" = not quantized; "affine", "mxfp4", ...
+    bits: int = 0
+    group_size: int = 0
+    overrides: int = 0  # modules quantized differently from the default (or left float)
+
+    def describe(self) -> str:
+        if not self.mode:
+            return "none"
+        extra = f", {self.overrides} per-layer overrides" if self.overrides else ""
+        return f"{self.mode} {self.bits}-bit, group {self.group_size}{extra}"
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module
     tokenizer: Tokenizer
     model_id: str
-    architecture: str
+    architecture: str  # the model_type of its configuration (e.g. "mistral")
+    family: str  # the mlx-lm module that implements it (e.g. "llama")
     num_layers: int
-    kv_heads: int
-    head_dim: int
+    num_heads: int  # query heads of an attention layer (0 for a purely recurrent model)
     vocab_size: int
     max_context: int
-    dtype: mx.Dtype
+    dtype: mx.Dtype  # of the float parameters: what activations and the KV cache use
+    quantization: Quantization = Quantization()
+    config: dict | None = None  # the config.json it was built from (None: the GGUF)
 
 
 class ModelLoadError(RuntimeError):
@@ -66,21 +86,65 @@ def parse_dtype(name: str | None) -> mx.Dtype:
     return table[name]
 
 
-def _describe(model: Any, tokenizer: Tokenizer, model_id: str, dtype: mx.Dtype) -> LoadedModel:
+def model_family(model: nn.Module) -> str:
+    """The mlx-lm module that implements the model: the key of service.models.families."""
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def float_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of the model's float parameters. A quantized model's packed weights are
+    uint32; its scales, norms and any float layers carry the dtype it computes in."""
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    raise ModelLoadError("the model has no floating-point parameters")
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluate every array the modules hold, private ones included. mlx-lm's RoPE classes
+    keep their frequencies as lazy `_freqs` arrays that `parameters()` does not list; left
+    lazy, they would be evaluated on the first request, by whichever thread serves it."""
+    arrays = [
+        value
+        for module in model.modules()
+        for value in module.values()
+        if isinstance(value, mx.array)
+    ]
+    mx.eval(model.parameters(), arrays)
+
+
+def quantization_of(config: dict) -> Quantization:
+    block = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(block, dict) or "bits" not in block:
+        return Quantization()
+    overrides = sum(1 for v in block.values() if isinstance(v, dict | bool))
+    return Quantization(
+        mode=str(block.get("mode", "affine")),
+        bits=int(block["bits"]),
+        group_size=int(block.get("group_size", 64)),
+        overrides=overrides,
+    )
+
+
+def _describe(
+    model: Any, tokenizer: Tokenizer, model_id: str, config: dict | None = None
+) -> LoadedModel:
     args = model.args
-    heads = args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    rope.install(model)  # per-row dynamic-NTK bases for batched steps
+    materialize(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         model_id=model_id,
-        architecture=getattr(args, "model_type", type(model).__module__.rsplit(".", 1)[-1]),
+        architecture=getattr(args, "model_type", None) or model_family(model),
+        family=model_family(model),
         num_layers=len(model.layers),
-        kv_heads=getattr(args, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
+        num_heads=getattr(args, "num_attention_heads", None) or 0,
         vocab_size=args.vocab_size,
         max_context=getattr(args, "max_position_embeddings", None) or 4096,
-        dtype=dtype,
+        dtype=float_dtype(model),
+        quantization=quantization_of(config or {}),
+        config=config,
     )
 
 
@@ -88,7 +152,7 @@ def load_embedded(dtype: mx.Dtype) -> LoadedModel:
     from service.models.gguf import load_gguf_llama
 
     model, metadata = load_gguf_llama(embedded_gguf_path(), dtype)
-    return _describe(model, tokenizer_from_gguf(metadata), EMBEDDED_MODEL_ID, dtype)
+    return _describe(model, tokenizer_from_gguf(metadata), EMBEDDED_MODEL_ID)
 
 
 def load_directory(path: Path, dtype: mx.Dtype | None) -> LoadedModel:
@@ -97,29 +161,28 @@ def load_directory(path: Path, dtype: mx.Dtype | None) -> LoadedModel:
 
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} is not a model directory (no config.json)")
-    model, wrapper = mlx_lm_load(str(path))
+    try:
+        model, wrapper, config = mlx_lm_load(str(path), return_config=True)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise ModelLoadError(f"mlx-lm cannot load {path}: {exc}") from exc
     if dtype is not None:
-        model.set_dtype(dtype)
+        model.set_dtype(dtype)  # float parameters only: packed weights stay as they are
     hf = wrapper._tokenizer
     eos = sorted(wrapper.eos_token_ids) if wrapper.eos_token_ids else [hf.eos_token_id]
-    loaded_dtype = next(iter(v.dtype for _, v in _leaves(model.parameters())))
-    return _describe(model, tokenizer_from_hf(hf, eos), path.name, loaded_dtype)
-
-
-def _leaves(tree: Any):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree)
+    return _describe(model, tokenizer_from_hf(hf, eos), path.name, config)
 
 
 def load_dummy(preset: str, dtype: mx.Dtype) -> LoadedModel:
     """Random weights of a preset's shape with the embedded tokenizer (EOS to be ignored)."""
     from service.models.gguf import read_gguf_metadata
-    from service.models.presets import dummy_llama
+    from service.models.presets import dummy_model
 
-    model = dummy_llama(preset, dtype)
+    try:
+        model, config = dummy_model(preset, dtype)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
     tokenizer = tokenizer_from_gguf(read_gguf_metadata(embedded_gguf_path()))
-    return _describe(model, tokenizer, f"dummy:{preset}", dtype)
+    return _describe(model, tokenizer, f"dummy:{preset}", config)
 
 
 def load_model(

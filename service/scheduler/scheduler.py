@@ -65,8 +65,14 @@ class SchedulerConfig:
 class SchedulerStats:
     active_sequences: int = 0
     queued_requests: int = 0
-    total_completed: int = 0
+    total_completed: int = 0  # finished with a result: stop, length or cancelled
+    total_failed: int = 0  # finished with an error
     preemptions: int = 0
+
+
+# Engine steps in a row whose every row failed before the engine counts as unhealthy (health
+# NOT_SERVING) until a step succeeds again.
+UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
 class SchedulerObserver:
@@ -93,8 +99,13 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         ends_mid_character: Callable[[list[int]], bool | None] | None = None,
         observer: SchedulerObserver | None = None,
+        on_health: Callable[[bool], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._on_health = on_health
+        self.healthy = True
+        self._failed_steps = 0  # consecutive engine steps in which every row failed
+        self._touched: list[Sequence] = []  # the sequences of the engine call under way
         self.observer = observer or SchedulerObserver()
         self.config = config
         self._decode = decode
@@ -160,8 +171,14 @@ class Scheduler:
             try:
                 self.tick()
             except Exception:
-                log.exception("scheduler tick failed; ending the sequences it touched")
-                self._fail_running("inference backend error")
+                # A fault outside the engine's own per-row containment: end what it touched.
+                touched = [s for s in self._touched if not s.is_finished] or list(self._running)
+                log.exception("scheduler tick failed", request_ids=[s.request_id for s in touched])
+                self._inflight = None
+                for seq in touched:
+                    self._finish(seq, FinishReason.ERROR, error="inference backend error")
+                self._record_step(failed=True)
+            self._touched = []
             self._flush_outbox()
         self._fail_all_on_stop()
         self._flush_outbox()
@@ -310,9 +327,15 @@ class Scheduler:
             seq.parked_ticks = 0 if seq in chosen else seq.parked_ticks + 1
         if not rows:
             return
+        self._touched = chosen
         results = self._prefill_rows(rows)
+        self._record_results(results)
         by_seq = {id(r.seq): r for r in results}
         for seq, row in zip(chosen, rows):
+            result = by_seq.get(id(seq.engine_seq))
+            if result is not None and result.error is not None:
+                self._finish(seq, FinishReason.ERROR, error=result.error)
+                continue
             seq.num_computed += len(row.tokens or ())
             if seq.request.cache_prompt:
                 self.engine.commit_tokens(seq.engine_seq, seq.all_token_ids)
@@ -333,6 +356,7 @@ class Scheduler:
         rows = [s for s in self._running if s.status is SequenceStatus.DECODING]
         if self._inflight is None:
             if rows:
+                self._touched = rows
                 self._inflight = self.engine.submit([StepRow(s.engine_seq) for s in rows])
             return
         # Queue the next step for rows that will surely need one, then read the current step.
@@ -345,7 +369,8 @@ class Scheduler:
             and s.prompt_len + s.num_generated + 1 < self.config.slot_context
         ]
         rows_next = [StepRow(s.engine_seq) for s in continuing]
-        overlap = getattr(self.engine, "overlap_steps", False)
+        self._touched = rows
+        overlap = self.engine.config.overlap_steps
         nxt = self.engine.submit(rows_next, dispatch=overlap) if continuing else None
         self._complete_inflight(then_dispatch=None if overlap else nxt)
         self._inflight = nxt
@@ -380,7 +405,11 @@ class Scheduler:
             return
         pending, self._inflight = self._inflight, None
         by_engine_seq = {id(s.engine_seq): s for s in self._running}
+        self._touched = [
+            by_engine_seq[id(r.seq)] for r in pending.rows if id(r.seq) in by_engine_seq
+        ]
         results = self.engine.finish_rows(pending)
+        self._record_results(results)
         if then_dispatch is not None:
             self.engine.dispatch(then_dispatch)
         for result in results:
@@ -388,6 +417,24 @@ class Scheduler:
             if seq is None or seq.is_finished:
                 continue  # ended while its step was in flight: drop the extra token
             self._accept(seq, result)
+
+    def _record_results(self, results: list[RowResult]) -> None:
+        if results:
+            self._record_step(failed=all(r.error is not None for r in results))
+
+    def _record_step(self, failed: bool) -> None:
+        """Track engine health: several steps in a row whose every row failed mean the engine
+        (not a request) is broken; one good step clears it."""
+        self._failed_steps = self._failed_steps + 1 if failed else 0
+        healthy = self._failed_steps < UNHEALTHY_AFTER_FAILED_STEPS
+        if healthy != self.healthy:
+            self.healthy = healthy
+            if healthy:
+                log.info("engine healthy again")
+            else:
+                log.error("engine unhealthy: every row of consecutive steps failed")
+            if self._on_health is not None:
+                self._on_health(healthy)
 
     # -- preemption -------------------------------------------------------------------
     def _preempt_for_waiting(self) -> None:
@@ -464,7 +511,10 @@ class Scheduler:
         if seq in self._running:
             self._running.remove(seq)
         self._by_id.pop(seq.request_id, None)
-        self.stats.total_completed += 1
+        if reason is FinishReason.ERROR:
+            self.stats.total_failed += 1
+        else:
+            self.stats.total_completed += 1
         queue_s, ttft_s, total_s = seq.timing(time.monotonic())
         self.observer.on_event(
             seq,
