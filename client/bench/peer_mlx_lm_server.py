@@ -67,7 +67,11 @@ class MlxLmServerProcess(ManagedProcess):
             self.host,
             "--port",
             str(self.port),
+            # At its best, as a user tuning it would run it: both at least the largest C (its
+            # prompt concurrency defaults to 8).
             "--decode-concurrency",
+            str(decode_concurrency),
+            "--prompt-concurrency",
             str(decode_concurrency),
             *extra_args,
         ]
