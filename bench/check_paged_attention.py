@@ -13,7 +13,7 @@ from tests.test_paged_attention import naive, random_case
 print("kernel available:", paged_attention.kernel_available())
 worst = 0.0
 for dtype in (mx.bfloat16, mx.float32):
-    for head_dim, heads, kv_heads in ((64, 9, 3), (64, 32, 8), (128, 32, 8)):
+    for head_dim, heads, kv_heads in ((64, 9, 3), (64, 32, 8), (128, 32, 8), (256, 16, 8)):
         lengths = [1, 37, 5, 300, 1029, 64]
         case = random_case(len(lengths), heads, kv_heads, head_dim, lengths, dtype)
         scale = 1 / math.sqrt(head_dim)

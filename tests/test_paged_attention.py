@@ -79,7 +79,9 @@ def test_reference_matches_naive_attention(head_dim, heads, kv_heads, window):
 @cuda_only
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 32, 8), (128, 32, 8)])
+@pytest.mark.parametrize(
+    "head_dim,heads,kv_heads", [(64, 9, 3), (64, 32, 8), (128, 32, 8), (256, 16, 8)]
+)
 def test_cuda_kernel_matches_reference(dtype, head_dim, heads, kv_heads, window):
     lengths = [1, 37, 5, 300, 1029, 64]
     case = random_case(len(lengths), heads, kv_heads, head_dim, lengths, dtype)
