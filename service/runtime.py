@@ -20,7 +20,7 @@ from service.engine.kv_dense import DenseKVStorage
 from service.engine.kv_paged import PagedKVStorage
 from service.engine.sampler import SamplingParams
 from service.kv.budget import parse_budget
-from service.models import activations
+from service.models import activations, rope
 from service.models.families import Family, family
 from service.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.models.loader import LoadedModel, ModelLoadError, load_model
@@ -123,6 +123,7 @@ class Runtime:
             head_dim_supported=paged_attention.kernel_supports(layout.head_dim),
             float32=lm.dtype == mx.float32,
             grouped_heads=lm.num_heads > layout.kv_heads,
+            compilable=not rope.reads_offsets_on_host(lm.model),
         )
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
         self.engine = Engine(

@@ -101,6 +101,11 @@ def test_cuda_path_narrowed_by_the_model():
     assert config.decode_attention == "gather"
 
 
+def test_a_rope_that_reads_offsets_on_the_host_is_not_compiled():
+    config = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=True, compilable=False)
+    assert config.decode_attention == "direct" and not config.compile_decode
+
+
 def test_the_reference_path_can_be_forced(monkeypatch):
     monkeypatch.setenv(DEBUG_REFERENCE_ENV, "1")
     config = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=True, float32=True)

@@ -12,6 +12,7 @@ The same models through the real gRPC server: tests/test_conformance.py.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,7 +25,7 @@ from service.engine.config import resolve
 from service.engine.engine import Engine, StepRow
 from service.engine.kv_dense import DenseKVStorage
 from service.engine.kv_paged import PagedKVStorage
-from service.engine.paged_attention import kernel_supports
+from service.engine.paged_attention import kernel_available, kernel_supports
 from service.engine.sampler import SamplingParams
 from service.models import rope
 from service.models.families import family
@@ -134,6 +135,11 @@ CONFIGS: dict[str, dict] = {
 QUANTIZED = {"llama3-4bit": ("llama3", 4, 64), "qwen3-8bit": ("qwen3", 8, 32)}
 
 
+def model_family_of(config: dict) -> str:
+    model_class, _ = _get_classes(config)
+    return model_class.__module__.rsplit(".", 1)[-1]
+
+
 def build(name: str) -> nn.Module:
     base, bits, group = QUANTIZED.get(name, (name, 0, 0))
     config = CONFIGS[base]
@@ -165,10 +171,17 @@ def alone(name: str, prompt: list[int], steps: int) -> list[tuple[int, float]]:
     return out
 
 
-def serve(name: str, prompts: list[list[int]], steps: int, paged: bool = True):
+def serve(
+    name: str,
+    prompts: list[list[int]],
+    steps: int,
+    paged: bool = True,
+    direct: bool = False,
+):
     """Our engine: prefill the prompts (together unless the model keeps recurrent state, which
     prefills one row per forward), then decode every row together, pipelined as the scheduler
-    does (step N+1 queued before N is read where the platform overlaps steps)."""
+    does (step N+1 queued before N is read where the platform overlaps steps). `direct`: decode
+    attention read from the pool, through the MLX-ops reference of the CUDA kernel."""
     model = build(name)
     rope.install(model)
     materialize(model)
@@ -189,7 +202,10 @@ def serve(name: str, prompts: list[list[int]], steps: int, paged: bool = True):
         batched=True,
         head_dim_supported=kernel_supports(layout.head_dim),
         grouped_heads=heads > layout.kv_heads,
+        compilable=not rope.reads_offsets_on_host(model),
     )
+    if direct:
+        config = replace(config, decode_attention="direct")
     engine = Engine(model, storage, layout, config, split_head=fam.split_head)
     seqs = [
         engine.add_sequence(f"r{i}", SamplingParams(), p, want_logprobs=True)
@@ -244,6 +260,19 @@ def test_batched_rows_give_mlx_lm_alone(name):
     assert engine.storage.stats().num_active_blocks == 0  # nothing left behind
     if engine.states is not None:
         assert engine.states.live_sequences == 0
+
+
+@pytest.mark.skipif(kernel_available(), reason="the CUDA path reads the pool directly already")
+@pytest.mark.parametrize(
+    "name", [n for n, c in CONFIGS.items() if family(model_family_of(c)).direct_decode]
+)
+def test_direct_decode_reference_gives_mlx_lm_alone(name):
+    """The families the CUDA kernel serves, through the kernel's MLX-ops reference here."""
+    prompts = prompts_for()
+    want = [alone(name, p, 8) for p in prompts]
+    engine, got = serve(name, prompts, 8, direct=True)
+    assert engine.config.decode_attention == "direct"
+    assert_same(want, got)
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "falcon_h1"])

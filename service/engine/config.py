@@ -72,10 +72,12 @@ def resolve(
     head_dim_supported: bool = True,
     float32: bool = False,
     grouped_heads: bool = False,
+    compilable: bool = True,
 ) -> EngineConfig:
     """The engine configuration for a model on this platform. `paged`: the storage is the
     paged pool; `batched`: rows may share a forward (not --no-batch, and a verified family);
-    `grouped_heads`: several query heads share each K/V head."""
+    `grouped_heads`: several query heads share each K/V head; `compilable`: the forward can
+    be traced (not when a layer reads array values on the host, service.models.rope)."""
     grouped_query_mask = family.grouped_mask and grouped_heads
     if cuda is None:
         cuda = mx.cuda.is_available()
@@ -88,7 +90,7 @@ def resolve(
             decode_attention="direct" if direct else "gather",
             in_place_writes=direct,
             overlap_steps=direct,
-            compile_decode=direct and family.split_head and not layout.stateful,
+            compile_decode=direct and family.split_head and not layout.stateful and compilable,
             shape_buckets=not layout.stateful,
             single_row_prefill=layout.stateful,
             grouped_query_mask=grouped_query_mask,

@@ -31,9 +31,6 @@ from typing import Any
 
 import mlx.core as mx
 
-# Modules whose Attention calls `scaled_dot_product_attention(q, k, v, cache=, scale=, mask=)`
-# right after `cache.update_and_fetch`, with no sliding window or attention sinks.
-SUPPORTED_MODULES = ("llama", "qwen2", "qwen3")
 WARPS = 16  # warps per (row, head): each takes every WARPS-th key, then they merge
 
 _SOURCE = """
@@ -275,9 +272,10 @@ def _reference(queries, k_pool, v_pool, slots, lengths, scale, window=None) -> m
 
 def install(model: Any) -> bool:
     """Route the model's attention calls through `_dispatch` (once per module). False when the
-    architecture is not one whose attention call we know."""
+    module has no such function; which families call it the way `_dispatch` expects is
+    service.models.families' `direct_decode`."""
     module = sys.modules.get(type(model).__module__)
-    if module is None or module.__name__.rsplit(".", 1)[-1] not in SUPPORTED_MODULES:
+    if module is None:
         return False
     original = getattr(module, "scaled_dot_product_attention", None)
     if original is None:

@@ -55,6 +55,12 @@ class RowwiseDynamicNTKRoPE(nn.Module):
         return mx.concatenate(rows, axis=0)
 
 
+def reads_offsets_on_host(model: Any) -> bool:
+    """Whether a RoPE module reads the rows' offsets on the host (so a step cannot be traced
+    into a compiled graph, where arrays have no values)."""
+    return any(isinstance(m, RowwiseDynamicNTKRoPE) for m in model.modules())
+
+
 def install(model: Any) -> int:
     """Wrap the model's dynamic-NTK RoPE modules; returns how many were wrapped."""
     wrapped = 0
