@@ -813,6 +813,32 @@ FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
 # The families issue 12 requires; the rest are extras.
 REQUIRED = [f.name for f in FAMILIES[: FAMILIES.index(FAMILY_BY_NAME["qwen3_8bit"]) + 1]]
 
+
+def mlx_lm_module(family: Family) -> str:
+    """The mlx-lm module that implements the family (mistral's is llama)."""
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(family.config)[0].__module__.rsplit(".", 1)[-1]
+
+
+def expected_overrides(path: Path) -> int:
+    """Modules of a saved checkpoint quantized differently from its default, or left float:
+    the per-module entries of its quantization block, plus every 2-D float weight without
+    scales (mlx-lm writes no entry for a module its predicate left unquantized)."""
+    config = json.loads((path / "config.json").read_text())
+    entries = sum(1 for v in config.get("quantization", {}).values() if isinstance(v, dict))
+    weights = mx.load(str(path / "model.safetensors"))
+    left_float = sum(
+        1
+        for name, w in weights.items()
+        if name.endswith(".weight")
+        and w.ndim == 2
+        and mx.issubdtype(w.dtype, mx.floating)
+        and name.removesuffix(".weight") + ".scales" not in weights
+    )
+    return entries + left_float
+
+
 # -- building checkpoints ---------------------------------------------------------------------
 
 

@@ -5,7 +5,7 @@ one real server runs with --parallel 4 and gets two phases of concurrent greedy 
 prompts of different lengths (one longer than every sliding window, one that leaves a cached
 prefix), then a prompt sharing that prefix (over two KV blocks) beside a fresh one. Each answer
 must equal mlx-lm's greedy generation of the same prompt alone, token for token, with logprobs
-within 1e-4. Families that fail today carry a strict xfail naming why; remove it when fixed.
+within 1e-4. GetModelInfo must describe the checkpoint (family, quantization, float dtype).
 """
 
 from __future__ import annotations
@@ -24,62 +24,14 @@ from tests.model_zoo import FAMILIES, Family
 
 pytestmark = pytest.mark.model
 
-_STREAM = (
-    "INTERNAL 'There is no Stream(cpu, 0) in current thread': the RoPE class's frequency"
-    " array, created lazily on the loader thread whose streams were then released, is first"
-    " evaluated on the scheduler thread"
-)
-_WINDOW = (
-    "INTERNAL: BatchView.make_mask raises NotImplementedError for window_size (sliding-window"
-    " attention is not supported by BatchView)"
-)
-_SSM_MASK = (
-    "INTERNAL TypeError 'string indices must be integers, not tuple': create_ssm_mask gets"
-    " BatchView.make_mask's 'causal' string and the recurrent layer indexes it; the batch view"
-    " has no recurrent state"
-)
-_CACHE_LIST = (
-    "INTERNAL TypeError 'BatchView' object is not subscriptable: the family indexes its"
-    " per-layer cache (ArraysCache / CacheList) and gets a BatchView"
-)
-_NO_HEADS = (
-    "does not load: service/models/loader.py reads args.num_attention_heads, which a pure"
-    " state-space ModelArgs lacks"
-)
-_UINT32 = (
-    "silently wrong from the first token: the serving dtype is taken from the first parameter,"
-    " the packed uint32 embedding (dtype=uint32 in GetModelInfo, a uint32 KV cache)"
-)
-# Today's failures, the first one each family hits. Remove an entry when its family passes.
+# Families that cannot pass yet, with why (the first failure each hits): a strict xfail, so
+# the mark has to go when the family starts passing.
 XFAIL: dict[str, str] = {
-    "llama3_rope": _STREAM,
-    "phi3_longrope": _STREAM,
-    "gemma2": (
-        "INTERNAL, two ways: a lone row's prefill gets BatchView.make_mask's 'causal' string"
-        " although gemma2 asks for return_array=True (AttributeError 'str' object has no"
-        " attribute 'dtype'); a batch gets a [B, 1, N, T] mask that does not broadcast against"
-        " gemma2's GQA scores [B, kv_heads, repeats, N, T] (ValueError [broadcast_shapes])"
+    "qwen3_4bit": (
+        "tokens match; GetModelInfo.quantization.overrides is 0 for its float embedding: the"
+        " loader counts only the quantization block's per-module entries, and mlx-lm writes none"
+        " for a module it leaves unquantized (no .scales in the weights)"
     ),
-    "gemma3_text": _WINDOW,
-    "gpt_oss": _WINDOW,
-    "mistral_layer_types": _WINDOW,
-    "mamba2": _NO_HEADS,
-    "lfm2": _SSM_MASK,
-    "qwen3_next": _CACHE_LIST,
-    "nemotron_h": _SSM_MASK,
-    "falcon_h1": _CACHE_LIST,
-    # Also quantized with a packed embedding (see qwen3_8bit) once its llama3 RoPE runs.
-    "llama_4bit": _STREAM,
-    "llama_8bit": _STREAM,
-    "qwen3_8bit": _UINT32,
-    "llama_dynamic_rope": (
-        "INTERNAL ValueError '[convert] Only length-1 arrays can be converted': mlx-lm's"
-        " DynamicNTKScalingRoPE takes max(x.shape[-2] + offset, ...) of the per-row offset array"
-    ),
-    "llama_yarn_rope": _STREAM,
-    "mamba": _NO_HEADS,
-    "jamba": _CACHE_LIST,
-    "granitemoehybrid": _SSM_MASK,
 }
 
 
@@ -112,10 +64,18 @@ def test_batched_greedy_equals_mlx_lm_alone(family: Family, zoo_root) -> None:
     assert info.architecture == family.model_type
     assert info.vocab_size == model_zoo.VOCAB_SIZE
     assert info.num_layers == family.num_layers
-    assert info.dtype == "float32"  # the checkpoints' float parameters
+    assert info.family == model_zoo.mlx_lm_module(family)
+    assert info.dtype == "float32"  # the checkpoints' float parameters, never a packed weight
+    quant = family.quantization
+    if quant is None:
+        assert info.quantization.mode == ""
+    else:
+        assert (info.quantization.mode, info.quantization.bits) == ("affine", quant.bits)
+        assert info.quantization.group_size == quant.group_size
     assert list(info.eos_token_ids) == [model_zoo.EOS_ID]
     assert info.max_batch_size == 4
-    assert info.decode_path
+    assert info.decode_path == "native batched forward"
+    assert run.decode_line == f"Model {path.name} decode path: native batched forward"
     assert info.storage_backend in ("paged", "dense")
 
     problems = {name: model_zoo.outcome(run, expected, name) for name in prompts}
@@ -130,6 +90,8 @@ def test_batched_greedy_equals_mlx_lm_alone(family: Family, zoo_root) -> None:
     if not family.recurrent:
         # Two full 16-token blocks of the shared prefix were adopted, not recomputed.
         assert cached >= 32, f"prefix_b adopted {cached} cached tokens"
+    if quant is not None:
+        assert info.quantization.overrides == model_zoo.expected_overrides(path)
 
 
 @pytest.mark.parametrize(
@@ -149,7 +111,6 @@ QUESTION = "What is the capital of France?"
 CHAT_TOKENS = 8  # "The capital of France is Paris,"
 
 
-@pytest.mark.xfail(strict=True, reason=_UINT32)
 def test_embedded_model_quantized_by_mlx_lm_answers_paris(zoo_root) -> None:
     from mlx_lm.utils import load
 

@@ -62,11 +62,6 @@ def served_weights() -> dict[str, np.ndarray]:
     return {name: np.array(value) for name, value in tree_flatten(model.parameters())}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service/models/gguf.py dequantizes with the float16 scales/biases mx.load gives and"
-    " casts afterwards; they must be cast to float32 before mx.dequantize",
-)
 def test_dequantized_weights_equal_the_gguf_package_bit_for_bit(reader, served_weights) -> None:
     heads = _field(reader, "llama.attention.head_count")
     kv_heads = _field(reader, "llama.attention.head_count_kv")
