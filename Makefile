@@ -9,8 +9,10 @@ PROTO_SRC := protos/mlxserve/v1/generation.proto
 BLAS_ENV = $$($(PY) -m service.blas --env)
 
 BUF := .tools/node_modules/.bin/buf
-# `buf breaking` compares the API with its last released state: main's copy of protos/.
-BUF_AGAINST ?= .git\#branch=main
+# `buf breaking` compares the API with its last release: the newest v* tag, or main's copy of
+# protos/ while there is none.
+LAST_RELEASE := $(shell git describe --tags --abbrev=0 --match 'v*' 2>/dev/null)
+BUF_AGAINST ?= .git\#$(if $(LAST_RELEASE),tag=$(LAST_RELEASE),branch=main)
 
 .PHONY: install serve test proto proto-check lint bench buf-lint buf-breaking dist smoke-dist clean
 
