@@ -59,12 +59,11 @@ def _serve(argv: list[str], prog: str) -> int:
     check_model_source(config.model, config.load_format)
     configure_logging(config.log_level, config.log_format)
 
-    from service.models.loader import ModelLoadError
     from service.server import serve
 
     try:
         asyncio.run(serve(config))
-    except (ConfigError, ModelLoadError) as exc:
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
