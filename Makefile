@@ -8,7 +8,13 @@ PROTO_SRC := protos/mlxserve/v1/generation.proto
 # MLX's CPU backend is fast only with OpenBLAS preloaded (SPEC §8); service/blas.py holds the logic.
 BLAS_ENV = $$($(PY) -m service.blas --env)
 
-.PHONY: install serve test proto proto-check lint bench buf-lint clean
+BUF := .tools/node_modules/.bin/buf
+# `buf breaking` compares the API with its last release: the newest v* tag, or main's copy of
+# protos/ while there is none.
+LAST_RELEASE := $(shell git describe --tags --abbrev=0 --match 'v*' 2>/dev/null)
+BUF_AGAINST ?= .git\#$(if $(LAST_RELEASE),tag=$(LAST_RELEASE),branch=main)
+
+.PHONY: install serve test proto proto-check lint bench buf-lint buf-breaking dist smoke-dist clean
 
 install: $(STAMP)
 
@@ -25,15 +31,29 @@ test: install
 proto: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 
-lint: install
+lint: install buf-lint buf-breaking
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-buf-lint:
-	npx --yes @bufbuild/buf lint
+# buf comes from npm into .tools (make install).
+buf-lint: install
+	$(BUF) lint
+
+buf-breaking: install
+	$(BUF) breaking --against '$(BUF_AGAINST)'
+
+# The two wheels, mlxserve-client and mlxserve, into dist/.
+dist:
+	rm -rf dist
+	python3 -m pip wheel -q --no-deps --wheel-dir dist ./packaging/mlxserve-client .
+
+# Build the wheels and install each into a fresh venv, outside the checkout: the client alone,
+# and the server serving the embedded model to it.
+smoke-dist:
+	bash scripts/smoke_dist.sh
 
 bench: install
 	env $(BLAS_ENV) $(PY) -m client bench --spawn-server --concurrency 1,4,8,16 --max-tokens 64 --peer mlx-lm-batch
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis dist gen

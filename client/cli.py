@@ -95,10 +95,10 @@ def _generation_options() -> argparse.ArgumentParser:
     return gen
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
     from client.bench.cli import add_bench_arguments
 
-    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument(
         "--target",
         default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
@@ -321,8 +321,8 @@ COMMANDS = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m client") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         if args.command == "bench":
             from client.bench.cli import run_bench
@@ -338,3 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def console_main() -> int:
+    """The `mlxserve-client` console script."""
+    return main(prog="mlxserve-client")

