@@ -24,22 +24,9 @@ from tests.model_zoo import FAMILIES, Family
 
 pytestmark = pytest.mark.model
 
-# Families that cannot pass yet, with why (the first failure each hits): a strict xfail, so
-# the mark has to go when the family starts passing.
-XFAIL: dict[str, str] = {
-    "qwen3_4bit": (
-        "tokens match; GetModelInfo.quantization.overrides is 0 for its float embedding: the"
-        " loader counts only the quantization block's per-module entries, and mlx-lm writes none"
-        " for a module it leaves unquantized (no .scales in the weights)"
-    ),
-}
-
 
 def _param(family: Family):
-    marks = []
-    if family.name in XFAIL:
-        marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[family.name]))
-    return pytest.param(family, id=family.name, marks=marks)
+    return pytest.param(family, id=family.name)
 
 
 @pytest.fixture(scope="session")

@@ -115,16 +115,28 @@ def materialize(model: nn.Module) -> None:
     mx.eval(model.parameters(), arrays)
 
 
-def quantization_of(config: dict) -> Quantization:
+def quantization_of(config: dict, model: nn.Module) -> Quantization:
+    """The config's `quantization` block, with the modules quantized differently from its
+    default: the block's per-module entries, plus the modules its predicate left float (mlx-lm
+    writes no entry for those: they are the 2-D float weights that have no scales)."""
     block = config.get("quantization") or config.get("quantization_config")
     if not isinstance(block, dict) or "bits" not in block:
         return Quantization()
-    overrides = sum(1 for v in block.values() if isinstance(v, dict | bool))
+    entries = sum(1 for v in block.values() if isinstance(v, dict | bool))
+    flat = dict(tree_flatten(model.parameters()))
+    left_float = sum(
+        1
+        for name, w in flat.items()
+        if name.endswith(".weight")
+        and w.ndim == 2
+        and mx.issubdtype(w.dtype, mx.floating)
+        and name.removesuffix(".weight") + ".scales" not in flat
+    )
     return Quantization(
         mode=str(block.get("mode", "affine")),
         bits=int(block["bits"]),
         group_size=int(block.get("group_size", 64)),
-        overrides=overrides,
+        overrides=entries + left_float,
     )
 
 
@@ -145,7 +157,7 @@ def _describe(
         vocab_size=args.vocab_size,
         max_context=getattr(args, "max_position_embeddings", None) or 4096,
         dtype=float_dtype(model),
-        quantization=quantization_of(config or {}),
+        quantization=quantization_of(config or {}, model),
         config=config,
     )
 
