@@ -81,9 +81,12 @@ class Runtime:
         self._thread.start()
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the model is loaded; raises what loading raised."""
+        """Block until the model is loaded; raises what loading raised (once the engine thread
+        has ended: MLX aborts a process that exits while a thread still holds its streams)."""
         self._ready.wait(timeout)
         if self._load_error is not None:
+            if self._thread is not None:
+                self._thread.join()
             raise self._load_error
 
     def _engine_main(self) -> None:
@@ -91,8 +94,8 @@ class Runtime:
             self.load()
         except BaseException as exc:
             self._load_error = exc
-            self._ready.set()
             mx.clear_streams()
+            self._ready.set()
             return
         self._ready.set()
         assert self.scheduler is not None
