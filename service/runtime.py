@@ -17,6 +17,7 @@ from service.engine import paged_attention
 from service.engine.config import resolve
 from service.engine.engine import Engine, EngineSequence, FaultInjector, StepRow
 from service.engine.kv_dense import DenseKVStorage
+from service.engine.kv_native import NativeCacheStorage
 from service.engine.kv_paged import PagedKVStorage
 from service.engine.sampler import SamplingParams
 from service.kv.budget import parse_budget
@@ -65,6 +66,7 @@ class Runtime:
         self.layout: CacheLayout | None = None
         self.scheduler: Scheduler | None = None
         self.slot_context = 0
+        self.batch_size = config.batch_size  # clamped to 1 for a model that cannot batch
         self.kv_budget_unlimited = True
         # Told (from the engine thread) when the engine turns unhealthy or healthy again.
         self.on_engine_health: Callable[[bool], object] | None = None
@@ -116,6 +118,15 @@ class Runtime:
         self.loaded, self.layout = lm, layout
         self.slot_context = cfg.slot_context(lm.max_context)
         fam = family(lm.family)
+        self.batch_size = cfg.batch_size
+        if layout.native:
+            # Served as mlx-lm runs it alone, one sequence at a time.
+            self.batch_size = 1
+            log.warning(
+                f"Model {lm.model_id} does not support batched decode; clamping max_batch_size"
+                f" from {cfg.batch_size} to 1",
+                reason=layout.native_reason,
+            )
         storage = self._make_storage(lm, layout, fam)
         paged = isinstance(storage, PagedKVStorage)
         engine_config = resolve(
@@ -137,7 +148,7 @@ class Runtime:
             split_head=fam.split_head,
             fault_injector=fault_injector_from_env(),
         )
-        batch_size = cfg.batch_size
+        batch_size = self.batch_size
         self.scheduler = Scheduler(
             self.engine,
             SchedulerConfig(
@@ -201,6 +212,8 @@ class Runtime:
         """The design document's start-up line: how this model's decode steps run."""
         if self.config.no_batch:
             log.info(f"Model {lm.model_id} decode path: sequential worker (--no-batch)")
+        elif self.layout is not None and self.layout.native:
+            return  # the clamping line said it
         elif verified:
             log.info(f"Model {lm.model_id} decode path: native batched forward")
         else:
@@ -238,9 +251,12 @@ class Runtime:
 
     def _make_storage(
         self, lm: LoadedModel, layout: CacheLayout, fam: Family
-    ) -> DenseKVStorage | PagedKVStorage:
-        """`auto` is paged for families verified against mlx-lm, dense for the rest."""
+    ) -> DenseKVStorage | PagedKVStorage | NativeCacheStorage:
+        """`auto` is paged for families verified against mlx-lm, dense for the rest; a model
+        whose caches the views cannot serve keeps mlx-lm's own."""
         cfg = self.config
+        if layout.native:
+            return NativeCacheStorage(lm.model)
         backend = cfg.decode_storage_backend
         if backend == "auto":
             backend = "paged" if fam.verified else "dense"
@@ -303,7 +319,7 @@ class Runtime:
     def cache_stats(self) -> pb.CacheStatsResponse:
         sched = self.scheduler
         response = pb.CacheStatsResponse(
-            slot_context_tokens=self.slot_context, max_batch_size=self.config.batch_size
+            slot_context_tokens=self.slot_context, max_batch_size=self.batch_size
         )
         if sched is None:
             return response
@@ -330,6 +346,8 @@ class Runtime:
             response.prefix_hits = stats.prefix_hits
             response.prefix_hit_tokens = stats.prefix_hit_tokens
             response.evictions = stats.evictions
+        elif isinstance(storage, NativeCacheStorage):
+            response.used_bytes = storage.reserved_bytes
         else:
             used = sum(s.engine_seq.num_cached for s in running if s.engine_seq is not None)
             response.used_bytes = used * storage.bytes_per_token
@@ -365,7 +383,7 @@ class Runtime:
             eos_token_ids=sorted(lm.tokenizer.eos_token_ids),
             decode_path="sequential worker" if self.config.no_batch else self.engine.decode_path,
             slot_context_tokens=self.slot_context,
-            max_batch_size=self.config.batch_size,
+            max_batch_size=self.batch_size,
             storage_backend=self.engine.storage.name,
             family=lm.family,
             quantization=pb.Quantization(

@@ -128,3 +128,72 @@ def test_embedded_model_quantized_by_mlx_lm_answers_paris(zoo_root) -> None:
     assert "Paris" in response.text
     got = model_zoo.Generation(list(response.token_ids), [lp.logprob for lp in response.logprobs])
     assert model_zoo.divergence(got, expected) is None, model_zoo.divergence(got, expected)
+
+
+# Llama 4's chunked attention keeps a `ChunkedKVCache` our views do not serve: the model runs
+# one sequence at a time on mlx-lm's own caches. Shrunk from
+# meta-llama/Llama-4-Scout-17B-16E-Instruct's text_config (chunk 8192 -> 8, 48 -> 4 layers).
+LLAMA4 = Family(
+    name="llama4_chunked",
+    source="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    config={
+        "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text",
+            "attention_bias": False,
+            "attention_chunk_size": 8,
+            "head_dim": 16,
+            "hidden_size": 64,
+            "interleave_moe_layer_step": 1,
+            "intermediate_size": 64,
+            "intermediate_size_mlp": 128,
+            "max_position_embeddings": 4096,
+            "num_attention_heads": 4,
+            "num_experts_per_tok": 1,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 2,
+            "rms_norm_eps": 1e-5,
+            "rope_scaling": {
+                "factor": 8.0,
+                "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            "rope_theta": 500000.0,
+            "use_qk_norm": True,
+            "vocab_size": model_zoo.VOCAB_SIZE,
+        },
+    },
+    head="language_model.lm_head",
+)
+
+
+def test_a_model_the_views_cannot_serve_runs_one_sequence_at_a_time(zoo_root) -> None:
+    """Clamp, never fail: the server says so at start, reports batch size 1, and concurrent
+    requests (one past the attention chunk) each get mlx-lm's tokens alone."""
+    path = model_zoo.build(LLAMA4, zoo_root)
+    prompts = {k: v for k, v in model_zoo.prompts(LLAMA4).items() if k in ("short", "long")}
+    expected = model_zoo.reference(path, prompts)
+    with running_server("--model", str(path), "--parallel", "4", "--log-format", "json") as s:
+        line = s.wait_for_record(lambda r: "does not support batched decode" in r["event"])
+        assert "clamping max_batch_size from 4 to 1" in line["event"]
+        assert "ChunkedKVCache" in line["reason"]
+        with grpc.insecure_channel(s.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            assert info.max_batch_size == 1 and info.storage_backend == "native"
+            assert info.decode_path.startswith("batch size 1")
+            futures = {
+                name: stub.Generate.future(model_zoo.request(ids, name), timeout=120)
+                for name, ids in prompts.items()
+            }
+            for name, future in futures.items():
+                got = future.result()
+                assert list(got.token_ids) == expected[name].token_ids, name
+                worst = max(
+                    abs(a.logprob - b) for a, b in zip(got.logprobs, expected[name].logprobs)
+                )
+                assert worst < 1e-4, name
+            assert stub.CacheStats(pb.CacheStatsRequest(), timeout=10).active_sequences == 0

@@ -42,9 +42,12 @@ class EngineConfig:
     single_row_prefill: bool = False  # multi-token forwards carry one row (recurrent state)
     fast_swiglu: bool = False
     grouped_query_mask: bool = False  # batched masks as [B, 1, 1, N, T] (families.grouped_mask)
+    native_caches: bool = False  # one sequence at a time on mlx-lm's own caches (kv_native)
 
     @property
     def decode_path(self) -> str:
+        if self.native_caches:
+            return "batch size 1 (mlx-lm's own caches)"
         return "native batched forward" if self.batched else "per-row fallback"
 
     def __post_init__(self) -> None:
@@ -79,6 +82,8 @@ def resolve(
     `grouped_heads`: several query heads share each K/V head; `compilable`: the forward can
     be traced (not when a layer reads array values on the host, service.models.rope)."""
     grouped_query_mask = family.grouped_mask and grouped_heads
+    if layout.native:
+        return EngineConfig(batched=False, single_row_prefill=True, native_caches=True)
     if cuda is None:
         cuda = mx.cuda.is_available()
     if reference_path_forced():

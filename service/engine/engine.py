@@ -23,6 +23,7 @@ from service.engine import paged_attention
 from service.engine.batch_view import KVStorage, StepLayout, make_views
 from service.engine.compiled_decode import DecodeGraph
 from service.engine.config import EngineConfig
+from service.engine.kv_native import NativeCacheStorage
 from service.engine.kv_paged import OutOfBlocksError, PagedKVStorage
 from service.engine.sampler import RowSamplerState, SamplingParams, sample
 from service.engine.state_store import SequenceState, StateStore, StateUndo
@@ -265,16 +266,19 @@ class Engine:
         if decode and self.decode_graph is not None and len(sampled) == len(rows):
             last_logits = self.decode_graph.logits(tokens, layout)  # [B, V]
         else:
-            mode, mirror_mask = self._attention_mode(layout)
-            views = make_views(
-                self.storage,
-                self.cache,
-                layout,
-                states,
-                mode,
-                mirror_mask,
-                self.config.grouped_query_mask,
-            )
+            if isinstance(self.storage, NativeCacheStorage):
+                views = self.storage.views(layout)
+            else:
+                mode, mirror_mask = self._attention_mode(layout)
+                views = make_views(
+                    self.storage,
+                    self.cache,
+                    layout,
+                    states,
+                    mode,
+                    mirror_mask,
+                    self.config.grouped_query_mask,
+                )
             self._check_faults(rows, "build")
             row_lengths = rope.ROW_LENGTHS.set(lengths)
             try:
@@ -434,6 +438,9 @@ class Engine:
     def _finish_rows_one_by_one(self, pending: PendingStep) -> list[RowResult]:
         """Redo the failed step per row, so a failure ends only the rows that really fail.
         The step's K/V writes are redone by the retries; its recurrent states are put back."""
+        if isinstance(self.storage, NativeCacheStorage):
+            # mlx-lm's caches appended the step already: a redo would append it twice.
+            return [RowResult(row.seq, error=BACKEND_ERROR) for row in pending.rows]
         if pending.state_undo is not None and self.states is not None:
             self.states.undo(pending.state_undo)
         results = []

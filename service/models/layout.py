@@ -16,8 +16,10 @@ layer keeps:
 
 `probe_layout` runs the model once on two tokens with mlx-lm's own caches and reads the K/V
 head count, head size and dtype, and the state arrays' shapes, from what the layers stored:
-no per-family knowledge of configuration fields is needed. Anything else (quantized or
-chunked KV caches, attention sinks kept by `keep`) is refused with the reason.
+no per-family knowledge of configuration fields is needed. A model with any other kind of
+cache (chunked or quantized KV caches, sink positions kept by `keep`) gets a `native` layout:
+it is served one sequence at a time with mlx-lm's own cache objects (service.engine.kv_native).
+A model whose first forward fails cannot be served at all.
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ class CacheLayout:
     head_dim: int
     kv_dtype: mx.Dtype
     states: tuple[StateEntry, ...] = ()
+    # Why our views cannot serve this model's caches ("" when they can): then it runs one
+    # sequence at a time on mlx-lm's own caches.
+    native_reason: str = ""
+
+    @property
+    def native(self) -> bool:
+        return bool(self.native_reason)
 
     @property
     def stateful(self) -> bool:
@@ -105,6 +114,8 @@ class CacheLayout:
 
     def describe(self) -> str:
         """One word per kind, e.g. "attention x24, sliding(512) x20, state x8"."""
+        if self.native:
+            return f"mlx-lm's own caches ({self.native_reason})"
         counts: dict[str, int] = {}
         for entry in self.entries:
             children = entry.children if isinstance(entry, ListEntry) else (entry,)
@@ -162,15 +173,18 @@ def probe_layout(model: Any) -> CacheLayout:
         raise UnsupportedModelError(f"per-layer cache type {type(c).__name__} is not supported")
 
     entries: list[Entry] = []
-    for c in template:
-        if type(c) is mlx_cache.CacheList:
-            entries.append(ListEntry(tuple(classify(child) for child in c.caches)))
-        else:
-            entries.append(classify(c))
-    if len(kv_shapes) > 1:
-        raise UnsupportedModelError(
-            f"attention layers with different K/V shapes {sorted(map(str, kv_shapes))}"
-        )
+    try:
+        for c in template:
+            if type(c) is mlx_cache.CacheList:
+                entries.append(ListEntry(tuple(classify(child) for child in c.caches)))
+            else:
+                entries.append(classify(c))
+        if len(kv_shapes) > 1:
+            raise UnsupportedModelError(
+                f"attention layers with different K/V shapes {sorted(map(str, kv_shapes))}"
+            )
+    except UnsupportedModelError as exc:
+        return CacheLayout((), 0, 1, 1, mx.float32, native_reason=str(exc))
     if kv_shapes:
         heads, dim, dtype = next(iter(kv_shapes))
     else:  # a pure recurrent model: no pool layers

@@ -140,6 +140,15 @@ def quantization_of(config: dict, model: nn.Module) -> Quantization:
     )
 
 
+def _arg(args: Any, name: str) -> Any:
+    """A model argument, from the arguments or (multimodal layouts) their `text_config`."""
+    value = getattr(args, name, None)
+    if value is None:
+        text = getattr(args, "text_config", None)
+        value = text.get(name) if isinstance(text, dict) else getattr(text, name, None)
+    return value
+
+
 def _describe(
     model: Any, tokenizer: Tokenizer, model_id: str, config: dict | None = None
 ) -> LoadedModel:
@@ -153,9 +162,9 @@ def _describe(
         architecture=getattr(args, "model_type", None) or model_family(model),
         family=model_family(model),
         num_layers=len(model.layers),
-        num_heads=getattr(args, "num_attention_heads", None) or 0,
-        vocab_size=args.vocab_size,
-        max_context=getattr(args, "max_position_embeddings", None) or 4096,
+        num_heads=_arg(args, "num_attention_heads") or 0,
+        vocab_size=_arg(args, "vocab_size") or tokenizer.vocab_size,
+        max_context=_arg(args, "max_position_embeddings") or 4096,
         dtype=float_dtype(model),
         quantization=quantization_of(config or {}, model),
         config=config,
