@@ -159,7 +159,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if not finished:
                 # Cancelled, deadline passed or the client went away: free its slot now.
                 bound.info("request cancelled by the client")
-                rt.scheduler.cancel(req.request_id)
+                rt.scheduler.cancel(seq)
             telemetry.request_ended(seq)
 
     def _fill_extras(self, message: Any, out: StepOutput) -> None:

@@ -54,7 +54,12 @@ class FakeEngine:
     forwards: list[Forward] = field(default_factory=list)
     added: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
-    live: set[str] = field(default_factory=set)
+    # Live engine sequences by object (two may share a request id: a reused one).
+    live_seqs: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def live(self) -> set[str]:
+        return set(self.live_seqs.values())
 
     @property
     def batched(self) -> bool:
@@ -63,14 +68,14 @@ class FakeEngine:
     def add_sequence(
         self, seq_id: str, params: SamplingParams, prompt_token_ids: Seq[int], **kwargs
     ) -> EngineSequence:
-        assert seq_id not in self.live
         self.added.append(seq_id)
-        self.live.add(seq_id)
-        return EngineSequence(seq_id, kv=object(), sampler=kwargs.get("sampler"))
+        seq = EngineSequence(seq_id, kv=object(), sampler=kwargs.get("sampler"))
+        self.live_seqs[id(seq)] = seq_id
+        return seq
 
     def release(self, seq: EngineSequence) -> None:
         self.released.append(seq.seq_id)
-        self.live.discard(seq.seq_id)
+        self.live_seqs.pop(id(seq), None)
         seq.next_input = None
         seq.num_cached = 0
 
@@ -102,7 +107,7 @@ class FakeEngine:
         )
         sampled, tokens = [], []
         for i, r in enumerate(rows):
-            assert r.seq.seq_id in self.live, f"{r.seq.seq_id} runs after its release"
+            assert id(r.seq) in self.live_seqs, f"{r.seq.seq_id} runs after its release"
             inputs = list(r.tokens) if r.tokens is not None else [r.seq.next_input]
             assert inputs and None not in inputs
             r.seq.num_cached += len(inputs)
@@ -160,6 +165,10 @@ class Harness:
         self.sched.submit(seq)
         self.seqs[request_id] = seq
         return seq
+
+    def cancel(self, request_id: str) -> None:
+        """What the servicer does when the RPC of request_id's latest sequence ends early."""
+        self.sched.cancel(self.seqs[request_id])
 
     def tick(self) -> None:
         assert self.sched._drain(block=False)
@@ -278,7 +287,7 @@ def test_cancel_ends_a_running_sequence_within_one_tick() -> None:
     h.tick()
     h.tick()
     assert h.seqs["gone"].status is SequenceStatus.DECODING
-    h.sched.cancel("gone")
+    h.cancel("gone")
     forwards_before = len(h.engine.forwards)
     h.tick()
     assert h.seqs["gone"].finish_reason is FinishReason.CANCELLED
@@ -300,15 +309,39 @@ def test_cancel_of_a_waiting_request_frees_its_queue_place() -> None:
     h.submit("waiting")
     h.tick()
     assert h.sched.queue_depth == 1
-    h.sched.cancel("waiting")
+    h.cancel("waiting")
     h.tick()
     assert h.final("waiting").finish_reason is FinishReason.CANCELLED
     assert h.sched.queue_depth == 0
     assert "waiting" not in h.engine.added  # never took a slot
-    h.sched.cancel("running")
+    h.cancel("running")
     h.tick()
     assert h.final("running").finish_reason is FinishReason.CANCELLED
     assert h.engine.live == set()
+
+
+def test_cancel_targets_the_sequence_when_its_request_id_is_reused_at_once() -> None:
+    """A's cancel and B (same request_id) arrive in one inbox drain: A ends, B runs, and
+    B's own cancel later ends B (it used to find nothing: finishing A dropped B's entry)."""
+    h = Harness(max_batch_size=2)
+    a = h.submit("x", max_tokens=100)
+    h.tick()
+    h.tick()
+    assert a.status is SequenceStatus.DECODING
+    h.sched.cancel(a)
+    b = h.submit("x", max_tokens=100)
+    h.tick()
+    assert a.finish_reason is FinishReason.CANCELLED
+    assert b.status is SequenceStatus.DECODING and b in h.running
+    h.tick()
+    h.sched.cancel(b)
+    h.tick()
+    assert b.finish_reason is FinishReason.CANCELLED
+    assert h.running == [] and h.engine.live == set()
+    forwards = len(h.engine.forwards)
+    for _ in range(3):
+        h.tick()
+    assert len(h.engine.forwards) == forwards  # nothing decodes on
 
 
 def test_finished_rows_are_released_at_once() -> None:
@@ -454,7 +487,7 @@ def test_prefill_chunks_512_while_decoding() -> None:
         # each tick: one prefill chunk of the long prompt, and a decode step for the other
         assert any(f.is_decode and "decoding" in f.ids for f in new)
     assert h.prefill_chunks("long") == [512, 512, 476]
-    h.sched.cancel("decoding")
+    h.cancel("decoding")
     h.run()
 
 

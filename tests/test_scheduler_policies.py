@@ -131,7 +131,7 @@ def test_decode_steps_interleave_between_the_chunks_of_a_long_prompt() -> None:
         first = 100 * (i + 1) + 1
         assert h.tokens(s) == list(range(first, first + len(h.tokens(s))))
     for s in streams:
-        h.sched.cancel(s)
+        h.cancel(s)
     h.run()
 
 

@@ -83,8 +83,11 @@ class SchedulerObserver:
 
 
 class _Cancel:
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
+    """Cancel this sequence object, not "whatever now has its request_id": a client may reuse
+    the id of a cancelled request before the scheduler has ended it."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
 
 
 _STOP = object()
@@ -114,7 +117,6 @@ class Scheduler:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: list[tuple[int, int, Sequence]] = []  # heap: (-priority, order, seq)
         self._running: list[Sequence] = []
-        self._by_id: dict[str, Sequence] = {}
         self._inflight: PendingStep | None = None
         self._order = itertools.count()
         self._lock = threading.Lock()
@@ -135,8 +137,9 @@ class Scheduler:
             self._pending_admissions += 1
         self._inbox.put(seq)
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(_Cancel(request_id))
+    def cancel(self, seq: Sequence) -> None:
+        """End `seq` (queued or running) as cancelled at the next tick; no-op once finished."""
+        self._inbox.put(_Cancel(seq))
 
     @property
     def queue_depth(self) -> int:
@@ -193,12 +196,10 @@ class Scheduler:
             if item is _STOP:
                 return False
             if isinstance(item, _Cancel):
-                seq = self._by_id.get(item.request_id)
-                if seq is not None:
-                    seq.cancel_requested = True
+                if not item.seq.is_finished:
+                    item.seq.cancel_requested = True
             else:
                 item.arrival_order = next(self._order)
-                self._by_id[item.request_id] = item
                 heapq.heappush(self._waiting, (-item.request.priority, item.arrival_order, item))
             try:
                 item = self._inbox.get_nowait()
@@ -510,7 +511,6 @@ class Scheduler:
             self.engine.release(seq.engine_seq)
         if seq in self._running:
             self._running.remove(seq)
-        self._by_id.pop(seq.request_id, None)
         if reason is FinishReason.ERROR:
             self.stats.total_failed += 1
         else:
