@@ -13,6 +13,7 @@ from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.config import ConfigError, ServerConfig
 from service.introspection import HealthServicer, enable_server_reflection
+from service.request_decoding import DecodeErrorInterceptor
 from service.runtime import Runtime
 from service.servicer import GenerationServicer
 from service.telemetry.telemetry import Telemetry
@@ -25,7 +26,8 @@ async def serve(config: ServerConfig) -> None:
     telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
     runtime = Runtime(config, telemetry)
     server = grpc.aio.server(
-        interceptors=telemetry.server_interceptors(SERVICE_NAME),
+        # Innermost last: tracing sees an undecodable request's INVALID_ARGUMENT like any other.
+        interceptors=[*telemetry.server_interceptors(SERVICE_NAME), DecodeErrorInterceptor()],
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)],
     )
     pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(runtime), server)

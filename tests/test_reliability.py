@@ -5,16 +5,26 @@ memory follows the live set rather than the traffic."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import grpc
 import pytest
-from conftest import chat_request, to_stream
+from conftest import GENERATION_SERVICE, chat_request, to_stream
 
 from mlxserve.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.model
 
 LONG = pb.StoppingCriteria(max_tokens=400, ignore_eos=True)
+CORRUPT = b"\x08\xff"  # field 1 as a varint that never ends
+
+
+def _with_bad_utf8(message, good: bytes) -> bytes:
+    """`message` serialized, with the string value `good` turned into invalid UTF-8."""
+    data = message.SerializeToString()
+    assert data.count(good) == 1
+    return data.replace(good, b"\xff" + good[1:])
 
 
 async def _slot_of(aio_stub, request_id: str) -> pb.SlotInfo | None:
@@ -51,3 +61,61 @@ async def test_request_id_reused_right_after_a_cancel_is_cancelled_too(server, a
     # Nothing runs on: the slot stays gone.
     await asyncio.sleep(0.5)
     assert await _slot_of(aio_stub, request_id) is None
+
+
+# -- undecodable requests ------------------------------------------------------------------------
+
+UNDECODABLE = [
+    ("Generate", CORRUPT, "not a valid mlxserve.v1.GenerateRequest"),
+    (
+        "Generate",
+        _with_bad_utf8(chat_request("Hi there", max_tokens=1), b"Hi there"),
+        "chat.messages[0].content is not valid UTF-8",
+    ),
+    ("StreamGenerate", CORRUPT, "not a valid mlxserve.v1.StreamGenerateRequest"),
+    (
+        "StreamGenerate",
+        _with_bad_utf8(pb.StreamGenerateRequest(request_id="abc", text="x"), b"abc"),
+        "request_id is not valid UTF-8",
+    ),
+    ("CacheStats", CORRUPT, "not a valid mlxserve.v1.CacheStatsRequest"),
+    ("GetModelInfo", CORRUPT, "not a valid mlxserve.v1.GetModelInfoRequest"),
+    ("Tokenize", CORRUPT, "not a valid mlxserve.v1.TokenizeRequest"),
+    ("Tokenize", _with_bad_utf8(pb.TokenizeRequest(text="hello"), b"hello"), "text is not valid"),
+]
+
+
+async def _call_raw(channel: grpc.aio.Channel, rpc: str, payload: bytes) -> grpc.aio.AioRpcError:
+    """Send raw bytes as the request of `rpc` (no serializer: they go on the wire as they are)."""
+    method = f"/{GENERATION_SERVICE}/{rpc}"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        if rpc == "StreamGenerate":
+            async for _ in channel.unary_stream(method)(payload, timeout=10):
+                pass
+        else:
+            await channel.unary_unary(method)(payload, timeout=10)
+    return info.value
+
+
+async def test_undecodable_requests_get_invalid_argument_and_one_log_line(
+    server, aio_channel, aio_stub
+) -> None:
+    for rpc, payload, reason in UNDECODABLE:
+        before = len(server.lines)
+        error = await _call_raw(aio_channel, rpc, payload)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (rpc, error)
+        assert reason in error.details(), (rpc, error.details())
+        # One log line, naming the RPC, and no traceback.
+        deadline = time.monotonic() + 5
+        while len(server.lines) == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # anything else it logged would be printed by now
+        new = [json.loads(line) for line in server.lines[before:]]
+        refused = [r for r in new if r.get("event") == "undecodable request refused"]
+        assert len(refused) == 1, new
+        assert refused[0]["rpc"] == f"/{GENERATION_SERVICE}/{rpc}"
+        assert refused[0]["reason"] == error.details()
+        assert not any("exception" in r or r["level"] == "error" for r in new), new
+    # The server carries on: a well-formed request on the same channel is served.
+    info = await aio_stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.model_id
