@@ -40,6 +40,7 @@ class ServerConfig:
     log_level: str = "info"
     log_format: str = "auto"
     metrics_port: int | None = None
+    max_request_bytes: int = 4 << 20  # gRPC's own default receive limit
     drain_seconds: float = 10.0
 
     @property
@@ -81,6 +82,8 @@ class ServerConfig:
             self.slot_context(self.ctx_size)  # refuses slots under 512 tokens before loading
         if self.default_max_tokens < 1:
             raise ConfigError("--default-max-tokens must be at least 1")
+        if self.max_request_bytes < 1:
+            raise ConfigError("--max-request-bytes must be at least 1")
 
 
 def _env(name: str, default: object) -> object:
@@ -206,6 +209,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=_env_flag("deterministic"),
         help="reproducible greedy decoding (also MLXSERVE_DETERMINISTIC=1)",
+    )
+    a(
+        "--max-request-bytes",
+        type=int,
+        default=int(_env("max_request_bytes", d.max_request_bytes)),
+        help="largest request message accepted; larger ones get RESOURCE_EXHAUSTED from gRPC "
+        "(default 4 MiB, gRPC's own default)",
     )
     a("--log-level", default=_env("log_level", d.log_level))
     a("--log-format", default=_env("log_format", d.log_format), help="auto | json | console")

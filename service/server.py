@@ -28,9 +28,13 @@ async def serve(config: ServerConfig) -> None:
     server = grpc.aio.server(
         # Innermost last: tracing sees an undecodable request's INVALID_ARGUMENT like any other.
         interceptors=[*telemetry.server_interceptors(SERVICE_NAME), DecodeErrorInterceptor()],
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", config.max_request_bytes),
+        ],
     )
-    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(runtime), server)
+    servicer = GenerationServicer(runtime)
+    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
@@ -81,6 +85,7 @@ async def serve(config: ServerConfig) -> None:
     if load in done:
         if load.exception() is not None:
             await server.stop(0)  # a failed load ends the server with its error
+            servicer.close()
             raise load.exception()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -92,6 +97,7 @@ async def serve(config: ServerConfig) -> None:
     runtime.serving = False
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=config.drain_seconds)
+    servicer.close()
     runtime.shutdown()
     telemetry.shutdown()  # exports the spans still buffered
     log.info("stopped")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+import functools
+import os
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -25,6 +28,7 @@ _FINISH = {
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 BACKEND_ERROR = "inference backend error"
+T = TypeVar("T")
 
 
 class LoopSink:
@@ -53,6 +57,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self._active_ids: set[str] = set()
+        # Tokenization (and validation, which walks every token id) runs here, never on the
+        # event loop: a big prompt would stall every stream and health check meanwhile. The
+        # tokenizers library releases the GIL while it encodes.
+        self._prompt_pool = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
+        )
+
+    def close(self) -> None:
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompt_pool, functools.partial(fn, *args, **kwargs))
 
     # -- RPCs -----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
@@ -87,11 +104,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
         if not self.rt.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.rt.unavailable_reason())
-        tok = self.rt.tokenizer
         try:
-            ids = prompt_token_ids(request, tok)
+            return await self._off_loop(self._tokenize, request)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        tok = self.rt.tokenizer
+        ids = prompt_token_ids(request, tok, slot_context=self.rt.slot_context)
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) for i in ids])
 
     # -- the request path -------------------------------------------------------------
@@ -102,7 +122,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             rt.metrics_rejected("unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, rt.unavailable_reason())
         try:
-            req = generation_request(
+            req = await self._off_loop(
+                generation_request,
                 message,
                 rt.tokenizer,
                 slot_context=rt.slot_context,
@@ -112,6 +133,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except InvalidRequestError as exc:
             rt.metrics_rejected("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # Nothing awaits from here to `_active_ids.add` but an abort: the ALREADY_EXISTS check
+        # and the add are one step for the event loop.
         too_big = rt.check_fits(len(req.prompt_token_ids), req.max_tokens)
         if too_big is not None:
             rt.metrics_rejected("kv_budget")

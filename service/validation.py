@@ -26,6 +26,7 @@ class PromptTooLongError(InvalidRequestError):
 
 class PromptEncoder(Protocol):
     vocab_size: int
+    max_token_chars: int  # the longest token, in characters of the text it encodes
 
     def encode(self, text: str) -> list[int]: ...
     def render_chat(self, turns: list[ChatTurn]) -> list[int]: ...
@@ -39,12 +40,45 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool
         )
 
 
+def check_prompt_size(
+    message: pb.GenerateRequest | pb.TokenizeRequest, tok: PromptEncoder, slot_context: int
+) -> None:
+    """Refuse, before any tokenization, input too big for the slot context whatever it
+    tokenizes to: more token ids than the slot holds, or more characters than
+    slot_context * the longest token (a chat's template only adds to its content)."""
+    kind = message.WhichOneof("input")
+    max_chars = slot_context * tok.max_token_chars
+    if kind == "token_ids":
+        n = len(message.token_ids.ids)
+        if n > slot_context:
+            raise PromptTooLongError(
+                f"token_ids.ids has {n} ids; the slot context is {slot_context} tokens"
+            )
+    elif kind == "text":
+        n = len(message.text)
+        if n > max_chars:
+            raise PromptTooLongError(
+                f"text is {n} characters; the slot context of {slot_context} tokens holds at "
+                f"most {max_chars} (no token of this model is longer than {tok.max_token_chars})"
+            )
+    elif kind == "chat":
+        n = sum(len(m.content) for m in message.chat.messages)
+        if n > max_chars:
+            raise PromptTooLongError(
+                f"chat.messages: their content totals {n} characters; the slot context of "
+                f"{slot_context} tokens holds at most {max_chars} (no token of this model is "
+                f"longer than {tok.max_token_chars})"
+            )
+
+
 def prompt_token_ids(
-    message: pb.GenerateRequest | pb.TokenizeRequest, tok: PromptEncoder
+    message: pb.GenerateRequest | pb.TokenizeRequest, tok: PromptEncoder, *, slot_context: int
 ) -> list[int]:
+    """The prompt's token ids; slow for big input (tokenization): keep it off the event loop."""
     kind = message.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input is required: set one of text, token_ids or chat")
+    check_prompt_size(message, tok, slot_context)
     if kind == "text":
         if not message.text:
             raise InvalidRequestError("text must not be empty")
@@ -120,7 +154,7 @@ def generation_request(
     request_id = message.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
-    prompt = prompt_token_ids(message, tok)
+    prompt = prompt_token_ids(message, tok, slot_context=slot_context)
     if len(prompt) >= slot_context:
         raise PromptTooLongError(
             f"prompt is {len(prompt)} tokens; the slot context is {slot_context} tokens "

@@ -33,6 +33,7 @@ def test_defaults_leave_device_dependent_choices_to_the_runtime():
         (("--preemption-policy", "random"), "--preemption-policy"),
         (("--port", "0"), "--port"),
         (("--kv-admission-watermark", "0.9"), "--kv-admission-watermark"),
+        (("--max-request-bytes", "0"), "--max-request-bytes"),
     ],
 )
 def test_bad_values_name_their_flag(argv, flag):
@@ -54,6 +55,12 @@ def test_environment_variables_set_flags(monkeypatch):
     monkeypatch.setenv("MLXSERVE_MAX_BATCH_PREFILL", "6")
     config = parse()
     assert (config.decode_storage_backend, config.max_batch_prefill) == ("dense", 6)
+
+
+def test_max_request_bytes_defaults_to_grpcs_limit_and_has_its_variable(monkeypatch):
+    assert parse().max_request_bytes == 4 * 1024 * 1024
+    monkeypatch.setenv("MLXSERVE_MAX_REQUEST_BYTES", "65536")
+    assert parse().max_request_bytes == 65536
 
 
 def test_runtime_resolves_the_cpu_path_on_this_machine():

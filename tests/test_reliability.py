@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import grpc
@@ -13,6 +14,10 @@ import pytest
 from conftest import GENERATION_SERVICE, chat_request, to_stream
 
 from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.config import ServerConfig
+from service.runtime import Runtime
+from service.servicer import GenerationServicer
 
 pytestmark = pytest.mark.model
 
@@ -119,3 +124,102 @@ async def test_undecodable_requests_get_invalid_argument_and_one_log_line(
     # The server carries on: a well-formed request on the same channel is served.
     info = await aio_stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert info.model_id
+
+
+# -- oversized requests --------------------------------------------------------------------------
+
+
+BIG_TEXT = "word " * 400_000  # 2 MB: under the 4 MiB message limit, over any slot's bound
+SIZE_REFUSALS = [
+    ("Generate", pb.GenerateRequest(text=BIG_TEXT), "text is 2000000 characters"),
+    (
+        "StreamGenerate",
+        to_stream(chat_request(BIG_TEXT)),
+        "chat.messages: their content totals 2000000 characters",
+    ),
+    (
+        "Generate",
+        pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[1] * 200_000)),
+        "token_ids.ids has 200000 ids",
+    ),
+    ("Tokenize", pb.TokenizeRequest(text=BIG_TEXT), "text is 2000000 characters"),
+    (
+        "Tokenize",
+        pb.TokenizeRequest(chat=chat_request(BIG_TEXT).chat),
+        "chat.messages: their content totals 2000000 characters",
+    ),
+]
+
+
+@pytest.mark.parametrize(("rpc", "request_message", "reason"), SIZE_REFUSALS)
+async def test_oversized_input_is_refused_by_its_size(
+    aio_stub, rpc: str, request_message, reason: str
+) -> None:
+    """Refused with the size message, which only the check before tokenization gives (after
+    it, a long prompt is refused as "prompt is N tokens")."""
+    method = getattr(aio_stub, rpc)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        if rpc == "StreamGenerate":
+            async for _ in method(request_message, timeout=30):
+                pass
+        else:
+            await method(request_message, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(reason), info.value.details()
+
+
+async def test_a_message_over_max_request_bytes_is_refused_by_grpc(server) -> None:
+    options = [("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(server.target, options=options) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        text = "x" * ((4 << 20) + 1)  # one byte over the default --max-request-bytes
+        for call in (
+            stub.Generate(pb.GenerateRequest(text=text), timeout=30),
+            stub.Tokenize(pb.TokenizeRequest(text=text), timeout=30),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # A message just under the limit still reaches the servicer (and its size check).
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Tokenize(pb.TokenizeRequest(text="x" * ((4 << 20) - 16)), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_tokenization_runs_off_the_event_loop(monkeypatch) -> None:
+    """The servicer in-process behind a real grpc.aio server: every encode of Generate,
+    StreamGenerate (chat) and Tokenize runs on another thread than the event loop's."""
+    runtime = Runtime(ServerConfig(load_format="dummy:tiny", parallel=2))
+    runtime.start()  # loads and serves on its engine thread
+    await asyncio.to_thread(runtime.wait_ready)
+    tok = runtime.tokenizer
+    encode = tok.encode
+    threads: list[threading.Thread] = []
+
+    def recording_encode(text: str) -> list[int]:
+        threads.append(threading.current_thread())
+        return encode(text)
+
+    monkeypatch.setattr(tok, "encode", recording_encode)
+    server = grpc.aio.server()
+    servicer = GenerationServicer(runtime)
+    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            tokenized = await stub.Tokenize(pb.TokenizeRequest(text="Hello world"), timeout=30)
+            assert list(tokenized.token_ids) == encode("Hello world")
+            one = pb.StoppingCriteria(max_tokens=1)
+            reply = await stub.Generate(pb.GenerateRequest(text="Hi", stopping=one), timeout=60)
+            assert len(reply.token_ids) == 1
+            stream = to_stream(chat_request("Hi", max_tokens=1))
+            assert [m async for m in stub.StreamGenerate(stream, timeout=60)]
+    finally:
+        await server.stop(0)
+        servicer.close()
+        runtime.shutdown()
+    assert len(threads) == 3
+    loop_thread = threading.current_thread()
+    assert all(t is not loop_thread for t in threads), [t.name for t in threads]

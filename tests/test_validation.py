@@ -21,6 +21,7 @@ VOCAB = 100
 
 class FakeTokenizer:
     vocab_size = VOCAB
+    max_token_chars = 1  # one token per character
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) % VOCAB for c in text]
@@ -128,7 +129,7 @@ def test_chat_is_rendered_with_the_template() -> None:
         )
     )
     expected = TOK.render_chat([ChatTurn(r, r[0]) for r in ("system", "user", "assistant", "tool")])
-    assert prompt_token_ids(message, TOK) == expected
+    assert prompt_token_ids(message, TOK, slot_context=64) == expected
 
 
 def test_explicit_zero_sampling_values_are_not_unset() -> None:
@@ -259,7 +260,9 @@ def test_prompt_longer_than_the_slot(length: int) -> None:
     with pytest.raises(PromptTooLongError) as info:
         _validate(message, slot_context=64)
     assert isinstance(info.value, InvalidRequestError)
-    assert "prompt" in str(info.value) and str(length) in str(info.value)
+    # Past the slot the ids are refused by count alone, before the vocabulary is checked.
+    field = "prompt is" if length == 64 else "token_ids.ids has"
+    assert field in str(info.value) and str(length) in str(info.value)
 
 
 def test_prompt_one_short_of_the_slot_fits_one_token() -> None:
@@ -273,3 +276,55 @@ def test_chat_prompt_length_counts_the_template() -> None:
     )
     with pytest.raises(PromptTooLongError):
         _validate(message, slot_context=63)  # 60 characters + 4 template tokens
+
+
+class RefusingTokenizer(FakeTokenizer):
+    """Fails the test if anything is tokenized."""
+
+    max_token_chars = 3
+
+    def encode(self, text: str) -> list[int]:
+        raise AssertionError("tokenized")
+
+    def render_chat(self, turns: list[ChatTurn]) -> list[int]:
+        raise AssertionError("tokenized")
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        (pb.GenerateRequest(text="x" * (3 * 64 + 1)), "text is 193 characters"),
+        (
+            pb.GenerateRequest(
+                chat=pb.ChatInput(
+                    messages=[
+                        pb.ChatMessage(role="system", content="s" * 100),
+                        pb.ChatMessage(role="user", content="u" * 93),
+                    ]
+                )
+            ),
+            "chat.messages: their content totals 193 characters",
+        ),
+        (pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[10**6] * 65)), "token_ids.ids has 65"),
+    ],
+)
+def test_oversized_input_is_refused_by_size_before_tokenizing(message, field: str) -> None:
+    for refuse in (
+        lambda: generation_request(
+            message,
+            RefusingTokenizer(),
+            slot_context=64,
+            default_max_tokens=1,
+            prompt_cache_enabled=True,
+        ),
+        lambda: prompt_token_ids(message, RefusingTokenizer(), slot_context=64),
+    ):
+        with pytest.raises(PromptTooLongError) as info:
+            refuse()
+        assert str(info.value).startswith(field)
+
+
+def test_input_at_the_size_bound_is_tokenized() -> None:
+    message = pb.GenerateRequest(text="x" * (3 * 64))  # might still fit: tokenize it
+    with pytest.raises(AssertionError, match="tokenized"):
+        prompt_token_ids(message, RefusingTokenizer(), slot_context=64)

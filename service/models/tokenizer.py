@@ -28,6 +28,11 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size: int = len(hf)
         self.has_chat_template: bool = bool(getattr(hf, "chat_template", None))
+        # No token is longer than its piece (a byte-level piece has one character per byte),
+        # so a text of n characters has at least n / max_token_chars tokens: requests can be
+        # refused by size before they are tokenized.
+        pieces = hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+        self.max_token_chars: int = max(1, *(len(p) for p in pieces if p))
         self._byte_decoder = _byte_level_decoder(hf)
         self._token_bytes: dict[int, bytes] = {}
         # The Rust tokenizer's decode, when the wrapper would add nothing to it (the wrapper's
