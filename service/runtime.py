@@ -335,10 +335,8 @@ class Runtime:
             response.free_blocks = stats.num_free_blocks
             response.cached_blocks = stats.num_cached_blocks
             # Allocated: holding data, in use or kept as an evictable cached prefix.
-            response.allocated_blocks = stats.num_active_blocks + sum(
-                1
-                for b in storage.manager.pool.free_block_ids()
-                if storage.manager.pool.block(b).block_hash is not None
+            response.allocated_blocks = (
+                stats.num_active_blocks + storage.manager.pool.num_free_cached_blocks
             )
             response.used_bytes = storage.used_bytes
             response.budget_bytes = 0 if self.kv_budget_unlimited else storage.budget_bytes

@@ -95,6 +95,70 @@ def test_freed_cached_blocks_are_reused_last_and_evicted_tail_first() -> None:
     assert pool.evictions == 3 and pool.num_cached_blocks == 0
 
 
+# -- allocation order: low ids first, the arrays grow only with the live set -----------------
+
+
+def test_a_freed_block_is_reused_before_a_never_used_one() -> None:
+    pool = BlockPool(num_blocks=10, block_size=BLOCK)
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    pool.free([2, 0])
+    assert pool.allocate(3) == [0, 2, 4]  # lowest free id first, freed or not
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first_before_capacity_grows() -> None:
+    pool = BlockPool(num_blocks=100, block_size=BLOCK, capacity=4)
+    assert pool.allocate(4) == [0, 1, 2, 3] and pool.capacity == 4
+    for block_id in range(4):
+        pool.cache_full_block(block_id, 100 + block_id)
+    pool.free([2, 0, 3, 1])  # the LRU order of the cached free blocks
+    pool.touch([0])  # adopted again (a prefix hit) ...
+    pool.free([0])  # ... and freed: now the most recently used
+    assert pool.free_block_ids()[:4] == [2, 3, 1, 0]
+    assert pool.allocate(2) == [2, 3]  # the two coldest prefixes, not new ids 4 and 5
+    assert pool.evictions == 2 and pool.lookup(101) == 1 and pool.lookup(100) == 0
+    assert pool.capacity == 4  # the cache lives in the blocks the arrays already hold
+
+
+def test_never_used_blocks_below_capacity_go_before_cached_ones() -> None:
+    pool = BlockPool(num_blocks=100, block_size=BLOCK, capacity=8)
+    [a] = pool.allocate(1) or []
+    pool.cache_full_block(a, 7)
+    pool.free([a])
+    assert pool.allocate(1) == [1]  # the arrays hold block 1 already: keep the prefix
+    assert pool.lookup(7) == a
+
+
+def test_capacity_doubles_only_when_every_block_below_it_is_in_use() -> None:
+    pool = BlockPool(num_blocks=10, block_size=BLOCK, capacity=2)
+    assert pool.allocate(2) == [0, 1] and pool.capacity == 2
+    assert pool.allocate(1) == [2] and pool.capacity == 4
+    assert pool.allocate(3) == [3, 4, 5] and pool.capacity == 8
+    assert pool.allocate(4) == [6, 7, 8, 9] and pool.capacity == 10  # capped at num_blocks
+    assert pool.allocate(1) is None
+
+
+def test_traffic_of_distinct_prompts_keeps_capacity_to_twice_the_live_set() -> None:
+    """Many distinct requests, at most 4 at once, each caching its prompt's full blocks: the
+    capacity stays within twice the peak of blocks in use (or its start), the ids below it."""
+    initial = 8
+    manager = KVCacheManager(num_blocks=4096, block_size=BLOCK, capacity=initial)
+    pool = manager.pool
+    live: list[SequenceBlocks] = []
+    peak_active = 0
+    for i in range(1000):
+        prompt = [i % 7, *range(i * 10, i * 10 + 5 + i % 11)]  # 6-16 tokens, distinct
+        seq = _admit(manager, prompt)
+        assert seq is not None
+        live.append(seq)
+        assert manager.allocate_slots(seq, 3)  # a few decode steps
+        peak_active = max(peak_active, pool.num_active_blocks)
+        assert max(b for s in live for b in s.block_ids) < pool.capacity
+        if len(live) == 4:
+            manager.free_sequence(live.pop(i % 4))
+    assert pool.capacity <= max(initial, 2 * peak_active)
+    assert pool.num_cached_blocks > 0  # it still caches, within that capacity
+
+
 def test_copy_on_write() -> None:
     pool = BlockPool(num_blocks=2, block_size=BLOCK)
     [a] = pool.allocate(1) or []
@@ -182,8 +246,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(num_blocks=10, block_size=BLOCK)
+        self.manager = KVCacheManager(num_blocks=10, block_size=BLOCK, capacity=2)
         self.pool = self.manager.pool
+        self.peak_active = 0
         self.seqs: dict[int, tuple[SequenceBlocks, list[int]]] = {}
         self.next_name = 0
         self.slots: dict[int, int] = {}  # flat slot -> token written there
@@ -278,6 +343,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert self.pool.block(block_id).ref_count == count >= 0
             assert (block_id in free) == (count == 0)
         assert self.pool.num_free_blocks + self.pool.num_active_blocks == 10
+
+    @invariant()
+    def capacity_follows_the_blocks_in_use(self) -> None:
+        self.peak_active = max(self.peak_active, self.pool.num_active_blocks)
+        assert self.pool.capacity <= max(2, 2 * self.peak_active)
+        held = [b for seq, _ in self.seqs.values() for b in seq.block_ids]
+        assert all(b < self.pool.capacity for b in held)
+        cached = [b for b in range(10) if self.pool.block(b).block_hash is not None]
+        assert all(b < self.pool.capacity for b in cached)
 
     @invariant()
     def sequences_read_their_own_tokens(self) -> None:

@@ -112,16 +112,19 @@ class PagedKVStorage:
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.manager = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching, capacity=min(num_blocks, initial_blocks)
+        )
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * dtype.size
         self.bytes_per_block = block_size * self.bytes_per_token
-        # The budget fixes the logical pool; physical arrays grow on demand (the pool hands
-        # out low block ids first), so an `auto` budget of many GiB costs nothing until used.
-        # The physical block after the last one in use is the scratch block.
+        # The budget fixes the logical pool; the physical arrays cover the pool's `capacity`,
+        # which it raises only when every block below it is in use, so an `auto` budget of
+        # many GiB costs nothing until that many blocks are live at once. The physical block
+        # after the last one is the scratch block.
         self._capacity_blocks = 0
         self._keys: list[mx.array] = []
         self._values: list[mx.array] = []
-        self._grow(min(num_blocks, initial_blocks))
+        self._ensure_physical()
         self._live: set[int] = set()
         self._plan_layout: weakref.ref[StepLayout] | None = None
         self._plan: _StepPlan | None = None
@@ -165,7 +168,7 @@ class PagedKVStorage:
         if not self.manager.allocate_slots(blocks, num_new_tokens):
             return False
         if len(blocks.block_ids) != held or blocks.pending_copies:  # new or copied blocks
-            self._ensure_physical(max(blocks.block_ids))
+            self._ensure_physical()
             self._apply_copies(blocks.take_pending_copies())
         return True
 
@@ -372,6 +375,7 @@ class PagedKVStorage:
         self._plan_layer = layer
         if cached is batch and self._plan is not None and not fresh_pass:
             return self._plan
+        self._ensure_physical()  # blocks reserved through the manager directly; moves scratch
         b, n = batch.batch_size, batch.width
         totals = batch.total_lengths
         t = batch.span
@@ -393,9 +397,10 @@ class PagedKVStorage:
         self._plan_layout = weakref.ref(batch)
         return self._plan
 
-    def _ensure_physical(self, block_id: int) -> None:
-        if block_id >= self._capacity_blocks:
-            self._grow(min(self.num_blocks, max(block_id + 1, 2 * self._capacity_blocks)))
+    def _ensure_physical(self) -> None:
+        """Grow the arrays to the pool's capacity (raised by an allocation that needed it)."""
+        if self.manager.pool.capacity > self._capacity_blocks:
+            self._grow(self.manager.pool.capacity)
 
     def _grow(self, capacity_blocks: int) -> None:
         """Reallocate the per-layer arrays for `capacity_blocks` (+ scratch), keeping data.

@@ -6,8 +6,13 @@ and nano-vllm's BlockManager:
 
 - A block is free when its ref_count is 0. A free block that still carries a hash is a cached
   prefix: lookup() finds it and touch() adopts it until allocate() reuses it.
-- allocate() hands out uncached free blocks first and only then evicts cached ones, least
-  recently freed first, so a cold prefix is dropped only when memory is really needed.
+- The engine's K/V arrays cover block ids below the pool's `capacity` and grow only when the
+  pool raises it, so allocate() keeps ids low: the lowest free uncached id first (a freed
+  block before one never used), then a never-used id below `capacity`, then a cached block,
+  least recently freed first (a cold prefix is dropped only when memory is really needed),
+  and only when every block below `capacity` is in use does `capacity` double. The arrays
+  then stay within twice the peak of blocks in use (or the initial capacity), whatever the
+  traffic; the prefix cache lives in what they already hold.
 - A full block is registered under hash(parent block's hash, its tokens), so requests with a
   common prompt prefix adopt the same blocks by reference and store that prefix once.
 - A sequence about to write into a block that others also hold gets a private copy first.
@@ -16,8 +21,9 @@ and nano-vllm's BlockManager:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import struct
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -62,18 +68,24 @@ class KVCacheStats:
 
 
 class BlockPool:
-    """Fixed-size blocks with ref counts, an LRU free queue and a hash -> block prefix map."""
+    """Fixed-size blocks with ref counts, low-ids-first allocation, an LRU queue of cached free
+    blocks and a hash -> block prefix map.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    `capacity` (default: all blocks) is how many blocks the engine's arrays hold now; it grows
+    (doubling, up to num_blocks) only when all of them are in use."""
+
+    def __init__(self, num_blocks: int, block_size: int, capacity: int | None = None) -> None:
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"bad pool shape: {num_blocks} blocks of {block_size} tokens")
         self.block_size = block_size
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._hash_to_block: dict[int, int] = {}
-        # Every free block sits in exactly one of these. Uncached ones hold nothing worth
-        # keeping and are handed out first (FIFO); cached ones are kept least recently freed
-        # first, which is the eviction order.
-        self._free_uncached: deque[int] = deque(range(num_blocks))
+        self._capacity = num_blocks if capacity is None else max(0, min(capacity, num_blocks))
+        # Every free block is in exactly one of these: freed uncached blocks (a min-heap: the
+        # lowest id goes first), the never-used ids [_next_new, num_blocks), and cached blocks
+        # least recently freed first (the eviction order).
+        self._free_uncached: list[int] = []
+        self._next_new = 0
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self.evictions = 0
 
@@ -82,9 +94,21 @@ class BlockPool:
         return len(self._blocks)
 
     @property
+    def capacity(self) -> int:
+        """Blocks with ids below this may be handed out now; beyond it the engine's arrays
+        would have to grow (allocate raises it only when every block below is in use)."""
+        return self._capacity
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks with ref_count 0, cached or not: all of them can be allocated."""
-        return len(self._free_uncached) + len(self._free_cached)
+        never_used = len(self._blocks) - self._next_new
+        return len(self._free_uncached) + never_used + len(self._free_cached)
+
+    @property
+    def num_free_cached_blocks(self) -> int:
+        """Free blocks still holding a cached prefix (evictable)."""
+        return len(self._free_cached)
 
     @property
     def num_active_blocks(self) -> int:
@@ -101,8 +125,10 @@ class BlockPool:
         return self._blocks[block_id]
 
     def free_block_ids(self) -> list[int]:
-        """Free blocks in the order allocate() hands them out."""
-        return [*self._free_uncached, *self._free_cached]
+        """Free blocks in the order allocate() hands them out (for tests: O(num_blocks))."""
+        below = range(self._next_new, max(self._next_new, self._capacity))
+        beyond = range(max(self._next_new, self._capacity), len(self._blocks))
+        return [*sorted(self._free_uncached), *below, *self._free_cached, *beyond]
 
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self.num_free_blocks
@@ -144,7 +170,7 @@ class BlockPool:
             if block.ref_count > 0:
                 continue
             if block.block_hash is None:
-                self._free_uncached.append(block_id)
+                heapq.heappush(self._free_uncached, block_id)
             else:  # keeps its hash: still a prefix hit until reused
                 self._free_cached[block_id] = None
 
@@ -193,7 +219,7 @@ class BlockPool:
         while evicted < n and self._free_cached:
             block_id, _ = self._free_cached.popitem(last=False)
             self._uncache(self._blocks[block_id])
-            self._free_uncached.append(block_id)
+            heapq.heappush(self._free_uncached, block_id)
             evicted += 1
         self.evictions += evicted
         return evicted
@@ -209,8 +235,14 @@ class BlockPool:
         )
 
     def _pop_free(self) -> Block:
+        """The next free block (the caller checked there is one): see the module docstring."""
         if self._free_uncached:
-            return self._blocks[self._free_uncached.popleft()]
+            return self._blocks[heapq.heappop(self._free_uncached)]
+        if self._next_new < self._capacity or not self._free_cached:
+            if self._next_new >= self._capacity:  # every block below capacity is in use
+                self._capacity = min(len(self._blocks), max(1, 2 * self._capacity))
+            self._next_new += 1
+            return self._blocks[self._next_new - 1]
         block_id, _ = self._free_cached.popitem(last=False)
         block = self._blocks[block_id]
         self._uncache(block)
@@ -256,8 +288,14 @@ class SequenceBlocks:
 class KVCacheManager:
     """The engine's view: sequences grow, share prompt prefixes, fork and get freed."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.pool = BlockPool(num_blocks, block_size)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        capacity: int | None = None,
+    ):
+        self.pool = BlockPool(num_blocks, block_size, capacity)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_lookups = 0
