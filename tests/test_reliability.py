@@ -8,10 +8,11 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
-from conftest import GENERATION_SERVICE, chat_request, to_stream
+from conftest import GENERATION_SERVICE, chat_request, running_server, to_stream
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
@@ -223,3 +224,73 @@ async def test_tokenization_runs_off_the_event_loop(monkeypatch) -> None:
     assert len(threads) == 3
     loop_thread = threading.current_thread()
     assert all(t is not loop_thread for t in threads), [t.name for t in threads]
+
+
+# -- soak: memory follows the live set, not the traffic ------------------------------------------
+
+SOAK_REQUESTS = 240
+SOAK_CONCURRENCY = 8
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS line")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
+async def test_soak_of_distinct_requests_keeps_memory_to_the_live_set() -> None:
+    """A few hundred short distinct chat requests (each caches its own prompt blocks): the
+    server's RSS grows by less than 100 MB and the pool's arrays stay within twice the peak of
+    blocks in use or their initial size (they used to double with the traffic)."""
+    with running_server("--max-batch-size", "8", "--log-format", "json") as server:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            initial = await stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
+            assert initial.budget_bytes and initial.total_blocks
+            block_bytes = initial.budget_bytes // initial.total_blocks
+
+            async def one(i: int) -> pb.GenerateResponse:
+                request = chat_request(f"Fact {i}?", max_tokens=2)
+                return await stub.Generate(request, timeout=300)
+
+            async def run(first: int, count: int) -> list[pb.GenerateResponse]:
+                gate = asyncio.Semaphore(SOAK_CONCURRENCY)
+
+                async def gated(i: int) -> pb.GenerateResponse:
+                    async with gate:
+                        return await one(i)
+
+                return await asyncio.gather(*(gated(i) for i in range(first, first + count)))
+
+            await run(-SOAK_CONCURRENCY, SOAK_CONCURRENCY)  # first-use buffers are no leak
+            rss_before = _rss_mb(server.proc.pid)
+            peak_active = 0
+            polling = True
+
+            async def poll() -> None:
+                nonlocal peak_active
+                while polling:
+                    stats = await stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
+                    peak_active = max(peak_active, stats.active_blocks)
+                    await asyncio.sleep(0.02)
+
+            poller = asyncio.create_task(poll())
+            replies = await run(0, SOAK_REQUESTS)
+            polling = False
+            await poller
+            after = await stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
+            rss_growth = _rss_mb(server.proc.pid) - rss_before
+
+    assert len(replies) == SOAK_REQUESTS
+    assert all(len(r.token_ids) >= 1 and r.finish_reason for r in replies)
+    assert after.active_sequences == 0 and after.active_blocks == 0
+    assert after.cached_blocks > 0  # the prefix cache still works, inside the arrays
+    assert peak_active > 0
+    # reserved_bytes: the arrays' blocks plus one scratch block (the decode mirror is empty
+    # once nothing runs).
+    capacity = after.reserved_bytes // block_bytes - 1
+    initial_capacity = initial.reserved_bytes // block_bytes - 1
+    assert capacity <= max(initial_capacity, 2 * peak_active), (capacity, peak_active)
+    assert rss_growth < 100, f"RSS grew {rss_growth:.0f} MB over {SOAK_REQUESTS} requests"

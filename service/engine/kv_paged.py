@@ -31,6 +31,7 @@ import numpy as np
 
 from service.engine.batch_view import StepLayout
 from service.engine.kv_mirror import DecodeMirror, MirrorStep, slot_head_rows
+from service.engine.memory import release_freed_memory
 from service.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
 from service.kv.block_pool import KVCacheManager, KVCacheStats, SequenceBlocks
 
@@ -420,6 +421,7 @@ class PagedKVStorage:
             grown.append(fresh_arrays)
         self._keys, self._values = grown
         self._capacity_blocks = capacity_blocks
+        release_freed_memory()  # the old arrays: else the process keeps their pages
 
     def slots_of(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:
         """Slot of each of the sequence's first num_tokens positions (cached per block table:
