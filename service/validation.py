@@ -52,20 +52,21 @@ def check_prompt_size(
         n = len(message.token_ids.ids)
         if n > slot_context:
             raise PromptTooLongError(
-                f"token_ids.ids has {n} ids; the slot context is {slot_context} tokens"
+                f"token_ids.ids: the prompt has {n} ids; the slot context is {slot_context} tokens"
             )
     elif kind == "text":
         n = len(message.text)
         if n > max_chars:
             raise PromptTooLongError(
-                f"text is {n} characters; the slot context of {slot_context} tokens holds at "
-                f"most {max_chars} (no token of this model is longer than {tok.max_token_chars})"
+                f"text: the prompt is {n} characters; the slot context of {slot_context} tokens "
+                f"holds at most {max_chars} (no token of this model is longer than "
+                f"{tok.max_token_chars})"
             )
     elif kind == "chat":
         n = sum(len(m.content) for m in message.chat.messages)
         if n > max_chars:
             raise PromptTooLongError(
-                f"chat.messages: their content totals {n} characters; the slot context of "
+                f"chat.messages: the prompt's content totals {n} characters; the slot context of "
                 f"{slot_context} tokens holds at most {max_chars} (no token of this model is "
                 f"longer than {tok.max_token_chars})"
             )

@@ -132,22 +132,22 @@ async def test_undecodable_requests_get_invalid_argument_and_one_log_line(
 
 BIG_TEXT = "word " * 400_000  # 2 MB: under the 4 MiB message limit, over any slot's bound
 SIZE_REFUSALS = [
-    ("Generate", pb.GenerateRequest(text=BIG_TEXT), "text is 2000000 characters"),
+    ("Generate", pb.GenerateRequest(text=BIG_TEXT), "text: the prompt is 2000000 characters"),
     (
         "StreamGenerate",
         to_stream(chat_request(BIG_TEXT)),
-        "chat.messages: their content totals 2000000 characters",
+        "chat.messages: the prompt's content totals 2000000 characters",
     ),
     (
         "Generate",
         pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[1] * 200_000)),
-        "token_ids.ids has 200000 ids",
+        "token_ids.ids: the prompt has 200000 ids",
     ),
-    ("Tokenize", pb.TokenizeRequest(text=BIG_TEXT), "text is 2000000 characters"),
+    ("Tokenize", pb.TokenizeRequest(text=BIG_TEXT), "text: the prompt is 2000000 characters"),
     (
         "Tokenize",
         pb.TokenizeRequest(chat=chat_request(BIG_TEXT).chat),
-        "chat.messages: their content totals 2000000 characters",
+        "chat.messages: the prompt's content totals 2000000 characters",
     ),
 ]
 

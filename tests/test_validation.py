@@ -261,7 +261,7 @@ def test_prompt_longer_than_the_slot(length: int) -> None:
         _validate(message, slot_context=64)
     assert isinstance(info.value, InvalidRequestError)
     # Past the slot the ids are refused by count alone, before the vocabulary is checked.
-    field = "prompt is" if length == 64 else "token_ids.ids has"
+    field = "prompt is" if length == 64 else "token_ids.ids: the prompt has"
     assert field in str(info.value) and str(length) in str(info.value)
 
 
@@ -293,7 +293,7 @@ class RefusingTokenizer(FakeTokenizer):
 @pytest.mark.parametrize(
     ("message", "field"),
     [
-        (pb.GenerateRequest(text="x" * (3 * 64 + 1)), "text is 193 characters"),
+        (pb.GenerateRequest(text="x" * (3 * 64 + 1)), "text: the prompt is 193 characters"),
         (
             pb.GenerateRequest(
                 chat=pb.ChatInput(
@@ -303,9 +303,12 @@ class RefusingTokenizer(FakeTokenizer):
                     ]
                 )
             ),
-            "chat.messages: their content totals 193 characters",
+            "chat.messages: the prompt's content totals 193 characters",
         ),
-        (pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[10**6] * 65)), "token_ids.ids has 65"),
+        (
+            pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[10**6] * 65)),
+            "token_ids.ids: the prompt has 65",
+        ),
     ],
 )
 def test_oversized_input_is_refused_by_size_before_tokenizing(message, field: str) -> None:
