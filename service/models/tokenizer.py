@@ -28,16 +28,25 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size: int = len(hf)
         self.has_chat_template: bool = bool(getattr(hf, "chat_template", None))
-        # No token is longer than its piece (a byte-level piece has one character per byte),
-        # so a text of n characters has at least n / max_token_chars tokens: requests can be
-        # refused by size before they are tokenized.
+        # A token covers at most its piece's length of input (a byte-level piece has one
+        # character per byte), so a text of n characters has at least n / max_token_chars
+        # tokens: requests can be refused by size before they are tokenized. (A normalizer that
+        # shrinks input, e.g. collapsing runs of spaces, can beat this; such input is still
+        # that long in characters.)
         pieces = hf.convert_ids_to_tokens(list(range(self.vocab_size)))
-        self.max_token_chars: int = max(1, *(len(p) for p in pieces if p))
+        self.max_token_chars: int = max((len(p) for p in pieces if p), default=1)
         self._byte_decoder = _byte_level_decoder(hf)
         self._token_bytes: dict[int, bytes] = {}
         # The Rust tokenizer's decode, when the wrapper would add nothing to it (the wrapper's
         # Python conversions cost more than the decode itself, twice per generated token).
         backend = getattr(hf, "backend_tokenizer", None)
+        if backend is not None:
+            # Prompts are encoded on several threads while the scheduler decodes: with no
+            # truncation or padding configured, transformers never reconfigures the shared Rust
+            # tokenizer inside encode (that mutation fails "Already borrowed" under a
+            # concurrent call). We never truncate or pad.
+            backend.no_truncation()
+            backend.no_padding()
         self._backend_decode = (
             backend.decode
             if backend is not None and not getattr(hf, "clean_up_tokenization_spaces", False)
