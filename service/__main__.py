@@ -4,34 +4,24 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from service.blas import reexec_with_openblas
-
-MLX_BACKEND_HINT = "on Linux, install a backend: pip install 'mlxserve[cpu]' (or 'mlxserve[cuda]')"
-
-
-def _mlx_error() -> str | None:
-    """Why MLX cannot load, in one line (plain `mlx` on Linux has no backend library)."""
-    try:
-        import mlx.core  # noqa: F401
-    except ImportError as exc:
-        return f"MLX cannot load ({exc}); {MLX_BACKEND_HINT}"
-    return None
+from service.models.source import ModelLoadError
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
     reexec_with_openblas()
     argv = sys.argv[1:] if argv is None else argv
-    error = _mlx_error()
-    if error is not None:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    from service.models.loader import ModelLoadError
-
     try:
         if argv and argv[0] == "generate":
+            # In-process: this process runs the engine, so MLX must load here.
+            from service.core import mlx_error
+
+            error = mlx_error()
+            if error is not None:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
             from service.cli import generate_main
 
             return generate_main(argv[1:], prog=f"{prog} generate")
@@ -44,7 +34,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
 def _serve(argv: list[str], prog: str) -> int:
     from service.config import ConfigError, add_server_arguments, config_from_args
     from service.logging import configure_logging
-    from service.models.loader import check_model_source
+    from service.models.source import check_model_source
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -59,14 +49,9 @@ def _serve(argv: list[str], prog: str) -> int:
     check_model_source(config.model, config.load_format)
     configure_logging(config.log_level, config.log_format)
 
-    from service.server import serve
+    from service.launcher import run
 
-    try:
-        asyncio.run(serve(config))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run(config)
 
 
 def console_main() -> int:

@@ -13,9 +13,10 @@ import sys
 
 from mlxserve.v1 import generation_pb2 as pb
 from service.config import add_server_arguments, config_from_args
+from service.frontend.stream import RequestStream
 from service.logging import configure_logging
 from service.runtime import Runtime
-from service.scheduler.request import Sequence, StepOutput
+from service.scheduler.request import Request, StepOutput
 from service.validation import InvalidRequestError, generation_request
 
 
@@ -47,37 +48,56 @@ def generate_main(argv: list[str], prog: str = "python -m service generate") -> 
     runtime = Runtime(config)
     runtime.start()
     runtime.wait_ready()
+    assert runtime.loaded is not None and runtime.scheduler is not None
+    tokenizer = runtime.loaded.tokenizer
     try:
         request = generation_request(
             message,
-            runtime.tokenizer,
+            tokenizer,
             slot_context=runtime.slot_context,
             default_max_tokens=config.default_max_tokens,
             prompt_cache_enabled=not config.no_prompt_cache,
         )
     except InvalidRequestError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        runtime.shutdown()
         return 2
-    outputs: queue.SimpleQueue[list[StepOutput]] = queue.SimpleQueue()
-    runtime.scheduler.submit(Sequence(request, outputs.put))
-    token_ids: list[int] = []
-    final: StepOutput | None = None
-    while final is None:
-        for out in outputs.get():
-            token_ids.extend(out.token_ids)
+    # The same path as a server's front end: token ids from the scheduler, text and stop
+    # strings from a RequestStream.
+    sink = QueueSink()
+    stream = RequestStream(request, tokenizer, runtime.eos_token_ids)
+    seq = Request(request, sink)
+    runtime.scheduler.submit(seq)
+    final = None
+    while not stream.done:
+        for out in sink.outputs.get():
+            stopped = stream.stopped
+            delta = stream.push(out)
+            if stream.stopped and not stopped:
+                runtime.scheduler.cancel(seq)
             if not args.json:
-                sys.stdout.write(out.text)
+                sys.stdout.write(delta.text)
                 sys.stdout.flush()
-            if out.finished:
-                final = out
+            final = delta.final or final
     runtime.shutdown()
+    assert final is not None
     if args.json:
-        text = runtime.tokenizer.decode(token_ids)
+        text = tokenizer.decode([t for t in stream.token_ids if t not in runtime.eos_token_ids])
         print(
-            json.dumps(
-                {"token_ids": token_ids, "text": text, "finish_reason": final.finish_reason.value}
-            )
+            json.dumps({"token_ids": stream.token_ids, "text": text, "finish_reason": final.reason})
         )
     else:
-        print(f"\n[{final.finish_reason.value}; {final.completion_tokens} tokens]", file=sys.stderr)
+        print(f"\n[{final.reason}; {final.completion_tokens} tokens]", file=sys.stderr)
     return 0 if final.error is None else 1
+
+
+class QueueSink:
+    """The scheduler's outputs for this one in-process request."""
+
+    batch_key = "cli"
+
+    def __init__(self) -> None:
+        self.outputs: queue.SimpleQueue[list[StepOutput]] = queue.SimpleQueue()
+
+    def deliver(self, outputs: list[StepOutput]) -> None:
+        self.outputs.put(outputs)

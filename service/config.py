@@ -42,6 +42,7 @@ class ServerConfig:
     metrics_port: int | None = None
     max_request_bytes: int = 4 << 20  # gRPC's own default receive limit
     drain_seconds: float = 10.0
+    api_workers: int = 1
 
     @property
     def batch_size(self) -> int:
@@ -82,6 +83,8 @@ class ServerConfig:
             self.slot_context(self.ctx_size)  # refuses slots under 512 tokens before loading
         if self.default_max_tokens < 1:
             raise ConfigError("--default-max-tokens must be at least 1")
+        if self.api_workers < 1:
+            raise ConfigError("--api-workers must be at least 1")
         if self.max_request_bytes < 1:
             raise ConfigError("--max-request-bytes must be at least 1")
 
@@ -219,6 +222,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--log-level", default=_env("log_level", d.log_level))
     a("--log-format", default=_env("log_format", d.log_format), help="auto | json | console")
+    a(
+        "--api-workers",
+        type=int,
+        default=int(_env("api_workers", d.api_workers)),
+        help="gRPC front-end processes sharing the port (SO_REUSEPORT); one engine core serves "
+        "them all",
+    )
     a(
         "--metrics-port",
         type=int,

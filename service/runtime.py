@@ -1,4 +1,8 @@
-"""Everything the server runs on, wired once: model, KV storage, engine, scheduler."""
+"""The engine core's contents, wired once: model, KV storage, engine, scheduler.
+
+Lives in the engine-core process (service.core), or in-process for `python -m service
+generate`. Other threads read only what the scheduler thread publishes: the model's
+description (fixed once loaded) and a CacheStats snapshot refreshed after ticks."""
 
 from __future__ import annotations
 
@@ -27,10 +31,10 @@ from service.models.layout import CacheLayout, UnsupportedModelError, probe_layo
 from service.models.loader import LoadedModel, ModelLoadError, load_model
 from service.scheduler.request import SequenceStatus
 from service.scheduler.scheduler import Scheduler, SchedulerConfig
-from service.telemetry.telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 PAGED_BLOCK_SIZE = 16
+STATS_INTERVAL_S = 0.02  # CacheStats snapshots while requests run
 DETERMINISTIC_CHUNK = 2048
 
 _SLOT_STATE = {
@@ -57,11 +61,9 @@ def fault_injector_from_env() -> FaultInjector | None:
 
 
 class Runtime:
-    def __init__(self, config: ServerConfig, telemetry: Telemetry | None = None) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.telemetry = telemetry or Telemetry()  # default: all off
         self.serving = False
-        self.draining = False
         self.loaded: LoadedModel | None = None
         self.layout: CacheLayout | None = None
         self.scheduler: Scheduler | None = None
@@ -70,6 +72,8 @@ class Runtime:
         self.kv_budget_unlimited = True
         # Told (from the engine thread) when the engine turns unhealthy or healthy again.
         self.on_engine_health: Callable[[bool], object] | None = None
+        self._stats = pb.CacheStatsResponse(max_batch_size=self.batch_size)
+        self._stats_at = 0.0
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -81,6 +85,13 @@ class Runtime:
         evaluates what mlx-lm creates lazily) is the one that runs every forward."""
         self._thread = threading.Thread(target=self._engine_main, name="engine", daemon=True)
         self._thread.start()
+
+    @property
+    def load_error(self) -> BaseException | None:
+        """What loading raised, once the engine thread has ended; else None."""
+        if self._load_error is not None and self._thread is not None:
+            self._thread.join()
+        return self._load_error
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the model is loaded; raises what loading raised (once the engine thread
@@ -171,14 +182,9 @@ class Runtime:
                 preemption_policy=cfg.preemption_policy,
                 kv_admission_watermark=cfg.kv_admission_watermark,
             ),
-            decode=lm.tokenizer.decode,
-            ends_mid_character=lm.tokenizer.ends_mid_character,
-            # Random weights emit EOS at random: dummy models always generate to max_tokens.
-            eos_token_ids=frozenset()
-            if lm.model_id.startswith("dummy:")
-            else lm.tokenizer.eos_token_ids,
-            observer=self.telemetry.observer,
+            eos_token_ids=self.eos_token_ids,
             on_health=self._engine_health,
+            on_tick=self._publish_stats,
         )
         warm_up_seconds = self._warm_up()
         self._log_decode_path(lm, fam.verified)
@@ -202,7 +208,17 @@ class Runtime:
             warm_up_seconds=warm_up_seconds,
             seconds=round(time.monotonic() - started, 2),
         )
+        self._stats = self._build_stats(self.scheduler)
         self.serving = True
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """What ends a generation. Random weights emit EOS at random: dummy models always
+        generate to max_tokens."""
+        lm = self.loaded
+        if lm is None or lm.model_id.startswith("dummy:"):
+            return frozenset()
+        return lm.tokenizer.eos_token_ids
 
     def _engine_health(self, healthy: bool) -> None:
         if self.on_engine_health is not None:
@@ -294,39 +310,27 @@ class Runtime:
             enable_prefix_caching=not cfg.no_prompt_cache and not layout.stateful,
         )
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> str | None:
-        """Why a request can never fit the KV budget, or None."""
-        capacity = self.engine.capacity_tokens()
-        if capacity is not None and prompt_tokens + max_tokens > capacity:
-            return (
-                f"the KV cache budget holds {capacity} tokens; this request needs up to "
-                f"{prompt_tokens + max_tokens} (prompt {prompt_tokens} + max_tokens {max_tokens})"
-            )
-        return None
-
-    @property
-    def tokenizer(self):
-        assert self.loaded is not None
-        return self.loaded.tokenizer
-
-    def unavailable_reason(self) -> str:
-        return "server is draining" if self.draining else "model is loading"
-
-    def metrics_rejected(self, reason: str) -> None:
-        """A request refused before queueing (queue_full, invalid_argument, ...)."""
-        self.telemetry.rejected(reason)
-
     def cache_stats(self) -> pb.CacheStatsResponse:
-        sched = self.scheduler
+        """The latest CacheStats snapshot (published by the scheduler thread; safe anywhere)."""
+        return self._stats
+
+    def _publish_stats(self, sched: Scheduler) -> None:
+        """After a tick, on the scheduler thread: refresh the snapshot, at most every
+        STATS_INTERVAL_S while work runs (it walks every running row), always when idle."""
+        now = time.monotonic()
+        if sched.busy and now - self._stats_at < STATS_INTERVAL_S:
+            return
+        self._stats_at = now
+        self._stats = self._build_stats(sched)
+
+    def _build_stats(self, sched: Scheduler) -> pb.CacheStatsResponse:
         response = pb.CacheStatsResponse(
             slot_context_tokens=self.slot_context, max_batch_size=self.batch_size
         )
-        if sched is None:
-            return response
         storage = self.engine.storage
         response.storage_backend = storage.name
         response.reserved_bytes = storage.reserved_bytes
-        running = sched.snapshot()
+        running = sched.running
         if isinstance(storage, PagedKVStorage):
             stats = storage.stats()
             response.block_size = stats.block_size

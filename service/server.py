@@ -1,9 +1,19 @@
-"""The gRPC server: GenerationService, health and reflection on one grpc.aio server."""
+"""A gRPC front end: GenerationService, health and reflection on one grpc.aio server.
+
+It serves while the engine core (another process, service.core) loads the model: health says
+NOT_SERVING and generation answers UNAVAILABLE until the core reports the model ready. If the
+core dies, every open RPC ends with UNAVAILABLE, health goes NOT_SERVING, and `serve_frontend`
+returns CORE_DIED_EXIT so that the server exits non-zero (a supervisor restarts it).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 import grpc
 import structlog
@@ -12,28 +22,44 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.config import ConfigError, ServerConfig
+from service.frontend.engine_client import EngineClient, LoadFailedError
 from service.introspection import HealthServicer, enable_server_reflection
 from service.request_decoding import DecodeErrorInterceptor
-from service.runtime import Runtime
-from service.servicer import GenerationServicer
+from service.servicer import GenerationServicer, served_model
 from service.telemetry.telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+LOAD_FAILED_EXIT = 2
+CORE_DIED_EXIT = 3
+STATS_TIMEOUT_S = 2.0  # a scrape waits this long for the core's CacheStats
 
 
-async def serve(config: ServerConfig) -> None:
+async def serve_frontend(
+    config: ServerConfig,
+    run_dir: Path,
+    index: int,
+    core_alive: Connection,
+    workers: int = 1,
+    on_stop: Callable[[], None] | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT (then drain) or until the core dies. `core_alive`: a pipe
+    end that reads EOF once the core process is gone; `workers`: front-end processes sharing
+    the port (SO_REUSEPORT); `on_stop`: called when a stop signal arrives. Returns the exit
+    code."""
     telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
-    runtime = Runtime(config, telemetry)
+    client = EngineClient(run_dir, index)
     server = grpc.aio.server(
         # Innermost last: tracing sees an undecodable request's INVALID_ARGUMENT like any other.
         interceptors=[*telemetry.server_interceptors(SERVICE_NAME), DecodeErrorInterceptor()],
         options=[
-            ("grpc.so_reuseport", 0),
+            # One front end alone gets the port to itself (so a second server fails to bind);
+            # several share it, and the kernel spreads connections over them.
+            ("grpc.so_reuseport", 1 if workers > 1 else 0),
             ("grpc.max_receive_message_length", config.max_request_bytes),
         ],
     )
-    servicer = GenerationServicer(runtime)
+    servicer = GenerationServicer(config, client, telemetry)
     pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -45,59 +71,95 @@ async def serve(config: ServerConfig) -> None:
         bound = 0
     if bound == 0:
         raise ConfigError(f"could not bind {address}: is another server using the port?")
-    if config.metrics_port:
-        try:
-            telemetry.start_metrics_server(config.host, config.metrics_port, runtime.cache_stats)
-        except OSError as exc:
-            message = f"could not serve metrics on port {config.metrics_port}: {exc}"
-            raise ConfigError(message) from exc
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
-    log.info("listening; loading the model", address=address)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    async def set_health(healthy: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if healthy
-            else (health_pb2.HealthCheckResponse.NOT_SERVING)
-        )
-        if runtime.serving:
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, status)
-
-    # The engine thread reports when repeated steps fail (and when it recovers).
-    runtime.on_engine_health = lambda healthy: asyncio.run_coroutine_threadsafe(
-        set_health(healthy), loop
-    )
-    # Load on the engine thread, off the event loop, so health and reflection answer while the
-    # weights load.
-    runtime.start()
-    load = loop.run_in_executor(None, runtime.wait_ready)
-    done, _ = await asyncio.wait(
-        {load, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
-    )
-    if load in done:
-        if load.exception() is not None:
-            await server.stop(0)  # a failed load ends the server with its error
-            servicer.close()
-            raise load.exception()
+    async def set_health(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse
         for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving", address=address)
-        await stop.wait()
+            await health_servicer.set(name, status.SERVING if serving else status.NOT_SERVING)
 
-    log.info("draining", grace_seconds=config.drain_seconds)
-    runtime.draining = True
-    runtime.serving = False
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=config.drain_seconds)
-    servicer.close()
-    runtime.shutdown()
-    telemetry.shutdown()  # exports the spans still buffered
-    log.info("stopped")
+    await set_health(False)
+    await server.start()
+    log.info("listening; the engine core loads the model", address=address, frontend=index)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def on_signal() -> None:
+        if stop.is_set():
+            return
+        if on_stop is not None:
+            on_stop()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+
+    def on_core_exit() -> None:
+        nonlocal exit_code
+        loop.remove_reader(core_alive.fileno())
+        if stop.is_set():
+            return  # we are stopping it ourselves
+        log.error("the engine core exited: ending every open request", frontend=index)
+        exit_code = CORE_DIED_EXIT
+        client.core_died()
+        stop.set()
+
+    loop.add_reader(core_alive.fileno(), on_core_exit)
+    client.on_health = lambda healthy: asyncio.ensure_future(
+        set_health(healthy and servicer.serving)
+    )
+    try:
+        connect = asyncio.ensure_future(client.connect())
+        waiter = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({connect, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if connect.done():
+            try:
+                ready = connect.result()
+            except LoadFailedError as exc:
+                log.error("the model could not be loaded", error=str(exc))
+                exit_code = exit_code or LOAD_FAILED_EXIT
+                raise
+            servicer.model = await loop.run_in_executor(None, served_model, ready)
+            if config.metrics_port and index == 0:
+                _serve_metrics(config, telemetry, client)
+            await set_health(True)
+            log.info("serving", address=address, frontend=index)
+            await stop.wait()
+        else:
+            connect.cancel()
+    finally:
+        servicer.draining = True
+        await health_servicer.enter_graceful_shutdown()
+        grace = 0 if exit_code else config.drain_seconds
+        log.info("draining", grace_seconds=grace, frontend=index)
+        await server.stop(grace=grace)
+        servicer.close()
+        with contextlib.suppress(Exception):
+            loop.remove_reader(core_alive.fileno())
+        await client.close()
+        telemetry.shutdown()  # exports the spans still buffered
+        log.info("stopped", frontend=index)
+    return exit_code
+
+
+def _serve_metrics(config: ServerConfig, telemetry: Telemetry, client: EngineClient) -> None:
+    """/metrics on this front end; its gauges ask the core for CacheStats at each scrape (from
+    the metrics server's thread, through this event loop)."""
+    loop = asyncio.get_running_loop()
+    latest = [pb.CacheStatsResponse()]
+
+    def cache_stats() -> pb.CacheStatsResponse:
+        if not client.gone.is_set():
+            with contextlib.suppress(Exception):
+                future = asyncio.run_coroutine_threadsafe(client.stats(), loop)
+                latest[0] = future.result(STATS_TIMEOUT_S)
+        return latest[0]
+
+    try:
+        assert config.metrics_port is not None
+        telemetry.start_metrics_server(config.host, config.metrics_port, cache_stats)
+    except OSError as exc:
+        message = f"could not serve metrics on port {config.metrics_port}: {exc}"
+        raise ConfigError(message) from exc

@@ -1,4 +1,9 @@
-"""GenerationService: translates between gRPC messages and the scheduler. No policy here."""
+"""GenerationService on a front end: translates between gRPC messages and the engine core.
+
+Validation and tokenization (off the event loop), detokenization and stop strings
+(service.frontend.stream), streaming and telemetry live here; scheduling and forwards live in
+the engine-core process, reached through `EngineClient`. No policy here.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import functools
 import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -14,48 +20,51 @@ import structlog
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service.runtime import Runtime
-from service.scheduler.request import FinishReason, Sequence, StepOutput
-from service.scheduler.scheduler import QueueFullError
-from service.validation import InvalidRequestError, generation_request, prompt_token_ids
+from service import ipc
+from service.config import ServerConfig
+from service.frontend.engine_client import CORE_GONE, EngineClient, drain
+from service.frontend.stream import Delta, RequestStream
+from service.models.tokenizer import Tokenizer
+from service.scheduler.request import Final, FinishReason
+from service.telemetry.telemetry import Telemetry
+from service.validation import (
+    InvalidRequestError,
+    generation_request,
+    kv_budget_refusal,
+    prompt_token_ids,
+)
 
 log = structlog.get_logger(__name__)
 
 _FINISH = {
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
-    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.STOP.value: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH.value: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED.value: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR.value: pb.FINISH_REASON_ERROR,
 }
 BACKEND_ERROR = "inference backend error"
+CORE_GONE_MESSAGE = "the engine core exited; the server is restarting"
 T = TypeVar("T")
 
 
-class LoopSink:
-    """Hands a request's outputs from the scheduler thread to its RPC task's queue. The
-    scheduler delivers all sinks of one event loop together (`deliver_all`): one thread-safe
-    wake-up of the loop per tick, not one per request."""
+@dataclass(frozen=True)
+class ServedModel:
+    """What a front end knows of the loaded model (from the core's Ready message)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-        self.batch_key = loop
-        self.queue = queue
-
-    def __call__(self, outputs: list[StepOutput]) -> None:
-        self.batch_key.call_soon_threadsafe(self.queue.put_nowait, outputs)
-
-    @staticmethod
-    def deliver_all(items: list[tuple[LoopSink, list[StepOutput]]]) -> None:
-        items[0][0].batch_key.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list[tuple[LoopSink, list[StepOutput]]]) -> None:
-    for sink, outputs in items:
-        sink.queue.put_nowait(outputs)
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    slot_context: int
+    capacity_tokens: int | None
+    info: pb.GetModelInfoResponse
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, runtime: Runtime) -> None:
-        self.rt = runtime
+    def __init__(self, config: ServerConfig, client: EngineClient, telemetry: Telemetry) -> None:
+        self.config = config
+        self.client = client
+        self.telemetry = telemetry
+        self.model: ServedModel | None = None  # set once the core's model is loaded
+        self.draining = False
         self._active_ids: set[str] = set()
         # Tokenization (and validation, which walks every token id) runs here, never on the
         # event loop: a big prompt would stall every stream and health check meanwhile. The
@@ -63,6 +72,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self._prompt_pool = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
         )
+
+    @property
+    def serving(self) -> bool:
+        return self.model is not None and not self.draining and not self.client.gone.is_set()
+
+    def unavailable_reason(self) -> str:
+        if self.client.gone.is_set():
+            return CORE_GONE_MESSAGE
+        return "server is draining" if self.draining else "model is loading"
 
     def close(self) -> None:
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
@@ -74,90 +92,94 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     # -- RPCs -----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
-        async for out in self._run(request, context):
-            response.request_id = out.request_id
-            response.text += out.text
-            response.token_ids.extend(out.token_ids)
-            self._fill_extras(response, out)
+        async for request_id, delta in self._run(request, context):
+            response.request_id = request_id
+            response.text += delta.text
+            response.token_ids.extend(delta.token_ids)
+            self._fill_extras(response, delta)
         return response
 
     async def StreamGenerate(
         self, request: pb.StreamGenerateRequest, context: Any
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
-        async for out in self._run(request, context):
+        async for request_id, delta in self._run(request, context):
             message = pb.StreamGenerateResponse(
-                request_id=out.request_id, text=out.text, token_ids=out.token_ids
+                request_id=request_id, text=delta.text, token_ids=delta.token_ids
             )
-            self._fill_extras(message, out)
+            self._fill_extras(message, delta)
             yield message
 
     async def CacheStats(
         self, request: pb.CacheStatsRequest, context: Any
     ) -> pb.CacheStatsResponse:
-        return self.rt.cache_stats()
+        if self.model is None or self.client.gone.is_set():
+            return pb.CacheStatsResponse(max_batch_size=self.config.batch_size)
+        try:
+            return await self.client.stats()
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine core did not answer")
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: Any
     ) -> pb.GetModelInfoResponse:
-        return self.rt.model_info()
+        if self.model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
+        return self.model.info
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
-        if not self.rt.serving:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.rt.unavailable_reason())
+        if self.model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
         try:
-            return await self._off_loop(self._tokenize, request)
+            return await self._off_loop(self._tokenize, request, self.model)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        tok = self.rt.tokenizer
-        ids = prompt_token_ids(request, tok, slot_context=self.rt.slot_context)
+    @staticmethod
+    def _tokenize(request: pb.TokenizeRequest, model: ServedModel) -> pb.TokenizeResponse:
+        tok = model.tokenizer
+        ids = prompt_token_ids(request, tok, slot_context=model.slot_context)
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) for i in ids])
 
     # -- the request path -------------------------------------------------------------
-    async def _run(self, message: Any, context: Any) -> AsyncIterator[StepOutput]:
-        """Validate, queue and follow one request; yields its outputs; aborts with a status."""
-        rt = self.rt
-        if not rt.serving:
-            rt.metrics_rejected("unavailable")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, rt.unavailable_reason())
+    async def _run(self, message: Any, context: Any) -> AsyncIterator[tuple[str, Delta]]:
+        """Validate, queue and follow one request; yields (request_id, delta) as the engine
+        produces tokens (several steps in one delta when this RPC fell behind); aborts with a
+        status on failure."""
+        if not self.serving:
+            self.telemetry.rejected("unavailable")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
+        model = self.model
+        assert model is not None
         try:
             req = await self._off_loop(
                 generation_request,
                 message,
-                rt.tokenizer,
-                slot_context=rt.slot_context,
-                default_max_tokens=rt.config.default_max_tokens,
-                prompt_cache_enabled=not rt.config.no_prompt_cache,
+                model.tokenizer,
+                slot_context=model.slot_context,
+                default_max_tokens=self.config.default_max_tokens,
+                prompt_cache_enabled=not self.config.no_prompt_cache,
             )
         except InvalidRequestError as exc:
-            rt.metrics_rejected("invalid_argument")
+            self.telemetry.rejected("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # Nothing awaits from here to `_active_ids.add` but an abort: the ALREADY_EXISTS check
         # and the add are one step for the event loop.
-        too_big = rt.check_fits(len(req.prompt_token_ids), req.max_tokens)
+        prompt_tokens = len(req.prompt_token_ids)
+        too_big = kv_budget_refusal(model.capacity_tokens, prompt_tokens, req.max_tokens)
         if too_big is not None:
-            rt.metrics_rejected("kv_budget")
+            self.telemetry.rejected("kv_budget")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
         if req.request_id in self._active_ids:
-            rt.metrics_rejected("already_exists")
+            self.telemetry.rejected("already_exists")
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
             )
+        if not self.serving:  # the core died or a drain began while we tokenized
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
         bound = log.bind(request_id=req.request_id)
-        outputs: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
-        sink = LoopSink(asyncio.get_running_loop(), outputs)
-
-        seq = Sequence(req, sink)
-        telemetry = rt.telemetry
-        telemetry.request_started(seq, rt.scheduler.queue_depth)  # the RPC span, trace ids
-        try:
-            rt.scheduler.submit(seq)
-        except QueueFullError as exc:
-            rt.metrics_rejected("queue_full")
-            bound.warning("rejected: queue full")
-            telemetry.request_ended(seq, submitted=False)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        stream = RequestStream(req, model.tokenizer, model.eos_token_ids)
+        state = self.telemetry.request_started(req)
+        rid, outputs = self.client.submit(req, state.ids if state is not None else None)
         self._active_ids.add(req.request_id)
         bound.info(
             "request queued",
@@ -165,36 +187,51 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             max_tokens=req.max_tokens,
             priority=req.priority,
         )
-        finished = False
         try:
-            while not finished:
-                batch = await outputs.get()
-                telemetry.request_outputs(seq, batch)
-                for out in batch:
-                    if out.finish_reason is FinishReason.ERROR:
-                        finished = True
-                        bound.error("request failed", error=out.error)
-                        await context.abort(grpc.StatusCode.INTERNAL, BACKEND_ERROR)
-                    finished = out.finished
-                    yield out
+            while not stream.done:
+                items = [await outputs.get(), *drain(outputs)]
+                delta = Delta()
+                for item in items:
+                    if isinstance(item, ipc.Rejected):
+                        self.telemetry.rejected("queue_full")
+                        bound.warning("rejected: queue full")
+                        stream.done = True
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, item.message)
+                    if item is CORE_GONE:
+                        stream.done = True
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, CORE_GONE_MESSAGE)
+                    self.telemetry.request_events(state, item.events)
+                    stopped = stream.stopped
+                    step = stream.push(item)
+                    if stream.stopped and not stopped:
+                        self.client.abort(rid)  # a stop string matched: end it in the core
+                    _merge(delta, step)
+                self.telemetry.request_tokens(state, len(delta.token_ids))
+                if delta.final is not None and delta.final.reason == FinishReason.ERROR.value:
+                    bound.error("request failed", error=delta.final.error)
+                    await context.abort(grpc.StatusCode.INTERNAL, BACKEND_ERROR)
+                if delta.token_ids or delta.text or delta.final is not None:
+                    yield req.request_id, delta
         finally:
             self._active_ids.discard(req.request_id)
-            if not finished:
+            self.telemetry.request_ended(state, stream.done, len(stream.token_ids))
+            self.client.release(rid)
+            if not stream.done:
                 # Cancelled, deadline passed or the client went away: free its slot now.
                 bound.info("request cancelled by the client")
-                rt.scheduler.cancel(seq)
-            telemetry.request_ended(seq)
+                self.client.abort(rid)
 
-    def _fill_extras(self, message: Any, out: StepOutput) -> None:
+    def _fill_extras(self, message: Any, delta: Delta) -> None:
         """Logprobs and, on the last output, the final fields (skipped cheaply when absent:
-        this runs once per token of every stream)."""
-        if out.logprobs:
-            message.logprobs.extend(self._logprobs(out))
-        if out.finish_reason is not None:
-            self._fill_final(message, out)
+        this runs once per step of every stream)."""
+        if delta.logprobs:
+            message.logprobs.extend(self._logprobs(delta))
+        if delta.final is not None:
+            _fill_final(message, delta.final)
 
-    def _logprobs(self, out: StepOutput) -> list[pb.TokenLogprob]:
-        tok = self.rt.tokenizer
+    def _logprobs(self, delta: Delta) -> list[pb.TokenLogprob]:
+        assert self.model is not None
+        tok = self.model.tokenizer
         return [
             pb.TokenLogprob(
                 token_id=lp.token_id,
@@ -205,23 +242,44 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     for t, v in lp.top
                 ],
             )
-            for lp in out.logprobs
+            for lp in delta.logprobs
         ]
 
-    @staticmethod
-    def _fill_final(message: Any, out: StepOutput) -> None:
-        message.finish_reason = _FINISH[out.finish_reason]
-        message.usage.CopyFrom(
-            pb.Usage(
-                prompt_tokens=out.prompt_tokens,
-                completion_tokens=out.completion_tokens,
-                cached_tokens=out.cached_tokens,
-            )
+
+def _merge(into: Delta, step: Delta) -> None:
+    into.token_ids.extend(step.token_ids)
+    into.text += step.text
+    into.logprobs.extend(step.logprobs)
+    if step.final is not None:
+        into.final = step.final
+
+
+def _fill_final(message: Any, final: Final) -> None:
+    message.finish_reason = _FINISH[final.reason]
+    message.usage.CopyFrom(
+        pb.Usage(
+            prompt_tokens=final.prompt_tokens,
+            completion_tokens=final.completion_tokens,
+            cached_tokens=final.cached_tokens,
         )
-        message.timing.CopyFrom(
-            pb.Timing(
-                queue_seconds=out.queue_seconds,
-                time_to_first_token_seconds=out.ttft_seconds,
-                total_seconds=out.total_seconds,
-            )
+    )
+    message.timing.CopyFrom(
+        pb.Timing(
+            queue_seconds=final.queue_seconds,
+            time_to_first_token_seconds=final.ttft_seconds,
+            total_seconds=final.total_seconds,
         )
+    )
+
+
+def served_model(ready: ipc.Ready) -> ServedModel:
+    """The front end's view of the core's model (loads the tokenizer the core saved)."""
+    from pathlib import Path
+
+    return ServedModel(
+        tokenizer=Tokenizer.load(Path(ready.tokenizer_dir)),
+        eos_token_ids=frozenset(ready.eos_token_ids),
+        slot_context=ready.slot_context,
+        capacity_tokens=ready.capacity_tokens,
+        info=pb.GetModelInfoResponse.FromString(ready.model_info),
+    )

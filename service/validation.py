@@ -7,7 +7,7 @@ import uuid
 from typing import Protocol
 
 from mlxserve.v1 import generation_pb2 as pb
-from service.engine.sampler import SamplingParams
+from service.engine.params import SamplingParams
 from service.models.tokenizer import CHAT_ROLES, ChatTurn
 from service.scheduler.request import GenerationRequest
 
@@ -194,3 +194,16 @@ def generation_request(
         top_logprobs=int(message.top_logprobs),
         cache_prompt=cache_prompt and prompt_cache_enabled,
     )
+
+
+def kv_budget_refusal(
+    capacity_tokens: int | None, prompt_tokens: int, max_tokens: int
+) -> str | None:
+    """Why a request can never fit the KV budget (None: it can, or there is no budget)."""
+    needed = prompt_tokens + max_tokens
+    if capacity_tokens is not None and needed > capacity_tokens:
+        return (
+            f"the KV cache budget holds {capacity_tokens} tokens; this request needs up to "
+            f"{needed} (prompt {prompt_tokens} + max_tokens {max_tokens})"
+        )
+    return None

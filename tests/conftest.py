@@ -203,6 +203,41 @@ def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[S
         server.stop()
 
 
+@contextlib.asynccontextmanager
+async def in_process_server(config: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """A front end (servicer) on this event loop, behind a real grpc.aio server on a free
+    port, and an engine core on a thread of this process, joined by the real ZeroMQ channel:
+    for tests that need to reach into the servicer. Yields (stub, servicer)."""
+    import shutil
+
+    from service.core import CoreServer, make_run_dir
+    from service.frontend.engine_client import EngineClient
+    from service.servicer import GenerationServicer, served_model
+    from service.telemetry.telemetry import Telemetry
+
+    run_dir = make_run_dir()
+    core = CoreServer(config, run_dir)
+    thread = threading.Thread(target=core.serve, name="core", daemon=True)
+    thread.start()
+    client = EngineClient(run_dir, 0)
+    server = grpc.aio.server()
+    servicer = GenerationServicer(config, client, Telemetry())
+    try:
+        servicer.model = served_model(await client.connect())
+        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield pb_grpc.GenerationServiceStub(channel), servicer
+    finally:
+        await server.stop(0)
+        servicer.close()
+        await client.close()
+        core.stop()
+        thread.join(30)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     """The shared real server: embedded SmolLM2, up to 8 rows per decode step."""

@@ -12,13 +12,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import GENERATION_SERVICE, chat_request, running_server, to_stream
+from conftest import (
+    GENERATION_SERVICE,
+    chat_request,
+    in_process_server,
+    running_server,
+    to_stream,
+)
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.config import ServerConfig
-from service.runtime import Runtime
-from service.servicer import GenerationServicer
 
 pytestmark = pytest.mark.model
 
@@ -190,26 +194,20 @@ async def test_a_message_over_max_request_bytes_is_refused_by_grpc(server) -> No
 async def test_tokenization_runs_off_the_event_loop(monkeypatch) -> None:
     """The servicer in-process behind a real grpc.aio server: every encode of Generate,
     StreamGenerate (chat) and Tokenize runs on another thread than the event loop's."""
-    runtime = Runtime(ServerConfig(load_format="dummy:tiny", parallel=2))
-    runtime.start()  # loads and serves on its engine thread
-    await asyncio.to_thread(runtime.wait_ready)
-    tok = runtime.tokenizer
-    encode = tok.encode
     threads: list[threading.Thread] = []
+    async with in_process_server(ServerConfig(load_format="dummy:tiny", parallel=2)) as (
+        stub,
+        servicer,
+    ):
+        tok = servicer.model.tokenizer
+        encode = tok.encode
 
-    def recording_encode(text: str) -> list[int]:
-        threads.append(threading.current_thread())
-        return encode(text)
+        def recording_encode(text: str) -> list[int]:
+            threads.append(threading.current_thread())
+            return encode(text)
 
-    monkeypatch.setattr(tok, "encode", recording_encode)
-    server = grpc.aio.server()
-    servicer = GenerationServicer(runtime)
-    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
+        monkeypatch.setattr(tok, "encode", recording_encode)
+        if True:
             tokenized = await stub.Tokenize(pb.TokenizeRequest(text="Hello world"), timeout=30)
             assert list(tokenized.token_ids) == encode("Hello world")
             one = pb.StoppingCriteria(max_tokens=1)
@@ -217,10 +215,6 @@ async def test_tokenization_runs_off_the_event_loop(monkeypatch) -> None:
             assert len(reply.token_ids) == 1
             stream = to_stream(chat_request("Hi", max_tokens=1))
             assert [m async for m in stub.StreamGenerate(stream, timeout=60)]
-    finally:
-        await server.stop(0)
-        servicer.close()
-        runtime.shutdown()
     assert len(threads) == 3
     loop_thread = threading.current_thread()
     assert all(t is not loop_thread for t in threads), [t.name for t in threads]

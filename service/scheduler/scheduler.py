@@ -26,12 +26,12 @@ import mlx.core as mx
 import structlog
 
 from service.engine.engine import Engine, EngineSequence, PendingStep, RowResult, StepRow
-from service.scheduler.detokenizer import IncrementalDetokenizer
 from service.scheduler.prefill_plan import PrefillPlan
 from service.scheduler.request import (
+    Final,
     FinishReason,
     OutputSink,
-    Sequence,
+    Request,
     SequenceStatus,
     StepOutput,
     TokenLogprob,
@@ -75,18 +75,11 @@ class SchedulerStats:
 UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
-class SchedulerObserver:
-    """Lifecycle hooks for telemetry; the default does nothing."""
-
-    def on_event(self, seq: Sequence, name: str, **attrs: object) -> None:
-        pass
-
-
 class _Cancel:
     """Cancel this sequence object, not "whatever now has its request_id": a client may reuse
     the id of a cancelled request before the scheduler has ended it."""
 
-    def __init__(self, seq: Sequence) -> None:
+    def __init__(self, seq: Request) -> None:
         self.seq = seq
 
 
@@ -98,35 +91,34 @@ class Scheduler:
         self,
         engine: Engine,
         config: SchedulerConfig,
-        decode: Callable[[list[int]], str],
         eos_token_ids: frozenset[int],
-        ends_mid_character: Callable[[list[int]], bool | None] | None = None,
-        observer: SchedulerObserver | None = None,
         on_health: Callable[[bool], None] | None = None,
+        on_tick: Callable[[Scheduler], None] | None = None,
     ) -> None:
+        """on_health: told (on the scheduler thread) when the engine turns unhealthy or
+        healthy again; on_tick: called after each tick's outputs are delivered (and before
+        the loop blocks when idle), on the scheduler thread: where stats are published."""
         self.engine = engine
         self._on_health = on_health
         self.healthy = True
         self._failed_steps = 0  # consecutive engine steps in which every row failed
-        self._touched: list[Sequence] = []  # the sequences of the engine call under way
-        self.observer = observer or SchedulerObserver()
+        self._touched: list[Request] = []  # the sequences of the engine call under way
+        self._on_tick = on_tick
         self.config = config
-        self._decode = decode
-        self._ends_mid_character = ends_mid_character
         self._eos = eos_token_ids
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: list[tuple[int, int, Sequence]] = []  # heap: (-priority, order, seq)
-        self._running: list[Sequence] = []
+        self._waiting: list[tuple[int, int, Request]] = []  # heap: (-priority, order, seq)
+        self._running: list[Request] = []
         self._inflight: PendingStep | None = None
         self._order = itertools.count()
         self._lock = threading.Lock()
         self._pending_admissions = 0  # submitted, not yet admitted: the queue depth
-        self._outbox: dict[object, list[StepOutput]] = {}
+        self._outbox: dict[Request, StepOutput] = {}  # this tick's output of each request
         self._thread: threading.Thread | None = None
         self.stats = SchedulerStats()
 
     # -- called from other threads ------------------------------------------------------
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, seq: Request) -> None:
         """Queue a request; raises QueueFullError at once when the queue is full."""
         # Requests that free slots will take at the next tick are not waiting: a burst that
         # fits the batch is never refused.
@@ -137,7 +129,7 @@ class Scheduler:
             self._pending_admissions += 1
         self._inbox.put(seq)
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: Request) -> None:
         """End `seq` (queued or running) as cancelled at the next tick; no-op once finished."""
         self._inbox.put(_Cancel(seq))
 
@@ -154,8 +146,14 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def snapshot(self) -> list[Sequence]:
-        return list(self._running)
+    @property
+    def running(self) -> list[Request]:
+        """The running requests (scheduler thread only: other threads read published stats)."""
+        return self._running
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running or self._waiting or self._inflight is not None)
 
     # -- the loop -------------------------------------------------------------------
     def run_forever(self) -> None:
@@ -201,6 +199,7 @@ class Scheduler:
             else:
                 item.arrival_order = next(self._order)
                 heapq.heappush(self._waiting, (-item.request.priority, item.arrival_order, item))
+                self._event(item, "queued", queue_depth=len(self._waiting))
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -218,7 +217,7 @@ class Scheduler:
         self._decode_step()
 
     # -- actions ----------------------------------------------------------------------
-    def _admit(self) -> list[Sequence]:
+    def _admit(self) -> list[Request]:
         admitted = []
         while self._waiting and len(self._running) < self.config.max_batch_size:
             seq = self._waiting[0][2]
@@ -235,16 +234,16 @@ class Scheduler:
             seq.admitted_at = seq.admitted_at or time.monotonic()
             self._running.append(seq)
             admitted.append(seq)
-            self.observer.on_event(seq, "admitted" if first else "resumed")
+            self._event(seq, "admitted" if first else "resumed")
         return admitted
 
-    def _pop_waiting(self) -> Sequence:
+    def _pop_waiting(self) -> Request:
         _, _, seq = heapq.heappop(self._waiting)
         with self._lock:
             self._pending_admissions -= 1
         return seq
 
-    def _start_sequence(self, seq: Sequence) -> bool:
+    def _start_sequence(self, seq: Request) -> bool:
         """Give a waiting sequence its engine state: adopt a cached prefix, reserve KV blocks
         for the rest of its prompt, plan its prefill. False (nothing held) if blocks are short."""
         req = seq.request
@@ -264,10 +263,6 @@ class Scheduler:
             return False
         seq.engine_seq = engine_seq
         seq.sampler_state = engine_seq.sampler  # survives a preemption
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(
-                self._decode, req.stop, self._ends_mid_character
-            )
         if seq.admitted_at is None:
             seq.cached_tokens = cached
         seq.plan = PrefillPlan(total_tokens=len(tokens), cached_tokens=cached)
@@ -294,7 +289,7 @@ class Scheduler:
         decoding = any(s.status is SequenceStatus.DECODING for s in self._running)
         return ADAPTIVE_CHUNK_BUSY if decoding else ADAPTIVE_CHUNK_IDLE
 
-    def _prefill_order(self, prefilling: list[Sequence]) -> list[Sequence]:
+    def _prefill_order(self, prefilling: list[Request]) -> list[Request]:
         """Priority order (FIFO within a priority), except that a request parked for
         --prefill-grant-interval ticks is guaranteed the next turn."""
         ordered = sorted(prefilling, key=lambda s: (-s.request.priority, s.arrival_order))
@@ -304,14 +299,14 @@ class Scheduler:
             ordered = overdue + [s for s in ordered if s.parked_ticks < grant]
         return ordered
 
-    def _prefill(self, prefilling: list[Sequence]) -> None:
+    def _prefill(self, prefilling: list[Request]) -> None:
         """One prefill pass: the next chunk of up to --max-batch-prefill sequences."""
         chunk = self.chunk_size()
         cap = self.config.max_batch_prefill_tokens
         if cap is None:
             cap = 2 * self.config.max_batch_prefill * min(chunk or 512, 512)
         rows: list[StepRow] = []
-        chosen: list[Sequence] = []
+        chosen: list[Request] = []
         total = 0
         for seq in self._prefill_order(prefilling):
             if len(rows) >= max(1, self.config.max_batch_prefill):
@@ -340,7 +335,7 @@ class Scheduler:
             seq.num_computed += len(row.tokens or ())
             if seq.request.cache_prompt:
                 self.engine.commit_tokens(seq.engine_seq, seq.all_token_ids)
-            self.observer.on_event(
+            self._event(
                 seq, "prefill_chunk", tokens=len(row.tokens or ()), context=seq.num_computed
             )
             if row.sample:
@@ -447,12 +442,12 @@ class Scheduler:
                 return
             self.preempt(self.choose_victim(victims))
 
-    def choose_victim(self, candidates: list[Sequence]) -> Sequence:
+    def choose_victim(self, candidates: list[Request]) -> Request:
         if self.config.preemption_policy == "lowest-priority":
             return min(candidates, key=lambda s: (s.request.priority, -s.num_generated))
         return max(candidates, key=lambda s: (s.num_generated, -s.request.priority))
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Request) -> None:
         """Free a running sequence's KV and re-queue it; it keeps its generated tokens and
         is re-prefilled (prompt + generated so far) when admitted again."""
         self._complete_inflight()
@@ -467,11 +462,11 @@ class Scheduler:
         with self._lock:
             self._pending_admissions += 1
         heapq.heappush(self._waiting, (-seq.request.priority, seq.arrival_order, seq))
-        self.observer.on_event(seq, "preempted", generated=seq.num_generated)
+        self._event(seq, "preempted", generated=seq.num_generated)
         log.info("preempted", request_id=seq.request_id, generated=seq.num_generated)
 
     # -- results -------------------------------------------------------------------
-    def _accept(self, seq: Sequence, result: RowResult) -> None:
+    def _accept(self, seq: Request, result: RowResult) -> None:
         """Take one sampled token: stream it, and finish the sequence if it is done."""
         if result.error is not None:
             self._finish(seq, FinishReason.ERROR, error=result.error)
@@ -481,17 +476,14 @@ class Scheduler:
         now = time.monotonic()
         if seq.first_token_at is None:
             seq.first_token_at = now
-            self.observer.on_event(seq, "first_token")
+            self._event(seq, "first_token", ttft_seconds=now - seq.arrival)
         seq.output_token_ids.append(token)
         req = seq.request
-        is_eos = token in self._eos and not req.ignore_eos
-        is_stop_token = token in req.stop_token_ids
-        text = "" if (is_eos or is_stop_token) else seq.detokenizer.push(token)
-        logprobs = []
+        out = self._output(seq)
+        out.token_ids.append(token)
         if req.logprobs and result.logprob is not None:
-            logprobs.append(TokenLogprob(token, result.logprob, result.top_logprobs))
-        self._emit(seq, StepOutput(req.request_id, [token], text, logprobs))
-        if is_eos or is_stop_token or seq.detokenizer.stopped:
+            out.logprobs.append(TokenLogprob(token, result.logprob, result.top_logprobs))
+        if (token in self._eos and not req.ignore_eos) or token in req.stop_token_ids:
             self._finish(seq, FinishReason.STOP)
         elif (
             seq.num_generated >= req.max_tokens
@@ -499,14 +491,11 @@ class Scheduler:
         ):
             self._finish(seq, FinishReason.LENGTH)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, seq: Request, reason: FinishReason, error: str | None = None) -> None:
         if seq.is_finished:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        tail = (
-            seq.detokenizer.flush() if seq.detokenizer and reason is not FinishReason.ERROR else ""
-        )
         if seq.engine_seq is not None:
             self.engine.release(seq.engine_seq)
         if seq in self._running:
@@ -516,28 +505,24 @@ class Scheduler:
         else:
             self.stats.total_completed += 1
         queue_s, ttft_s, total_s = seq.timing(time.monotonic())
-        self.observer.on_event(
+        self._event(
             seq,
             "finished",
             finish_reason=reason.value,
             prompt_tokens=seq.prompt_len,
             completion_tokens=seq.num_generated,
+            cached_tokens=seq.cached_tokens,
+            preemptions=seq.preemptions,
         )
-        self._emit(
-            seq,
-            StepOutput(
-                seq.request_id,
-                [],
-                tail,
-                finish_reason=reason,
-                error=error,
-                prompt_tokens=seq.prompt_len,
-                completion_tokens=seq.num_generated,
-                cached_tokens=seq.cached_tokens,
-                queue_seconds=queue_s,
-                ttft_seconds=ttft_s,
-                total_seconds=total_s,
-            ),
+        self._output(seq).final = Final(
+            reason.value,
+            error,
+            seq.prompt_len,
+            seq.num_generated,
+            seq.cached_tokens,
+            queue_s,
+            ttft_s,
+            total_s,
         )
         log.info(
             "request finished",
@@ -548,7 +533,7 @@ class Scheduler:
             error=error,
         )
 
-    def _release_kv(self, seq: Sequence, keep_prefix: bool = True) -> None:
+    def _release_kv(self, seq: Request, keep_prefix: bool = True) -> None:
         """Free a sequence's KV; its computed full blocks stay in the prefix cache (evictable)
         so a resumed or follow-up request can adopt them."""
         if keep_prefix and seq.request.cache_prompt:
@@ -582,25 +567,32 @@ class Scheduler:
             _, _, seq = heapq.heappop(self._waiting)
             self._finish(seq, FinishReason.CANCELLED)
 
-    def _emit(self, seq: Sequence, output: StepOutput) -> None:
-        self._outbox.setdefault(seq.sink, []).append(output)
+    def _output(self, seq: Request) -> StepOutput:
+        """The request's output of this tick (made on first use)."""
+        out = self._outbox.get(seq)
+        if out is None:
+            out = self._outbox[seq] = StepOutput(seq.rid)
+        return out
+
+    def _event(self, seq: Request, name: str, **attrs: int | float | str) -> None:
+        self._output(seq).events.append((name, attrs))
 
     def _flush_outbox(self) -> None:
-        """Deliver one tick's outputs: one call per request, or one per group of sinks that
-        can be delivered together (all RPCs of one event loop: a single wake-up)."""
+        """Deliver one tick's outputs: one `deliver` call per group of sinks that share a
+        batch key (e.g. all requests of one front end: one message)."""
         outbox, self._outbox = self._outbox, {}
-        groups: dict[object, list[tuple[OutputSink, list[StepOutput]]]] = {}
-        for sink, outputs in outbox.items():
-            groups.setdefault(getattr(sink, "batch_key", sink), []).append((sink, outputs))
-        for items in groups.values():
-            sink = items[0][0]
+        groups: dict[object, tuple[OutputSink, list[StepOutput]]] = {}
+        for seq, out in outbox.items():
+            key = seq.sink.batch_key
+            if key not in groups:
+                groups[key] = (seq.sink, [])
+            groups[key][1].append(out)
+        for sink, outputs in groups.values():
             try:
-                if len(items) > 1 and hasattr(sink, "deliver_all"):
-                    sink.deliver_all(items)  # e.g. one event-loop wake-up for all its RPCs
-                else:
-                    for each, outputs in items:
-                        each(outputs)
+                sink.deliver(outputs)
             except Exception:
                 log.exception("delivering outputs failed")
         self.stats.active_sequences = len(self._running)
         self.stats.queued_requests = self._pending_admissions
+        if self._on_tick is not None:
+            self._on_tick(self)

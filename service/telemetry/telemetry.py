@@ -1,10 +1,10 @@
 """The telemetry facade: traces, metrics and trace ids in logs, behind small hooks.
 
-`Telemetry` is built once per server from the environment (tracing) and --metrics-port
-(metrics). The servicer calls its request hooks; the scheduler calls `observer`, a
-`TelemetryObserver` fanning lifecycle events out to the request's RPC span and to the metrics.
-With tracing and metrics both off, `observer` is the scheduler's no-op observer and every hook
-returns at its first line.
+`Telemetry` is built once per front-end process from the environment (tracing) and
+--metrics-port (metrics). The servicer calls its request hooks, including with the lifecycle
+events the engine core sends with each request's outputs (queued, admitted, prefill chunks,
+first token, preempted, finished), which become events on the request's RPC span and metrics.
+With tracing and metrics both off, every hook returns at its first line.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Any
 
 import structlog
 
-from service.scheduler.request import FinishReason, Sequence, StepOutput
-from service.scheduler.scheduler import SchedulerObserver
+from service.scheduler.request import FinishReason, GenerationRequest
 from service.telemetry import logs
 from service.telemetry.metrics import Metrics
 from service.telemetry.tracing import Tracing, current_span, set_error, span_ids, tracing_requested
@@ -24,50 +23,15 @@ log = structlog.get_logger(__name__)
 
 
 class RequestTelemetry:
-    """Per-request state, kept on `Sequence.telemetry`."""
+    """Per-request state, kept by the RPC that serves the request."""
 
-    __slots__ = ("ids", "last_token_at", "span")
+    __slots__ = ("ids", "last_token_at", "request_id", "span")
 
-    def __init__(self, span: Any, ids: tuple[str, str] | None) -> None:
+    def __init__(self, request_id: str, span: Any, ids: tuple[str, str] | None) -> None:
+        self.request_id = request_id
         self.span = span  # the RPC span when it records, else None
         self.ids = ids  # (trace_id, span_id) hex, when the span context is valid
         self.last_token_at: float | None = None
-
-
-class TelemetryObserver(SchedulerObserver):
-    """Scheduler lifecycle events -> span events on the request's RPC span, and metrics.
-
-    Called on the scheduler thread; the SDK's Span.add_event is thread-safe."""
-
-    def __init__(self, metrics: Metrics | None) -> None:
-        self.metrics = metrics
-
-    def on_event(self, seq: Sequence, name: str, **attrs: object) -> None:
-        state: RequestTelemetry | None = seq.telemetry
-        span = state.span if state is not None else None
-        if span is not None:
-            span.add_event(name, attrs)
-            if name == "finished":
-                span.set_attributes(
-                    {
-                        "mlxserve.finish_reason": str(attrs.get("finish_reason")),
-                        "mlxserve.completion_tokens": seq.num_generated,
-                        "mlxserve.cached_tokens": seq.cached_tokens,
-                        "mlxserve.preemptions": seq.preemptions,
-                    }
-                )
-                if attrs.get("finish_reason") == FinishReason.ERROR.value:
-                    set_error(span, "inference backend error")
-        m = self.metrics
-        if m is None:
-            return
-        if name == "first_token":
-            if seq.first_token_at is not None:
-                m.ttft.observe(seq.first_token_at - seq.arrival)
-        elif name == "finished":
-            m.requests.labels(str(attrs.get("finish_reason"))).inc()
-        elif name == "preempted":
-            m.preemptions.inc()
 
 
 class Telemetry:
@@ -75,9 +39,6 @@ class Telemetry:
         self.tracing = tracing
         self.metrics = metrics
         self.enabled = tracing is not None or metrics is not None
-        self.observer: SchedulerObserver = (
-            TelemetryObserver(metrics) if self.enabled else SchedulerObserver()
-        )
         if tracing is not None:
             logs.enable_current_span_lookup()
 
@@ -111,41 +72,64 @@ class Telemetry:
             self.tracing.shutdown()
 
     # -- hooks: the servicer --------------------------------------------------------------
-    def request_started(self, seq: Sequence, queue_depth: int) -> None:
-        """Before the sequence is submitted: take the RPC span (current in this task), give it
-        the request's attributes and a "queued" event, and register its ids for the logs."""
+    def request_started(self, request: GenerationRequest) -> RequestTelemetry | None:
+        """Before the request is submitted: take the RPC span (current in this task), give it
+        the request's attributes, and register its ids for the logs."""
         if not self.enabled:
-            return
+            return None
         span, ids = None, None
         if self.tracing is not None:
             current = current_span()
             ids = span_ids(current)
             if current.is_recording():
                 span = current
-                req = seq.request
                 span.set_attributes(
                     {
-                        "mlxserve.request_id": req.request_id,
-                        "mlxserve.prompt_tokens": len(req.prompt_token_ids),
-                        "mlxserve.max_tokens": req.max_tokens,
-                        "mlxserve.priority": req.priority,
+                        "mlxserve.request_id": request.request_id,
+                        "mlxserve.prompt_tokens": len(request.prompt_token_ids),
+                        "mlxserve.max_tokens": request.max_tokens,
+                        "mlxserve.priority": request.priority,
                     }
                 )
-                span.add_event("queued", {"queue_depth": queue_depth})
             if ids is not None:
-                logs.register(seq.request_id, ids)
-        seq.telemetry = RequestTelemetry(span, ids)
+                logs.register(request.request_id, ids)
+        return RequestTelemetry(request.request_id, span, ids)
 
-    def request_outputs(self, seq: Sequence, outputs: list[StepOutput]) -> None:
-        """One delivery of a tick's outputs to the RPC: generated tokens, inter-token latency."""
-        m = self.metrics
-        state: RequestTelemetry | None = seq.telemetry
-        if m is None or state is None:
+    def request_events(
+        self, state: RequestTelemetry | None, events: list[tuple[str, dict[str, Any]]]
+    ) -> None:
+        """The engine core's lifecycle events of the request: span events and metrics."""
+        if state is None:
             return
-        n = 0
-        for out in outputs:
-            n += len(out.token_ids)
-        if not n:
+        span, m = state.span, self.metrics
+        for name, attrs in events:
+            if span is not None:
+                span.add_event(name, attrs)
+                if name == "finished":
+                    span.set_attributes(
+                        {
+                            "mlxserve.finish_reason": str(attrs.get("finish_reason")),
+                            "mlxserve.completion_tokens": int(attrs.get("completion_tokens", 0)),
+                            "mlxserve.cached_tokens": int(attrs.get("cached_tokens", 0)),
+                            "mlxserve.preemptions": int(attrs.get("preemptions", 0)),
+                        }
+                    )
+                    if attrs.get("finish_reason") == FinishReason.ERROR.value:
+                        set_error(span, "inference backend error")
+            if m is None:
+                continue
+            if name == "first_token":
+                m.ttft.observe(float(attrs.get("ttft_seconds", 0.0)))
+            elif name == "finished":
+                m.requests.labels(str(attrs.get("finish_reason"))).inc()
+            elif name == "preempted":
+                m.preemptions.inc()
+
+    def request_tokens(self, state: RequestTelemetry | None, n: int) -> None:
+        """n generated tokens reached the RPC: the generated-tokens counter, inter-token
+        latency."""
+        m = self.metrics
+        if m is None or state is None or not n:
             return
         now = time.monotonic()
         m.generated_tokens.inc(n)
@@ -155,23 +139,18 @@ class Telemetry:
                 m.itl.observe(gap)
         state.last_token_at = now
 
-    def request_ended(self, seq: Sequence, submitted: bool = True) -> None:
-        """The RPC is over (finished, failed, cancelled, or never `submitted`: the queue was
-        full); its span is about to end."""
-        state: RequestTelemetry | None = seq.telemetry
+    def request_ended(
+        self, state: RequestTelemetry | None, finished: bool, generated: int = 0
+    ) -> None:
+        """The RPC is over: finished by the engine, or left by its client (cancelled)."""
         if state is None:
             return
-        # A submitted sequence the scheduler has not finished was left by its client; the
-        # scheduler's "request finished" line about it is still to come.
-        left = submitted and not seq.is_finished
         if state.span is not None:
-            if left:
-                state.span.add_event("cancelled_by_client", {"generated": seq.num_generated})
-            elif not submitted:
-                state.span.add_event("rejected", {"reason": "queue_full"})
-            state.span = None  # the scheduler's later events (e.g. "finished") skip the span
+            if not finished:
+                state.span.add_event("cancelled_by_client", {"generated": generated})
+            state.span = None
         if state.ids is not None:
-            logs.unregister(seq.request_id, linger=left)
+            logs.unregister(state.request_id, linger=not finished)
 
     def rejected(self, reason: str) -> None:
         if self.metrics is not None:
