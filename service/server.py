@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service import transport
 from service.config import ConfigError, ServerConfig
 from service.introspection import HealthServicer, enable_server_reflection
 from service.request_decoding import DecodeErrorInterceptor
@@ -25,13 +26,16 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 async def serve(config: ServerConfig) -> None:
     telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
     runtime = Runtime(config, telemetry)
+    auth = transport.auth_interceptor(config)
     server = grpc.aio.server(
-        # Innermost last: tracing sees an undecodable request's INVALID_ARGUMENT like any other.
-        interceptors=[*telemetry.server_interceptors(SERVICE_NAME), DecodeErrorInterceptor()],
-        options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", config.max_request_bytes),
+        # Innermost last: tracing sees an undecodable request's INVALID_ARGUMENT like any other;
+        # authentication refuses before anything decodes the request.
+        interceptors=[
+            *telemetry.server_interceptors(SERVICE_NAME),
+            *([auth] if auth is not None else []),
+            DecodeErrorInterceptor(),
         ],
+        options=transport.server_options(config),
     )
     servicer = GenerationServicer(runtime)
     pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
@@ -39,10 +43,7 @@ async def serve(config: ServerConfig) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError:
-        bound = 0
+    bound = transport.bind(server, config)  # TLS when --tls-cert is set
     if bound == 0:
         raise ConfigError(f"could not bind {address}: is another server using the port?")
     if config.metrics_port:
@@ -54,7 +55,7 @@ async def serve(config: ServerConfig) -> None:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("listening; loading the model", address=address)
+    log.info("listening; loading the model", address=address, tls=config.tls_cert is not None)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

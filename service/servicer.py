@@ -111,7 +111,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         tok = self.rt.tokenizer
-        ids = prompt_token_ids(request, tok, slot_context=self.rt.slot_context)
+        ids = prompt_token_ids(
+            request,
+            tok,
+            slot_context=self.rt.slot_context,
+            allow_special_tokens_in_content=self.rt.config.allow_special_tokens_in_content,
+        )
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) for i in ids])
 
     # -- the request path -------------------------------------------------------------
@@ -129,6 +134,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 slot_context=rt.slot_context,
                 default_max_tokens=rt.config.default_max_tokens,
                 prompt_cache_enabled=not rt.config.no_prompt_cache,
+                allow_special_tokens_in_content=rt.config.allow_special_tokens_in_content,
             )
         except InvalidRequestError as exc:
             rt.metrics_rejected("invalid_argument")
