@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +25,7 @@ from service.transport import (
     server_credentials,
 )
 from tests.certs import Pki, make_pki
-from tests.conftest import ServerProcess, open_channel, running_server
+from tests.conftest import REPO_ROOT, ServerProcess, free_port, open_channel, running_server
 
 TOKENS = "# operators\nfirst-token\n\n   second-token   \n# retired: old-token\n"
 GOOD = [("authorization", "Bearer second-token")]
@@ -75,6 +77,15 @@ class StateLog:
         with self._changed:
             self._changed.wait_for(lambda: self.left_ready_at() is not None, timeout)
         return self.left_ready_at()
+
+    def wait_ready_after(self, at: float, timeout: float) -> bool:
+        """Whether the channel is READY again (a new connection) some time after `at`."""
+
+        def ready_again() -> bool:
+            return any(s is grpc.ChannelConnectivity.READY and t > at for t, s in self.states)
+
+        with self._changed:
+            return self._changed.wait_for(ready_again, timeout)
 
 
 def _pinging_channel(target: str, interval_ms: int) -> grpc.Channel:
@@ -151,8 +162,7 @@ def test_an_aged_connection_is_closed_while_its_stream_completes() -> None:
             assert goaway_at < (opened - states.started) + final.timing.total_seconds
             assert goaway_at < finished_at
             assert stub.CacheStats(pb.CacheStatsRequest(), timeout=10).total_completed == 1
-            reconnected = [s for at, s in states.states if at > goaway_at]
-            assert grpc.ChannelConnectivity.READY in reconnected
+            assert states.wait_ready_after(goaway_at, timeout=10), states.states
 
 
 @pytest.mark.model
@@ -406,3 +416,18 @@ def test_a_client_ca_that_is_not_pem_is_refused(pki, tmp_path) -> None:
     )
     with pytest.raises(ConfigError, match="--tls-client-ca"):
         server_credentials(config)
+
+
+def test_the_server_refuses_to_start_with_a_mismatched_key(pki) -> None:
+    """One line, exit status 2, before the model loads."""
+    flags = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.client_key)]
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "--port", str(free_port()), *flags],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("error: --tls-cert")
