@@ -80,6 +80,11 @@ def _auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
+def _call_metadata(auth: tuple[tuple[str, str], ...], metadata: Metadata) -> Metadata:
+    """The token's `authorization`, the caller's metadata, then the trace context."""
+    return with_trace_context([*auth, *metadata] if metadata else auth or None)
+
+
 def _chat_messages(chat: ChatLike) -> list[pb.ChatMessage]:
     messages = []
     for turn in chat:
@@ -260,7 +265,7 @@ class GenerationClient:
         self._channel.close()
 
     def _metadata(self, metadata: Metadata) -> Metadata:
-        return with_trace_context([*self._auth, *metadata] if metadata else self._auth or None)
+        return _call_metadata(self._auth, metadata)
 
     def generate(
         self,
@@ -371,7 +376,7 @@ class AsyncGenerationClient:
         await self._channel.close()
 
     def _metadata(self, metadata: Metadata) -> Metadata:
-        return with_trace_context([*self._auth, *metadata] if metadata else self._auth or None)
+        return _call_metadata(self._auth, metadata)
 
     async def generate(
         self,
