@@ -19,7 +19,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from client.client import DEFAULT_TARGET, GenerationClient, build_request
+from client.client import DEFAULT_TARGET, TOKEN_ENV, GenerationClient, TLSConfig, build_request
 from mlxserve.v1 import generation_pb2 as pb
 
 TARGET_ENV = "MLXSERVE_TARGET"
@@ -44,11 +44,53 @@ def _traceparent(text: str) -> str:
     return value
 
 
+def add_connection_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """--tls, --tls-ca, --tls-cert, --tls-key and --token. With `defaults` False (the copies
+    accepted after a command name) they default to SUPPRESS, which keeps a value given before
+    the command from being overwritten."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    a = parser.add_argument
+    a(
+        "--tls",
+        action="store_true",
+        default=default(False),
+        help="connect with TLS, trusting the system's root certificates (implied by --tls-ca)",
+    )
+    a("--tls-ca", default=default(None), metavar="PEM", help="CA certificate(s) to trust: TLS")
+    a(
+        "--tls-cert",
+        default=default(None),
+        metavar="PEM",
+        help="client certificate for mutual TLS (with --tls-key)",
+    )
+    a("--tls-key", default=default(None), metavar="PEM", help="private key of --tls-cert")
+    a(
+        "--token",
+        default=default(os.environ.get(TOKEN_ENV) or None),
+        help=f"bearer token, sent as `authorization: Bearer TOKEN` (env {TOKEN_ENV}, which "
+        "keeps it out of the process list)",
+    )
+
+
+def connection_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """GenerationClient's `tls` and `token` arguments from add_connection_arguments' flags."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert:
+        tls = TLSConfig(ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key)
+    return {"tls": tls, "token": args.token}
+
+
 def _rpc_options() -> argparse.ArgumentParser:
     """Options every RPC command takes (also accepted after the command name)."""
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS keeps a --target given before the command from being overwritten here.
     common.add_argument("--target", default=argparse.SUPPRESS, help="server address host:port")
+    add_connection_arguments(common, defaults=False)
     common.add_argument("--timeout", type=float, default=None, help="RPC deadline in seconds")
     common.add_argument("--json", action="store_true", help="print responses as JSON")
     common.add_argument(
@@ -104,6 +146,7 @@ def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
         default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
         help=f"server address host:port (env {TARGET_ENV}; default {DEFAULT_TARGET})",
     )
+    add_connection_arguments(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     rpc, gen = _rpc_options(), _generation_options()
     commands.add_parser("generate", parents=[rpc, gen], help="one unary Generate call")
@@ -123,6 +166,7 @@ def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
         "bench", help="load generator: concurrency sweep with TTFT/ITL, optional peer"
     )
     bench.add_argument("--target", default=argparse.SUPPRESS, help="server address host:port")
+    add_connection_arguments(bench, defaults=False)
     add_bench_arguments(bench)
     return parser
 
@@ -328,7 +372,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m client") -> i
             from client.bench.cli import run_bench
 
             return run_bench(args)
-        with GenerationClient(args.target) as client:
+        with GenerationClient(args.target, **connection_kwargs(args)) as client:
             return COMMANDS[args.command](client, args)
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeAlias
 
@@ -22,6 +24,7 @@ from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "localhost:50051"
 SERVICE_NAME = "mlxserve.v1.GenerationService"
+TOKEN_ENV = "MLXSERVE_TOKEN"
 
 ChatLike: TypeAlias = Sequence[tuple[str, str]] | Sequence[Mapping[str, str]]
 RequestLike: TypeAlias = pb.GenerateRequest | pb.StreamGenerateRequest | str
@@ -32,6 +35,54 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """TLS to the server. `ca_file`: PEM certificate(s) of the CA that signed the server's
+    certificate (None: the system's trust roots). `cert_file` and `key_file`: this client's
+    certificate and key, for a server that requires mutual TLS."""
+
+    ca_file: str | Path | None = None
+    cert_file: str | Path | None = None
+    key_file: str | Path | None = None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("a client certificate needs both cert_file and key_file")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read_pem(self.ca_file),
+            private_key=_read_pem(self.key_file),
+            certificate_chain=_read_pem(self.cert_file),
+        )
+
+
+def _read_pem(path: str | Path | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+def _channel(
+    target: str, options: Sequence[tuple[str, Any]], tls: TLSConfig | None, *, aio: bool
+) -> Any:
+    options = [*_CHANNEL_OPTIONS, *options]
+    module: Any = grpc.aio if aio else grpc
+    if tls is None:
+        return module.insecure_channel(target, options=options)
+    return module.secure_channel(target, tls.channel_credentials(), options=options)
+
+
+def _auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    if token is None:
+        return ()
+    token = token.strip()
+    if not token or any(c.isspace() or not c.isprintable() for c in token):
+        raise ValueError("the token must be non-empty printable text without spaces")
+    return (("authorization", f"Bearer {token}"),)
+
+
+def _call_metadata(auth: tuple[tuple[str, str], ...], metadata: Metadata) -> Metadata:
+    """The token's `authorization`, the caller's metadata, then the trace context."""
+    return with_trace_context([*auth, *metadata] if metadata else auth or None)
 
 
 def _chat_messages(chat: ChatLike) -> list[pb.ChatMessage]:
@@ -181,13 +232,21 @@ def _is_serving(response: health_pb2.HealthCheckResponse) -> bool:
 
 class GenerationClient:
     """Blocking client. `request` arguments take a GenerateRequest, or a raw prompt string
-    plus `build_request` keyword arguments (e.g. `client.generate("Hi", max_tokens=8)`)."""
+    plus `build_request` keyword arguments (e.g. `client.generate("Hi", max_tokens=8)`).
+    `tls` connects with TLS (plaintext without it); `token` is sent on every call as
+    `authorization: Bearer <token>`."""
 
     def __init__(
-        self, target: str = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = ()
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        options: Sequence[tuple[str, Any]] = (),
+        tls: TLSConfig | None = None,
+        token: str | None = None,
     ) -> None:
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *options])
+        self._auth = _auth_metadata(token)
+        self._channel = _channel(target, options, tls, aio=False)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -205,6 +264,9 @@ class GenerationClient:
     def close(self) -> None:
         self._channel.close()
 
+    def _metadata(self, metadata: Metadata) -> Metadata:
+        return _call_metadata(self._auth, metadata)
+
     def generate(
         self,
         request: RequestLike,
@@ -214,7 +276,7 @@ class GenerationClient:
         **params: Any,
     ) -> pb.GenerateResponse:
         return self._stub.Generate(
-            _unary_request(request, params), timeout=timeout, metadata=with_trace_context(metadata)
+            _unary_request(request, params), timeout=timeout, metadata=self._metadata(metadata)
         )
 
     def stream(
@@ -227,7 +289,7 @@ class GenerationClient:
     ) -> Iterator[pb.StreamGenerateResponse]:
         """Yields one message per decode step; leaving the loop early cancels the RPC."""
         call = self._stub.StreamGenerate(
-            _stream_request(request, params), timeout=timeout, metadata=with_trace_context(metadata)
+            _stream_request(request, params), timeout=timeout, metadata=self._metadata(metadata)
         )
         try:
             yield from call
@@ -238,14 +300,14 @@ class GenerationClient:
         self, *, timeout: float | None = None, metadata: Metadata = None
     ) -> pb.CacheStatsResponse:
         return self._stub.CacheStats(
-            pb.CacheStatsRequest(), timeout=timeout, metadata=with_trace_context(metadata)
+            pb.CacheStatsRequest(), timeout=timeout, metadata=self._metadata(metadata)
         )
 
     def model_info(
         self, *, timeout: float | None = None, metadata: Metadata = None
     ) -> pb.GetModelInfoResponse:
         return self._stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=timeout, metadata=with_trace_context(metadata)
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata(metadata)
         )
 
     def tokenize(
@@ -257,7 +319,7 @@ class GenerationClient:
         metadata: Metadata = None,
     ) -> pb.TokenizeResponse:
         return self._stub.Tokenize(
-            _tokenize_request(text, chat), timeout=timeout, metadata=with_trace_context(metadata)
+            _tokenize_request(text, chat), timeout=timeout, metadata=self._metadata(metadata)
         )
 
     def wait_ready(self, timeout: float = 120.0, *, service: str = "") -> None:
@@ -282,13 +344,20 @@ class GenerationClient:
 
 
 class AsyncGenerationClient:
-    """asyncio client (grpc.aio); the same methods as GenerationClient, awaitable."""
+    """asyncio client (grpc.aio); the same methods and arguments as GenerationClient,
+    awaitable."""
 
     def __init__(
-        self, target: str = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = ()
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        options: Sequence[tuple[str, Any]] = (),
+        tls: TLSConfig | None = None,
+        token: str | None = None,
     ) -> None:
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *options])
+        self._auth = _auth_metadata(token)
+        self._channel = _channel(target, options, tls, aio=True)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -306,6 +375,9 @@ class AsyncGenerationClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    def _metadata(self, metadata: Metadata) -> Metadata:
+        return _call_metadata(self._auth, metadata)
+
     async def generate(
         self,
         request: RequestLike,
@@ -315,7 +387,7 @@ class AsyncGenerationClient:
         **params: Any,
     ) -> pb.GenerateResponse:
         return await self._stub.Generate(
-            _unary_request(request, params), timeout=timeout, metadata=with_trace_context(metadata)
+            _unary_request(request, params), timeout=timeout, metadata=self._metadata(metadata)
         )
 
     async def stream(
@@ -328,7 +400,7 @@ class AsyncGenerationClient:
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
         """Yields one message per decode step; closing the iterator early cancels the RPC."""
         call = self._stub.StreamGenerate(
-            _stream_request(request, params), timeout=timeout, metadata=with_trace_context(metadata)
+            _stream_request(request, params), timeout=timeout, metadata=self._metadata(metadata)
         )
         try:
             async for response in call:
@@ -340,14 +412,14 @@ class AsyncGenerationClient:
         self, *, timeout: float | None = None, metadata: Metadata = None
     ) -> pb.CacheStatsResponse:
         return await self._stub.CacheStats(
-            pb.CacheStatsRequest(), timeout=timeout, metadata=with_trace_context(metadata)
+            pb.CacheStatsRequest(), timeout=timeout, metadata=self._metadata(metadata)
         )
 
     async def model_info(
         self, *, timeout: float | None = None, metadata: Metadata = None
     ) -> pb.GetModelInfoResponse:
         return await self._stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=timeout, metadata=with_trace_context(metadata)
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata(metadata)
         )
 
     async def tokenize(
@@ -359,7 +431,7 @@ class AsyncGenerationClient:
         metadata: Metadata = None,
     ) -> pb.TokenizeResponse:
         return await self._stub.Tokenize(
-            _tokenize_request(text, chat), timeout=timeout, metadata=with_trace_context(metadata)
+            _tokenize_request(text, chat), timeout=timeout, metadata=self._metadata(metadata)
         )
 
     async def wait_ready(self, timeout: float = 120.0, *, service: str = "") -> None:

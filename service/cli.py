@@ -57,6 +57,7 @@ def generate_main(argv: list[str], prog: str = "python -m service generate") -> 
             slot_context=runtime.slot_context,
             default_max_tokens=config.default_max_tokens,
             prompt_cache_enabled=not config.no_prompt_cache,
+            allow_special_tokens_in_content=config.allow_special_tokens_in_content,
         )
     except InvalidRequestError as exc:
         print(f"error: {exc}", file=sys.stderr)

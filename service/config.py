@@ -43,6 +43,14 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20  # gRPC's own default receive limit
     drain_seconds: float = 10.0
     api_workers: int = 1
+    max_connection_age: float = 0.0  # seconds; 0: unlimited
+    max_connection_age_grace: float = 300.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_token_file: str | None = None
+    reflection_requires_auth: bool = False
+    allow_special_tokens_in_content: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -87,6 +95,27 @@ class ServerConfig:
             raise ConfigError("--api-workers must be at least 1")
         if self.max_request_bytes < 1:
             raise ConfigError("--max-request-bytes must be at least 1")
+        if not 0 <= self.max_connection_age < 1e9:
+            raise ConfigError("--max-connection-age must be >= 0 seconds (0: unlimited)")
+        if not 0 <= self.max_connection_age_grace < 1e9:
+            raise ConfigError("--max-connection-age-grace must be >= 0 seconds")
+        self._validate_security()
+
+    def _validate_security(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+        if self.reflection_requires_auth and not self.auth_token_file:
+            raise ConfigError("--reflection-requires-auth needs --auth-token-file")
+        for flag, path in (
+            ("--tls-cert", self.tls_cert),
+            ("--tls-key", self.tls_key),
+            ("--tls-client-ca", self.tls_client_ca),
+            ("--auth-token-file", self.auth_token_file),
+        ):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: no such file")
 
 
 def _env(name: str, default: object) -> object:
@@ -219,6 +248,49 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=int(_env("max_request_bytes", d.max_request_bytes)),
         help="largest request message accepted; larger ones get RESOURCE_EXHAUSTED from gRPC "
         "(default 4 MiB, gRPC's own default)",
+    )
+    a(
+        "--max-connection-age",
+        type=float,
+        default=float(_env("max_connection_age", d.max_connection_age)),
+        help="seconds before a connection is sent GOAWAY, so clients reconnect and load "
+        "balancers can rebalance (0 = unlimited)",
+    )
+    a(
+        "--max-connection-age-grace",
+        type=float,
+        default=float(_env("max_connection_age_grace", d.max_connection_age_grace)),
+        help="seconds the calls in flight on an aged connection get to finish",
+    )
+    a(
+        "--tls-cert",
+        default=_env("tls_cert", None) or None,
+        help="PEM certificate chain: serve TLS (with --tls-key)",
+    )
+    a("--tls-key", default=_env("tls_key", None) or None, help="PEM private key of --tls-cert")
+    a(
+        "--tls-client-ca",
+        default=_env("tls_client_ca", None) or None,
+        help="PEM CA certificate(s): mutual TLS, clients must present a certificate they signed",
+    )
+    a(
+        "--auth-token-file",
+        default=_env("auth_token_file", None) or None,
+        help="bearer tokens, one per line (blank lines and # comments ignored): calls without "
+        "`authorization: Bearer <token>` get UNAUTHENTICATED; health stays open",
+    )
+    a(
+        "--reflection-requires-auth",
+        action="store_true",
+        default=_env_flag("reflection_requires_auth"),
+        help="server reflection needs a token too (default: open, like health)",
+    )
+    a(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        default=_env_flag("allow_special_tokens_in_content"),
+        help="parse special tokens typed into chat content as control tokens (default: they "
+        "are plain text, so a user cannot forge turns)",
     )
     a("--log-level", default=_env("log_level", d.log_level))
     a("--log-format", default=_env("log_format", d.log_format), help="auto | json | console")

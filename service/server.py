@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service import transport
 from service.config import ConfigError, ServerConfig
 from service.frontend.engine_client import EngineClient, LoadFailedError
 from service.introspection import HealthServicer, enable_server_reflection
@@ -49,15 +50,18 @@ async def serve_frontend(
     code."""
     telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
     client = EngineClient(run_dir, index)
+    auth = transport.auth_interceptor(config)
     server = grpc.aio.server(
-        # Innermost last: tracing sees an undecodable request's INVALID_ARGUMENT like any other.
-        interceptors=[*telemetry.server_interceptors(SERVICE_NAME), DecodeErrorInterceptor()],
-        options=[
-            # One front end alone gets the port to itself (so a second server fails to bind);
-            # several share it, and the kernel spreads connections over them.
-            ("grpc.so_reuseport", 1 if workers > 1 else 0),
-            ("grpc.max_receive_message_length", config.max_request_bytes),
+        # Innermost last: tracing sees an undecodable request's INVALID_ARGUMENT like any other;
+        # authentication refuses before anything decodes the request.
+        interceptors=[
+            *telemetry.server_interceptors(SERVICE_NAME),
+            *([auth] if auth is not None else []),
+            DecodeErrorInterceptor(),
         ],
+        # One front end alone gets the port to itself (so a second server fails to bind);
+        # several share it, and the kernel spreads connections over them.
+        options=[*transport.server_options(config), ("grpc.so_reuseport", 1 if workers > 1 else 0)],
     )
     servicer = GenerationServicer(config, client, telemetry)
     pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
@@ -65,10 +69,7 @@ async def serve_frontend(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError:
-        bound = 0
+    bound = transport.bind(server, config)  # TLS when --tls-cert is set
     if bound == 0:
         raise ConfigError(f"could not bind {address}: is another server using the port?")
 
@@ -79,7 +80,12 @@ async def serve_frontend(
 
     await set_health(False)
     await server.start()
-    log.info("listening; the engine core loads the model", address=address, frontend=index)
+    log.info(
+        "listening; the engine core loads the model",
+        address=address,
+        frontend=index,
+        tls=config.tls_cert is not None,
+    )
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

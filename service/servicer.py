@@ -134,10 +134,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    @staticmethod
-    def _tokenize(request: pb.TokenizeRequest, model: ServedModel) -> pb.TokenizeResponse:
+    def _tokenize(self, request: pb.TokenizeRequest, model: ServedModel) -> pb.TokenizeResponse:
         tok = model.tokenizer
-        ids = prompt_token_ids(request, tok, slot_context=model.slot_context)
+        ids = prompt_token_ids(
+            request,
+            tok,
+            slot_context=model.slot_context,
+            allow_special_tokens_in_content=self.config.allow_special_tokens_in_content,
+        )
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) for i in ids])
 
     # -- the request path -------------------------------------------------------------
@@ -158,6 +162,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 slot_context=model.slot_context,
                 default_max_tokens=self.config.default_max_tokens,
                 prompt_cache_enabled=not self.config.no_prompt_cache,
+                allow_special_tokens_in_content=self.config.allow_special_tokens_in_content,
             )
         except InvalidRequestError as exc:
             self.telemetry.rejected("invalid_argument")

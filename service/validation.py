@@ -29,7 +29,9 @@ class PromptEncoder(Protocol):
     max_token_chars: int  # the longest token, in characters of the text it encodes
 
     def encode(self, text: str) -> list[int]: ...
-    def render_chat(self, turns: list[ChatTurn]) -> list[int]: ...
+    def render_chat(
+        self, turns: list[ChatTurn], *, allow_special_tokens: bool = False
+    ) -> list[int]: ...
 
 
 def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
@@ -73,9 +75,16 @@ def check_prompt_size(
 
 
 def prompt_token_ids(
-    message: pb.GenerateRequest | pb.TokenizeRequest, tok: PromptEncoder, *, slot_context: int
+    message: pb.GenerateRequest | pb.TokenizeRequest,
+    tok: PromptEncoder,
+    *,
+    slot_context: int,
+    allow_special_tokens_in_content: bool = False,
 ) -> list[int]:
-    """The prompt's token ids; slow for big input (tokenization): keep it off the event loop."""
+    """The prompt's token ids; slow for big input (tokenization): keep it off the event loop.
+    Special tokens typed into chat content stay plain text unless
+    `allow_special_tokens_in_content`; raw `text` is the caller's whole prompt and is encoded
+    as it is."""
     kind = message.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input is required: set one of text, token_ids or chat")
@@ -102,7 +111,10 @@ def prompt_token_ids(
             raise InvalidRequestError(
                 f"chat.messages[{i}].role {m.role!r} is unknown; use one of {sorted(CHAT_ROLES)}"
             )
-    return tok.render_chat([ChatTurn(m.role, m.content) for m in messages])
+    return tok.render_chat(
+        [ChatTurn(m.role, m.content) for m in messages],
+        allow_special_tokens=allow_special_tokens_in_content,
+    )
 
 
 def sampling_params(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
@@ -151,11 +163,17 @@ def generation_request(
     slot_context: int,
     default_max_tokens: int,
     prompt_cache_enabled: bool,
+    allow_special_tokens_in_content: bool = False,
 ) -> GenerationRequest:
     request_id = message.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
-    prompt = prompt_token_ids(message, tok, slot_context=slot_context)
+    prompt = prompt_token_ids(
+        message,
+        tok,
+        slot_context=slot_context,
+        allow_special_tokens_in_content=allow_special_tokens_in_content,
+    )
     if len(prompt) >= slot_context:
         raise PromptTooLongError(
             f"prompt is {len(prompt)} tokens; the slot context is {slot_context} tokens "

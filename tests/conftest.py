@@ -121,9 +121,20 @@ class ServerProcess:
         return self.returncode
 
 
-def _wait_serving(server: ServerProcess, timeout: float) -> None:
+def open_channel(
+    target: str, credentials: grpc.ChannelCredentials | None = None, options: list | None = None
+) -> grpc.Channel:
+    """A channel to `target`: TLS with `credentials`, else plaintext."""
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def _wait_serving(
+    server: ServerProcess, timeout: float, credentials: grpc.ChannelCredentials | None
+) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(server.target, options=FAST_RECONNECT) as channel:
+    with open_channel(server.target, credentials, FAST_RECONNECT) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         generation = pb_grpc.GenerationServiceStub(channel)
         while True:
@@ -163,9 +174,13 @@ def _probe_generate(
 
 
 def start_server(
-    *flags: str, env: dict[str, str] | None = None, timeout: float = READY_TIMEOUT_S
+    *flags: str,
+    env: dict[str, str] | None = None,
+    timeout: float = READY_TIMEOUT_S,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> ServerProcess:
-    """Start `python -m service` with `flags` (and extra `env`); return once it is SERVING."""
+    """Start `python -m service` with `flags` (and extra `env`); return once it is SERVING.
+    `credentials`: how to reach a TLS server (health needs no token)."""
     for attempt in range(3):
         port = free_port()
         proc = subprocess.Popen(
@@ -184,7 +199,7 @@ def start_server(
         server._reader = threading.Thread(target=server._follow, daemon=True)
         server._reader.start()
         try:
-            _wait_serving(server, timeout)
+            _wait_serving(server, timeout, credentials)
             return server
         except RuntimeError:
             # Another process may have taken the free port first: try a new one.
@@ -195,8 +210,12 @@ def start_server(
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    server = start_server(*flags, env=env)
+def running_server(
+    *flags: str,
+    env: dict[str, str] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> Iterator[ServerProcess]:
+    server = start_server(*flags, env=env, credentials=credentials)
     try:
         yield server
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -10,9 +12,17 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client import AsyncGenerationClient, GenerationClient, build_request, to_stream_request
+from client import (
+    AsyncGenerationClient,
+    GenerationClient,
+    TLSConfig,
+    build_request,
+    to_stream_request,
+)
 from client.bench.server import ServerProcess
 from mlxserve.v1 import generation_pb2 as pb
+from tests.certs import Pki, make_pki
+from tests.conftest import running_server
 
 pytestmark = pytest.mark.model
 
@@ -32,10 +42,13 @@ def server_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
-def run_cli(target: str, *args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    target: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "client", "--target", target, *args],
         cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,
@@ -130,3 +143,131 @@ def test_build_request_round_trips_to_stream_request() -> None:
     assert not request.sampling.HasField("top_p")
     with pytest.raises(ValueError):
         build_request("hi", chat=[("user", "hi")])
+
+
+# -- TLS, mutual TLS and tokens --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pki]]:
+    """A server that wants mutual TLS and a bearer token."""
+    directory = tmp_path_factory.mktemp("secured")
+    pki = make_pki(directory)
+    (directory / "tokens").write_text(f"{TOKEN}\n")
+    flags = [*pki.server_flags(mutual=True), "--auth-token-file", str(directory / "tokens")]
+    with running_server(*flags, credentials=pki.channel_credentials(client_cert=True)) as server:
+        yield server.target, pki
+
+
+TOKEN = "cli-test-token"
+
+
+def _tls_flags(pki: Pki) -> list[str]:
+    return [
+        "--tls-ca",
+        str(pki.ca),
+        "--tls-cert",
+        str(pki.client_cert),
+        "--tls-key",
+        str(pki.client_key),
+    ]
+
+
+def test_cli_with_tls_and_token(secured) -> None:
+    target, pki = secured
+    done = run_cli(
+        target, *_tls_flags(pki), "--token", TOKEN, "generate", QUESTION, "--max-tokens", "12"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+    # The flags are accepted after the command too.
+    done = run_cli(target, "info", *_tls_flags(pki), "--token", TOKEN, "--json")
+    assert done.returncode == 0, done.stderr
+    assert '"model_id"' in done.stdout
+
+
+def test_cli_token_from_the_environment(secured) -> None:
+    target, pki = secured
+    done = run_cli(target, *_tls_flags(pki), "stats", env={"MLXSERVE_TOKEN": TOKEN})
+    assert done.returncode == 0, done.stderr
+    assert "active_sequences:" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("drop", "code"),
+    [("--token", "UNAUTHENTICATED"), ("--tls-cert", "UNAVAILABLE"), ("--tls-ca", "UNAVAILABLE")],
+)
+def test_cli_without_token_or_certificates_is_refused(secured, drop, code) -> None:
+    target, pki = secured
+    flags = [*_tls_flags(pki), "--token", TOKEN]
+    i = flags.index(drop)
+    del flags[i : i + 2]
+    if drop == "--tls-cert":
+        flags.remove("--tls-key")
+        flags.remove(str(pki.client_key))
+    done = run_cli(target, *flags, "tokenize", "hi", "--raw")
+    assert done.returncode == 1
+    # (gRPC itself may log the failed handshake first.)
+    assert done.stderr.splitlines()[-1].startswith(f"error: {code}:"), done.stderr
+
+
+def test_cli_a_certificate_without_its_key_is_a_usage_error(secured) -> None:
+    target, pki = secured
+    done = run_cli(target, "--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "info")
+    assert done.returncode == 1
+    assert "--tls-cert and --tls-key" in done.stderr
+
+
+def test_clients_with_tls_and_token(secured) -> None:
+    target, pki = secured
+    tls = TLSConfig(ca_file=pki.ca, cert_file=pki.client_cert, key_file=pki.client_key)
+    with GenerationClient(target, tls=tls, token=TOKEN) as client:
+        client.wait_ready(10)
+        assert (
+            "Paris" in client.generate(build_request(chat=[("user", QUESTION)], max_tokens=12)).text
+        )
+        assert client.tokenize("Hello").token_ids
+    with GenerationClient(target, tls=tls) as client, pytest.raises(grpc.RpcError) as refused:
+        client.model_info()
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_async_client_with_tls_and_token(secured) -> None:
+    target, pki = secured
+    tls = TLSConfig(ca_file=pki.ca, cert_file=pki.client_cert, key_file=pki.client_key)
+    async with AsyncGenerationClient(target, tls=tls, token=TOKEN) as client:
+        await client.wait_ready(10)
+        messages = [m async for m in client.stream(QUESTION, max_tokens=4, ignore_eos=True)]
+        assert messages[-1].usage.completion_tokens == 4
+        assert (await client.cache_stats()).total_completed >= 1
+
+
+def test_bench_runs_against_a_secured_server(secured, tmp_path) -> None:
+    target, pki = secured
+    out = tmp_path / "bench.json"
+    done = run_cli(
+        target,
+        *_tls_flags(pki),
+        "--token",
+        TOKEN,
+        "bench",
+        "--concurrency",
+        "1",
+        "--rounds",
+        "1",
+        "--max-tokens",
+        "4",
+        "--prompt-len",
+        "16",
+        "--warmup",
+        "0",
+        "--no-plot",
+        "--targets",
+        "none",
+        "--out",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(out.read_text())["ours"][0]["summary"]
+    assert summary["requests"] >= 1 and summary["errors"] == 0
+    assert summary["completion_tokens"] == 4 * summary["requests"]

@@ -34,6 +34,15 @@ def test_defaults_leave_device_dependent_choices_to_the_runtime():
         (("--port", "0"), "--port"),
         (("--kv-admission-watermark", "0.9"), "--kv-admission-watermark"),
         (("--max-request-bytes", "0"), "--max-request-bytes"),
+        (("--max-connection-age", "-1"), "--max-connection-age"),
+        (("--max-connection-age", "nan"), "--max-connection-age"),
+        (("--max-connection-age-grace", "-1"), "--max-connection-age-grace"),
+        (("--tls-cert", __file__), "--tls-cert and --tls-key"),
+        (("--tls-key", __file__), "--tls-cert and --tls-key"),
+        (("--tls-client-ca", __file__), "--tls-client-ca"),
+        (("--tls-cert", "/no/such.pem", "--tls-key", __file__), "--tls-cert /no/such.pem"),
+        (("--auth-token-file", "/no/tokens"), "--auth-token-file /no/tokens"),
+        (("--reflection-requires-auth",), "--reflection-requires-auth"),
     ],
 )
 def test_bad_values_name_their_flag(argv, flag):
@@ -55,6 +64,24 @@ def test_environment_variables_set_flags(monkeypatch):
     monkeypatch.setenv("MLXSERVE_MAX_BATCH_PREFILL", "6")
     config = parse()
     assert (config.decode_storage_backend, config.max_batch_prefill) == ("dense", 6)
+
+
+def test_security_and_connection_flags_have_their_variables(monkeypatch):
+    config = parse()
+    assert (config.max_connection_age, config.tls_cert, config.auth_token_file) == (0, None, None)
+    assert not config.allow_special_tokens_in_content
+    monkeypatch.setenv("MLXSERVE_MAX_CONNECTION_AGE", "600")
+    monkeypatch.setenv("MLXSERVE_MAX_CONNECTION_AGE_GRACE", "30")
+    monkeypatch.setenv("MLXSERVE_AUTH_TOKEN_FILE", __file__)
+    monkeypatch.setenv("MLXSERVE_REFLECTION_REQUIRES_AUTH", "1")
+    monkeypatch.setenv("MLXSERVE_ALLOW_SPECIAL_TOKENS_IN_CONTENT", "true")
+    monkeypatch.setenv("MLXSERVE_TLS_CERT", __file__)
+    monkeypatch.setenv("MLXSERVE_TLS_KEY", __file__)
+    monkeypatch.setenv("MLXSERVE_TLS_CLIENT_CA", __file__)
+    config = parse()
+    assert (config.max_connection_age, config.max_connection_age_grace) == (600, 30)
+    assert config.auth_token_file == config.tls_cert == config.tls_client_ca == __file__
+    assert config.reflection_requires_auth and config.allow_special_tokens_in_content
 
 
 def test_max_request_bytes_defaults_to_grpcs_limit_and_has_its_variable(monkeypatch):

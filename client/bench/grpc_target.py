@@ -11,7 +11,7 @@ import grpc
 from client.bench.metrics import LevelResult, RequestRecord
 from client.bench.runner import run_plan
 from client.bench.workload import Plan, RequestSpec, Workload
-from client.client import AsyncGenerationClient, build_request
+from client.client import AsyncGenerationClient, TLSConfig, build_request
 from mlxserve.v1 import generation_pb2 as pb
 
 Progress = Callable[[str], None]
@@ -29,15 +29,23 @@ class GrpcTarget:
 
     name = "ours"
 
-    def __init__(self, target: str, *, request_timeout: float | None = 600.0) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        request_timeout: float | None = 600.0,
+        tls: TLSConfig | None = None,
+        token: str | None = None,
+    ) -> None:
         self.target = target
         self.request_timeout = request_timeout
+        self.tls, self.token = tls, token
 
     def run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
         return asyncio.run(self._run(plan, progress))
 
     async def _run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
-        async with AsyncGenerationClient(self.target) as client:
+        async with AsyncGenerationClient(self.target, tls=self.tls, token=self.token) as client:
 
             async def send(spec: RequestSpec) -> RequestRecord:
                 return await self._one_request(client, plan.workload, spec)
@@ -88,11 +96,17 @@ class GrpcTarget:
         return record
 
 
-def count_tokens_via_rpc(target: str, timeout: float = 30.0) -> Callable[[str], int]:
+def count_tokens_via_rpc(
+    target: str,
+    timeout: float = 30.0,
+    *,
+    tls: TLSConfig | None = None,
+    token: str | None = None,
+) -> Callable[[str], int]:
     """A token counter for prompt padding: our server's Tokenize of a one-turn chat."""
     from client.client import GenerationClient
 
-    client = GenerationClient(target)
+    client = GenerationClient(target, tls=tls, token=token)
 
     def count(text: str) -> int:
         return len(client.tokenize(chat=[("user", text)], timeout=timeout).token_ids)

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import bisect
 import json
-from collections.abc import Sequence
+import re
+import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # GGUF token types (llama.cpp's enum): 3 = control (special) token.
 _GGUF_TOKEN_TYPE_CONTROL = 3
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 EOS_FILE = "mlxserve_eos_token_ids.json"
+_WHITESPACE = re.compile(r"\s*")
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,13 @@ class Tokenizer:
             if backend is not None and not getattr(hf, "clean_up_tokenization_spaces", False)
             else None
         )
+        # Special tokens by their text, longest first (one may be a prefix of another).
+        self._specials: dict[str, tuple[int, AddedToken]] = {
+            str(t): (int(i), t) for i, t in hf.added_tokens_decoder.items() if t.special
+        }
+        names = sorted(self._specials, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, names))) if names else None
+        self._encode_plain = _plain_encoder(hf)
 
     def ends_mid_character(self, token_ids: Sequence[int]) -> bool | None:
         """Whether these tokens' bytes end inside a UTF-8 character; None when the tokenizer is
@@ -102,15 +113,94 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self._hf.convert_ids_to_tokens(int(token_id)) or ""
 
-    def render_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
-        """The prompt token ids of a chat, ending with the assistant turn's header."""
-        messages = [{"role": t.role, "content": t.content} for t in turns]
+    def render_chat(
+        self, turns: Sequence[ChatTurn], *, allow_special_tokens: bool = False
+    ) -> list[int]:
+        """The prompt token ids of a chat, ending with the assistant turn's header.
+
+        Special tokens typed into a message's content (`<|im_end|>`, `<|im_start|>system`) are
+        encoded as the plain text they are, so a user cannot end a turn or forge another;
+        only the template's own special tokens are control tokens. `allow_special_tokens`
+        parses them in content too. Content without special-token text gives the same ids
+        either way."""
+        pattern = self._special_re
+        if (
+            allow_special_tokens
+            or pattern is None
+            or not any(pattern.search(t.content) for t in turns)
+        ):
+            return self.encode(self._render(turns))
+        return self._render_specials_as_text(turns, pattern)
+
+    def _render(self, turns: Sequence[ChatTurn]) -> str:
         if not self.has_chat_template:
             # A model without a template gets a plain transcript rather than an error.
-            text = "".join(f"{t.role}: {t.content}\n" for t in turns) + "assistant:"
-            return self.encode(text)
-        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+            return "".join(f"{t.role}: {t.content}\n" for t in turns) + "assistant:"
+        messages = [{"role": t.role, "content": t.content} for t in turns]
+        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _render_specials_as_text(
+        self, turns: Sequence[ChatTurn], pattern: re.Pattern[str]
+    ) -> list[int]:
+        # Render with each special token in content replaced by a marker no input can contain
+        # (a fresh nonce), so the template sees ordinary text; then put the tokens back and
+        # remember where they are.
+        nonce = secrets.token_hex(8)
+        found: list[str] = []
+
+        def to_marker(match: re.Match[str]) -> str:
+            found.append(match.group())
+            return f"\ue000{nonce}.{len(found) - 1}\ue001"
+
+        masked = [ChatTurn(t.role, pattern.sub(to_marker, t.content)) for t in turns]
+        rendered = self._render(masked)
+        marker = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
+        pieces: list[str] = []
+        content_spans: list[tuple[int, int]] = []
+        length = last = 0
+        for match in marker.finditer(rendered):
+            pieces.append(rendered[last : match.start()])
+            length += match.start() - last
+            special = found[int(match.group(1))]
+            pieces.append(special)
+            content_spans.append((length, length + len(special)))
+            length += len(special)
+            last = match.end()
+        pieces.append(rendered[last:])
+        text = "".join(pieces)
+
+        # The tokenizer splits its input at special tokens and encodes the text between them
+        # on its own; do the same at the template's special tokens only.
+        span_ends = [end for _, end in content_spans]
+        ids: list[int] = []
+        start = 0
+        for match in pattern.finditer(text):
+            i = bisect.bisect_right(span_ends, match.start())  # the first span ending after it
+            if i < len(content_spans) and content_spans[i][0] < match.end():
+                continue  # typed by the user: stays text
+            token_id, token = self._specials[match.group()]
+            segment = text[start : match.start()]
+            ids += self._encode_plain(segment.rstrip() if token.lstrip else segment)
+            ids.append(token_id)
+            start = _WHITESPACE.match(text, match.end()).end() if token.rstrip else match.end()
+        ids += self._encode_plain(text[start:])
+        return ids
+
+
+def _plain_encoder(hf: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:
+    """Encodes text with special tokens taken as plain text. A copy of the Rust tokenizer with
+    `encode_special_tokens` set: switching that flag on the shared one would race with the
+    threads encoding prompts."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return lambda text: list(
+            hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+        )
+    plain = RawTokenizer.from_str(backend.to_str())
+    plain.no_truncation()
+    plain.no_padding()
+    plain.encode_special_tokens = True
+    return lambda text: plain.encode(text, add_special_tokens=False).ids if text else []
 
 
 def _byte_level_decoder(hf: PreTrainedTokenizerBase) -> dict[str, int] | None:
