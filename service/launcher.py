@@ -46,7 +46,7 @@ def run(config: ServerConfig) -> int:
     workers = [
         ctx.Process(
             target=_worker,
-            args=(config, str(run_dir), i, core_alive, config.api_workers),
+            args=(config, str(run_dir), i, core_alive),
             name=f"mlxserve-frontend-{i}",
         )
         for i in range(1, config.api_workers)
@@ -62,7 +62,7 @@ def run(config: ServerConfig) -> int:
     code = 0
     try:
         code = asyncio.run(
-            serve_frontend(config, run_dir, 0, core_alive, config.api_workers, stop_workers)
+            serve_frontend(config, run_dir, 0, core_alive, stop_workers)
         )
     except LoadFailedError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -91,11 +91,11 @@ def _stop(engine: mp.process.BaseProcess) -> None:
         engine.join()
 
 
-def _worker(config: ServerConfig, run_dir: str, index: int, core_alive: Connection, n: int):
+def _worker(config: ServerConfig, run_dir: str, index: int, core_alive: Connection) -> None:
     """Front end `index` (> 0) in its own process."""
     configure_logging(config.log_level, config.log_format)
     try:
-        code = asyncio.run(serve_frontend(config, Path(run_dir), index, core_alive, n))
+        code = asyncio.run(serve_frontend(config, Path(run_dir), index, core_alive))
     except (LoadFailedError, ConfigError):
         code = 2  # front end 0 says why
     sys.exit(code)

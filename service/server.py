@@ -41,13 +41,11 @@ async def serve_frontend(
     run_dir: Path,
     index: int,
     core_alive: Connection,
-    workers: int = 1,
     on_stop: Callable[[], None] | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (then drain) or until the core dies. `core_alive`: a pipe
-    end that reads EOF once the core process is gone; `workers`: front-end processes sharing
-    the port (SO_REUSEPORT); `on_stop`: called when a stop signal arrives. Returns the exit
-    code."""
+    end that reads EOF once the core process is gone; `on_stop`: called when a stop signal
+    arrives. Returns the exit code."""
     telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
     client = EngineClient(run_dir, index)
     auth = transport.auth_interceptor(config)
@@ -59,9 +57,7 @@ async def serve_frontend(
             *([auth] if auth is not None else []),
             DecodeErrorInterceptor(),
         ],
-        # One front end alone gets the port to itself (so a second server fails to bind);
-        # several share it, and the kernel spreads connections over them.
-        options=[*transport.server_options(config), ("grpc.so_reuseport", 1 if workers > 1 else 0)],
+        options=transport.server_options(config),
     )
     servicer = GenerationServicer(config, client, telemetry)
     pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)

@@ -181,7 +181,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             )
         if not self.serving:  # the core died or a drain began while we tokenized
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
-        bound = log.bind(request_id=req.request_id)
+        bound = log.bind(request_id=req.request_id, frontend=self.client.name)
         stream = RequestStream(req, model.tokenizer, model.eos_token_ids)
         state = self.telemetry.request_started(req)
         rid, outputs = self.client.submit(req, state.ids if state is not None else None)

@@ -36,9 +36,12 @@ AUTH_METADATA_KEY = "authorization"
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
-    """grpc core options of the server: message size, keepalive policy, connection age."""
+    """grpc core options of the server: port sharing, message size, keepalive policy,
+    connection age."""
     options: list[tuple[str, Any]] = [
-        ("grpc.so_reuseport", 0),
+        # One front end alone gets the port to itself (so a second server fails to bind);
+        # several share it (--api-workers), and the kernel spreads connections over them.
+        ("grpc.so_reuseport", 1 if config.api_workers > 1 else 0),
         ("grpc.max_receive_message_length", config.max_request_bytes),
         ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", SERVER_KEEPALIVE_TIMEOUT_MS),

@@ -207,14 +207,13 @@ async def test_tokenization_runs_off_the_event_loop(monkeypatch) -> None:
             return encode(text)
 
         monkeypatch.setattr(tok, "encode", recording_encode)
-        if True:
-            tokenized = await stub.Tokenize(pb.TokenizeRequest(text="Hello world"), timeout=30)
-            assert list(tokenized.token_ids) == encode("Hello world")
-            one = pb.StoppingCriteria(max_tokens=1)
-            reply = await stub.Generate(pb.GenerateRequest(text="Hi", stopping=one), timeout=60)
-            assert len(reply.token_ids) == 1
-            stream = to_stream(chat_request("Hi", max_tokens=1))
-            assert [m async for m in stub.StreamGenerate(stream, timeout=60)]
+        tokenized = await stub.Tokenize(pb.TokenizeRequest(text="Hello world"), timeout=30)
+        assert list(tokenized.token_ids) == encode("Hello world")
+        one = pb.StoppingCriteria(max_tokens=1)
+        reply = await stub.Generate(pb.GenerateRequest(text="Hi", stopping=one), timeout=60)
+        assert len(reply.token_ids) == 1
+        stream = to_stream(chat_request("Hi", max_tokens=1))
+        assert [m async for m in stub.StreamGenerate(stream, timeout=60)]
     assert len(threads) == 3
     loop_thread = threading.current_thread()
     assert all(t is not loop_thread for t in threads), [t.name for t in threads]

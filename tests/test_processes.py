@@ -1,0 +1,157 @@
+"""The server's processes: an engine core (the only one with MLX) and gRPC front ends.
+
+Real servers on the embedded model: the front end has no MLX mapped; several front ends share
+the port; a slow stream gets several steps per message without slowing the others; a core
+that dies ends every open RPC with UNAVAILABLE, turns health NOT_SERVING and makes the server
+exit non-zero, never leaving an RPC hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.conftest import chat_request, running_server, start_server, to_stream
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc"),
+]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def maps_mlx(pid: int) -> bool:
+    return "libmlx" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def core_of(pid: int) -> int:
+    (core,) = [c for c in children(pid) if maps_mlx(c)]
+    return core
+
+
+def test_only_the_engine_core_imports_mlx() -> None:
+    with running_server("--log-format", "json") as server:
+        assert not maps_mlx(server.proc.pid), "the front end mapped MLX"
+        core = core_of(server.proc.pid)
+        assert core != server.proc.pid
+        with grpc.insecure_channel(server.target) as channel:
+            reply = pb_grpc.GenerationServiceStub(channel).Generate(
+                chat_request("What is the capital of France?", max_tokens=8), timeout=60
+            )
+            assert "Paris" in reply.text
+        assert not maps_mlx(server.proc.pid)
+
+
+def test_front_ends_share_the_port() -> None:
+    """--api-workers 2: two front-end processes answer on one port (new connections spread
+    over them by the kernel), and both reach the one engine core."""
+    with running_server("--api-workers", "2", "--log-format", "json") as server:
+        served_by: set[int] = set()
+        for i in range(16):
+            with grpc.insecure_channel(
+                server.target, options=[("grpc.use_local_subchannel_pool", 1)]
+            ) as channel:
+                stub = pb_grpc.GenerationServiceStub(channel)
+                stub.Generate(chat_request(f"Say {i}.", max_tokens=1, request_id=f"w{i}"))
+            record = server.wait_for_record(
+                lambda r, i=i: r.get("event") == "request queued" and r["request_id"] == f"w{i}"
+            )
+            served_by.add(record["frontend"])
+            if len(served_by) == 2:
+                break
+        assert served_by == {"fe0", "fe1"}
+        with_mlx = [p for p in [server.proc.pid, *children(server.proc.pid)] if maps_mlx(p)]
+        assert len(with_mlx) == 1  # one engine core for both
+
+
+def test_a_slow_consumer_gets_several_steps_per_message_and_slows_no_one() -> None:
+    """A stream read slowly has its tokens coalesced (fewer messages than tokens, same text as
+    read at full speed); a stream read normally beside it keeps one message per step and
+    finishes long before the slow reader is done."""
+    request = to_stream(chat_request("Write a story about a cat.", max_tokens=40))
+    with (
+        running_server("--log-format", "json") as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        stub = pb_grpc.GenerationServiceStub(channel)
+        want = stub.Generate(chat_request("Write a story about a cat.", max_tokens=40))
+        slow_messages: list[pb.StreamGenerateResponse] = []
+        fast_done = threading.Event()
+        fast_messages: list[pb.StreamGenerateResponse] = []
+
+        def fast() -> None:
+            stopping = pb.StoppingCriteria(max_tokens=20, ignore_eos=True)
+            req = to_stream(chat_request("Name three fruits.", stopping=stopping))
+            fast_messages.extend(stub.StreamGenerate(req, timeout=120))
+            fast_done.set()
+
+        # A receive window of a few messages: the server's writes wait for this reader.
+        slow_channel = grpc.insecure_channel(
+            server.target,
+            options=[("grpc.http2.lookahead_bytes", 64), ("grpc.http2.bdp_probe", 0)],
+        )
+        call = pb_grpc.GenerationServiceStub(slow_channel).StreamGenerate(request, timeout=120)
+        slow_messages.append(next(call))
+        thread = threading.Thread(target=fast)
+        thread.start()
+        time.sleep(3.0)  # the engine runs on while nobody reads this stream
+        assert fast_done.wait(60)
+        slow_messages.extend(call)
+        slow_channel.close()
+        thread.join()
+    tokens = [t for m in slow_messages for t in m.token_ids]
+    assert tokens == list(want.token_ids)
+    assert "".join(m.text for m in slow_messages) == want.text
+    assert len(slow_messages) < len(tokens)  # several steps in one message
+    assert max(len(m.token_ids) for m in slow_messages) > 1
+    fast_tokens = sum(len(m.token_ids) for m in fast_messages)
+    assert fast_tokens == 20 and len(fast_messages) >= fast_tokens  # one per step, + final
+
+
+def test_a_dead_engine_core_ends_every_rpc_and_the_server() -> None:
+    """SIGKILL the core mid-stream: the open stream ends with UNAVAILABLE (it does not hang),
+    a new call is refused with UNAVAILABLE or cannot connect, and the server exits 3."""
+    server = start_server("--log-format", "json")
+    try:
+        core = core_of(server.proc.pid)
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            call = stub.StreamGenerate(
+                to_stream(chat_request("Tell a long story.", max_tokens=400)), timeout=60
+            )
+            next(call)
+            health = health_pb2_grpc.HealthStub(channel)
+            os.kill(core, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - started < 10
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            except grpc.RpcError as exc:  # or the server has already gone
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE
+        assert server.wait(30) == 3
+    finally:
+        server.stop()
