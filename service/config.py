@@ -41,7 +41,7 @@ class ServerConfig:
     log_format: str = "auto"
     metrics_port: int | None = None
     max_request_bytes: int = 4 << 20  # gRPC's own default receive limit
-    drain_seconds: float = 10.0
+    drain_timeout: float = 30.0
     api_workers: int = 1
     max_connection_age: float = 0.0  # seconds; 0: unlimited
     max_connection_age_grace: float = 300.0
@@ -91,6 +91,8 @@ class ServerConfig:
             self.slot_context(self.ctx_size)  # refuses slots under 512 tokens before loading
         if self.default_max_tokens < 1:
             raise ConfigError("--default-max-tokens must be at least 1")
+        if self.drain_timeout < 0:
+            raise ConfigError("--drain-timeout must be >= 0")
         if self.api_workers < 1:
             raise ConfigError("--api-workers must be at least 1")
         if self.max_request_bytes < 1:
@@ -294,6 +296,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--log-level", default=_env("log_level", d.log_level))
     a("--log-format", default=_env("log_format", d.log_format), help="auto | json | console")
+    a(
+        "--drain-timeout",
+        type=float,
+        default=float(_env("drain_timeout", d.drain_timeout)),
+        help="seconds a stop signal lets running requests finish (new ones get UNAVAILABLE); "
+        "what still runs then ends as cancelled; a second signal stops at once",
+    )
     a(
         "--api-workers",
         type=int,

@@ -61,9 +61,7 @@ def run(config: ServerConfig) -> int:
 
     code = 0
     try:
-        code = asyncio.run(
-            serve_frontend(config, run_dir, 0, core_alive, stop_workers)
-        )
+        code = asyncio.run(serve_frontend(config, run_dir, 0, core_alive, stop_workers))
     except LoadFailedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = LOAD_FAILED_EXIT

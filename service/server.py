@@ -33,6 +33,7 @@ log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 LOAD_FAILED_EXIT = 2
 CORE_DIED_EXIT = 3
+DRAIN_LAST_MESSAGES_S = 2.0  # for the final messages of requests the drain ended
 STATS_TIMEOUT_S = 2.0  # a scrape waits this long for the core's CacheStats
 
 
@@ -85,10 +86,13 @@ async def serve_frontend(
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    stop_now = asyncio.Event()  # a second signal: no more waiting
     exit_code = 0
 
     def on_signal() -> None:
         if stop.is_set():
+            log.warning("second stop signal: stopping now", frontend=index)
+            stop_now.set()
             return
         if on_stop is not None:
             on_stop()
@@ -134,9 +138,9 @@ async def serve_frontend(
     finally:
         servicer.draining = True
         await health_servicer.enter_graceful_shutdown()
-        grace = 0 if exit_code else config.drain_seconds
-        log.info("draining", grace_seconds=grace, frontend=index)
-        await server.stop(grace=grace)
+        if not exit_code:
+            await _drain(servicer, config.drain_timeout, stop_now, index)
+        await server.stop(grace=0 if stop_now.is_set() else DRAIN_LAST_MESSAGES_S)
         servicer.close()
         with contextlib.suppress(Exception):
             loop.remove_reader(core_alive.fileno())
@@ -144,6 +148,22 @@ async def serve_frontend(
         telemetry.shutdown()  # exports the spans still buffered
         log.info("stopped", frontend=index)
     return exit_code
+
+
+async def _drain(
+    servicer: GenerationServicer, timeout: float, stop_now: asyncio.Event, index: int
+) -> None:
+    """Let running requests finish for up to `timeout` seconds (new ones get UNAVAILABLE with
+    RetryInfo); then end what still runs as cancelled, each with a final message."""
+    log.info("draining", timeout_seconds=timeout, frontend=index)
+    idle = asyncio.ensure_future(servicer.idle.wait())
+    now = asyncio.ensure_future(stop_now.wait())
+    await asyncio.wait({idle, now}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    now.cancel()
+    if not idle.done():
+        servicer.end_all()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(idle, DRAIN_LAST_MESSAGES_S)
 
 
 def _serve_metrics(config: ServerConfig, telemetry: Telemetry, client: EngineClient) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ from typing import Any, TypeVar
 
 import grpc
 import structlog
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
@@ -44,6 +48,8 @@ _FINISH = {
 }
 BACKEND_ERROR = "inference backend error"
 CORE_GONE_MESSAGE = "the engine core exited; the server is restarting"
+SHUTDOWN = object()  # put in a request's queue when the drain timeout has passed
+RETRY_AFTER_S = 1  # what a refused caller is told (RetryInfo) while the server drains
 T = TypeVar("T")
 
 
@@ -66,6 +72,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.model: ServedModel | None = None  # set once the core's model is loaded
         self.draining = False
         self._active_ids: set[str] = set()
+        self._queues: dict[str, asyncio.Queue[Any]] = {}  # rid -> its outputs, while running
+        self.idle = asyncio.Event()  # set whenever no request is running
+        self.idle.set()
         # Tokenization (and validation, which walks every token id) runs here, never on the
         # event loop: a big prompt would stall every stream and health check meanwhile. The
         # tokenizers library releases the GIL while it encodes.
@@ -84,6 +93,23 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     def close(self) -> None:
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
+
+    def end_all(self) -> None:
+        """The drain timeout passed: every running request ends now, as cancelled."""
+        for outputs in self._queues.values():
+            outputs.put_nowait(SHUTDOWN)
+
+    async def _refuse_unavailable(self, context: Any) -> None:
+        """UNAVAILABLE, with RetryInfo while draining (another replica can take the call)."""
+        message = self.unavailable_reason()
+        if not self.draining or self.client.gone.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromSeconds(RETRY_AFTER_S)
+        detail = any_pb2.Any()
+        detail.Pack(retry)
+        status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message=message, details=[detail])
+        await context.abort_with_status(rpc_status.to_status(status))
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -151,7 +177,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         status on failure."""
         if not self.serving:
             self.telemetry.rejected("unavailable")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
+            await self._refuse_unavailable(context)
         model = self.model
         assert model is not None
         try:
@@ -180,12 +206,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
             )
         if not self.serving:  # the core died or a drain began while we tokenized
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
+            await self._refuse_unavailable(context)
         bound = log.bind(request_id=req.request_id, frontend=self.client.name)
         stream = RequestStream(req, model.tokenizer, model.eos_token_ids)
         state = self.telemetry.request_started(req)
         rid, outputs = self.client.submit(req, state.ids if state is not None else None)
         self._active_ids.add(req.request_id)
+        self._queues[rid] = outputs
+        self.idle.clear()
+        started = time.monotonic()
         bound.info(
             "request queued",
             prompt_tokens=len(req.prompt_token_ids),
@@ -205,6 +234,25 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     if item is CORE_GONE:
                         stream.done = True
                         await context.abort(grpc.StatusCode.UNAVAILABLE, CORE_GONE_MESSAGE)
+                    if item is SHUTDOWN:
+                        bound.info("request cancelled by shutdown")
+                        self.client.abort(rid)
+                        _merge(
+                            delta,
+                            stream.end(
+                                Final(
+                                    FinishReason.CANCELLED.value,
+                                    None,
+                                    len(req.prompt_token_ids),
+                                    len(stream.token_ids),
+                                    0,
+                                    0.0,
+                                    0.0,
+                                    time.monotonic() - started,
+                                )
+                            ),
+                        )
+                        break
                     self.telemetry.request_events(state, item.events)
                     stopped = stream.stopped
                     step = stream.push(item)
@@ -219,6 +267,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     yield req.request_id, delta
         finally:
             self._active_ids.discard(req.request_id)
+            self._queues.pop(rid, None)
+            if not self._queues:
+                self.idle.set()
             self.telemetry.request_ended(state, stream.done, len(stream.token_ids))
             self.client.release(rid)
             if not stream.done:

@@ -76,3 +76,12 @@ class RequestStream:
                 delta.text += self._detok.flush()
             delta.final = final
         return delta
+
+    def end(self, final: Final) -> Delta:
+        """End the stream here (the server is shutting down): the held-back text and `final`."""
+        delta = Delta()
+        if not self.done:
+            self.done = True
+            delta.text = self._detok.flush()
+            delta.final = final
+        return delta

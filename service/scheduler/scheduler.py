@@ -556,13 +556,11 @@ class Scheduler:
             heapq.heapify(keep)
             self._waiting = keep
 
-    def _fail_running(self, message: str) -> None:
+    def _fail_all_on_stop(self) -> None:
+        """The server stops: what still runs or waits is cancelled (not failed)."""
         self._inflight = None
         for seq in list(self._running):
-            self._finish(seq, FinishReason.ERROR, error=message)
-
-    def _fail_all_on_stop(self) -> None:
-        self._fail_running("server shutting down")
+            self._finish(seq, FinishReason.CANCELLED, error="server shutting down")
         while self._waiting:
             _, _, seq = heapq.heappop(self._waiting)
             self._finish(seq, FinishReason.CANCELLED)
