@@ -14,7 +14,7 @@ BUF := .tools/node_modules/.bin/buf
 LAST_RELEASE := $(shell git describe --tags --abbrev=0 --match 'v*' 2>/dev/null)
 BUF_AGAINST ?= .git\#$(if $(LAST_RELEASE),tag=$(LAST_RELEASE),branch=main)
 
-.PHONY: install serve test proto proto-check lint bench buf-lint buf-breaking dist smoke-dist clean
+.PHONY: install serve test test-fast proto proto-check lint bench buf-lint buf-breaking dist smoke-dist clean
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ serve: install
 
 test: install
 	env $(BLAS_ENV) $(PY) -m pytest -q
+
+# Unit tests only (no server, no real model): under a minute.
+test-fast: install
+	env $(BLAS_ENV) $(PY) -m pytest -q -m "not slow"
 
 proto: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)

@@ -42,6 +42,24 @@ FAST_RECONNECT = [
 _STATUS_NAME = health_pb2.HealthCheckResponse.ServingStatus.Name
 
 
+# The fast tier (`make test-fast`): modules that start no server and load no real model.
+_SLOW_MARKS = ("running_server(", "start_server(", "in_process_server(", "load_model(", "model_zoo")
+_SLOW_FIXTURES = {"server", "channel", "stub", "aio_channel", "aio_stub", "reference"}
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Mark as `slow` every test of a module that starts servers or loads a real model, and
+    every test that uses the shared server's fixtures."""
+    sources: dict[Path, bool] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in sources:
+            text = path.read_text()
+            sources[path] = any(mark in text for mark in _SLOW_MARKS)
+        if sources[path] or _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
