@@ -43,6 +43,8 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20  # gRPC's own default receive limit
     drain_timeout: float = 30.0
     api_workers: int = 1
+    tensor_parallel: int = 1
+    distributed_backend: str = "auto"
     max_connection_age: float = 0.0  # seconds; 0: unlimited
     max_connection_age_grace: float = 300.0
     tls_cert: str | None = None
@@ -51,6 +53,14 @@ class ServerConfig:
     auth_token_file: str | None = None
     reflection_requires_auth: bool = False
     allow_special_tokens_in_content: bool = False
+
+    def resolved_backend(self) -> str:
+        """MLX distributed backend of the tensor-parallel ranks: NCCL between GPUs, the ring
+        (local processes over TCP) elsewhere. Decided without importing MLX (the launcher
+        does not): a visible NVIDIA GPU means CUDA."""
+        if self.distributed_backend != "auto":
+            return self.distributed_backend
+        return "nccl" if visible_gpus() else "ring"
 
     @property
     def batch_size(self) -> int:
@@ -93,6 +103,10 @@ class ServerConfig:
             raise ConfigError("--default-max-tokens must be at least 1")
         if self.drain_timeout < 0:
             raise ConfigError("--drain-timeout must be >= 0")
+        if self.tensor_parallel < 1:
+            raise ConfigError("--tensor-parallel must be at least 1")
+        if self.distributed_backend not in ("auto", "ring", "nccl"):
+            raise ConfigError("--distributed-backend must be auto, ring or nccl")
         if self.api_workers < 1:
             raise ConfigError("--api-workers must be at least 1")
         if self.max_request_bytes < 1:
@@ -118,6 +132,25 @@ class ServerConfig:
         ):
             if path and not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file")
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use (CUDA_VISIBLE_DEVICES, else nvidia-smi's list)."""
+    import shutil
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
 def _env(name: str, default: object) -> object:
@@ -302,6 +335,18 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=float(_env("drain_timeout", d.drain_timeout)),
         help="seconds a stop signal lets running requests finish (new ones get UNAVAILABLE); "
         "what still runs then ends as cancelled; a second signal stops at once",
+    )
+    a(
+        "--tensor-parallel",
+        type=int,
+        default=int(_env("tensor_parallel", d.tensor_parallel)),
+        help="engine-core ranks of one mx.distributed group: the model's heads are split over "
+        "them (a model too large for one device, or lower latency)",
+    )
+    a(
+        "--distributed-backend",
+        default=_env("distributed_backend", d.distributed_backend),
+        help="auto (nccl between GPUs, else ring: local processes over TCP) | ring | nccl",
     )
     a(
         "--api-workers",

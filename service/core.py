@@ -71,7 +71,7 @@ class CoreServer:
 
         self.config = config
         self.run_dir = run_dir
-        self.runtime: Runtime = Runtime(config)
+        self.runtime: Runtime = Runtime(config, run_dir)
         self.context = zmq.Context()
         self.requests: dict[str, Request] = {}  # rid -> request, until its final output
         self._sinks: dict[str, FrontendSink] = {}
@@ -103,6 +103,9 @@ class CoreServer:
                         self._handle(router, peer, ipc.decode_to_core(data))
                 if self._load_failed(router):
                     return 2
+                if self._ready_sent and not self.runtime.engine_running:
+                    log.error("the engine thread stopped: the engine core exits")
+                    return 4
                 self._announce(router)
         finally:
             self.runtime.shutdown()  # ends what still runs (their final outputs go out)
@@ -185,18 +188,40 @@ class CoreServer:
         )
 
 
-def run(config: ServerConfig, run_dir: str, alive: Connection) -> None:
-    """The core process's entry point (multiprocessing, spawn). `alive`: the writing end of
-    the pipe the front ends watch; held (never written) until this process exits."""
+def run(
+    config: ServerConfig, run_dir: str, alive: Connection, rank: int = 0, env: dict | None = None
+) -> None:
+    """An engine-core process's entry point (multiprocessing, spawn). `alive`: the writing end
+    of the pipe the front ends watch; held (never written) until this process exits. Under
+    tensor parallel, `rank` and `env` (the distributed backend's variables, set before MLX is
+    imported): rank 0 serves the front ends, the others follow it (service.distributed)."""
+    os.environ.update(env or {})
     error = mlx_error()
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     configure_logging(config.log_level, config.log_format)
+    if rank > 0:
+        sys.exit(_follow(config, Path(run_dir), rank))
     core = CoreServer(config, Path(run_dir))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: core.stop())
     sys.exit(core.serve())
+
+
+def _follow(config: ServerConfig, run_dir: Path, rank: int) -> int:
+    from service.distributed import follow
+    from service.runtime import Runtime
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        runtime = Runtime(config, run_dir)
+        runtime.load()
+        follow(runtime.engine, run_dir, rank)
+    except Exception as exc:
+        log.error("tensor-parallel rank failed", rank=rank, error=str(exc))
+        return 4
+    return 0
 
 
 def mlx_error() -> str | None:

@@ -14,10 +14,12 @@ the engine core died.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -25,7 +27,7 @@ from pathlib import Path
 import structlog
 
 from service import core
-from service.config import ConfigError, ServerConfig
+from service.config import ConfigError, ServerConfig, visible_gpus
 from service.frontend.engine_client import LoadFailedError
 from service.logging import configure_logging
 from service.server import LOAD_FAILED_EXIT, serve_frontend
@@ -37,12 +39,25 @@ CORE_STOP_TIMEOUT_S = 15.0
 def run(config: ServerConfig) -> int:
     ctx = mp.get_context("spawn")  # no fork: the children start clean (MLX, gRPC threads)
     run_dir = core.make_run_dir()
-    core_alive, core_holds = ctx.Pipe(duplex=False)
-    engine = ctx.Process(
-        target=core.run, args=(config, str(run_dir), core_holds), name="mlxserve-core"
-    )
-    engine.start()
-    core_holds.close()  # the core's copy is the only writing end left
+    try:
+        rank_env = _rank_environments(config, run_dir)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 2
+    # One pipe per core rank: whichever rank exits, its pipe reads EOF in every front end.
+    core_alive: list[Connection] = []
+    ranks: list[mp.process.BaseProcess] = []
+    for rank, env in enumerate(rank_env):
+        alive, holds = ctx.Pipe(duplex=False)
+        name = "mlxserve-core" if rank == 0 else f"mlxserve-core-rank-{rank}"
+        process = ctx.Process(
+            target=core.run, args=(config, str(run_dir), holds, rank, env), name=name
+        )
+        process.start()
+        holds.close()  # the rank's copy is the only writing end left
+        core_alive.append(alive)
+        ranks.append(process)
     workers = [
         ctx.Process(
             target=_worker,
@@ -72,11 +87,48 @@ def run(config: ServerConfig) -> int:
         stop_workers()
         for w in workers:
             w.join(CORE_STOP_TIMEOUT_S)
-        _stop(engine)
+        for process in ranks:
+            _stop(process)
         shutil.rmtree(run_dir, ignore_errors=True)
+    engine = ranks[0]
     if code == 0 and engine.exitcode not in (0, None, -signal.SIGTERM):
         code = engine.exitcode or 0
     return code
+
+
+def _rank_environments(config: ServerConfig, run_dir: Path) -> list[dict[str, str]]:
+    """Per engine-core rank, the MLX distributed variables (what `mlx.launch` sets): the ring
+    backend's host file of local TCP ports, or NCCL's rendezvous and one GPU per rank."""
+    n = config.tensor_parallel
+    if n == 1:
+        return [{}]
+    backend = config.resolved_backend()
+    if backend == "nccl":
+        gpus = visible_gpus()
+        if n > gpus:
+            raise ConfigError(f"--tensor-parallel {n}: only {gpus} GPU(s) are visible")
+        port = str(free_port())
+        common = {
+            "MLX_WORLD_SIZE": str(n),
+            "NCCL_HOST_IP": "127.0.0.1",
+            "NCCL_PORT": port,
+            "NCCL_NVLS_ENABLE": "0",  # NVLink multicast off (not available on these hosts)
+        }
+        return [{**common, "MLX_RANK": str(r), "CUDA_VISIBLE_DEVICES": str(r)} for r in range(n)]
+    hostfile = run_dir / "hostfile.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(n)]))
+    # The ranks share this machine's cores: split the BLAS threads between them.
+    threads = str(max(1, (os.cpu_count() or 1) // n))
+    return [
+        {"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "OPENBLAS_NUM_THREADS": threads}
+        for r in range(n)
+    ]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _stop(engine: mp.process.BaseProcess) -> None:
@@ -89,7 +141,7 @@ def _stop(engine: mp.process.BaseProcess) -> None:
         engine.join()
 
 
-def _worker(config: ServerConfig, run_dir: str, index: int, core_alive: Connection) -> None:
+def _worker(config: ServerConfig, run_dir: str, index: int, core_alive: list[Connection]) -> None:
     """Front end `index` (> 0) in its own process."""
     configure_logging(config.log_level, config.log_format)
     try:

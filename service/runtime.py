@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import structlog
@@ -17,6 +18,13 @@ from mlx.utils import tree_flatten
 
 from mlxserve.v1 import generation_pb2 as pb
 from service.config import ConfigError, ServerConfig
+from service.distributed import (
+    ReplicatedEngine,
+    TensorParallelError,
+    agree,
+    check_shardable,
+    init_group,
+)
 from service.engine import paged_attention
 from service.engine.config import resolve
 from service.engine.engine import Engine, EngineSequence, FaultInjector, StepRow
@@ -28,7 +36,7 @@ from service.kv.budget import parse_budget
 from service.models import activations, rope
 from service.models.families import Family, family
 from service.models.layout import CacheLayout, UnsupportedModelError, probe_layout
-from service.models.loader import LoadedModel, ModelLoadError, load_model
+from service.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
 from service.scheduler.request import SequenceStatus
 from service.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -61,8 +69,14 @@ def fault_injector_from_env() -> FaultInjector | None:
 
 
 class Runtime:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, run_dir: Path | None = None) -> None:
+        """run_dir: where the ranks' sockets live (tensor parallel)."""
         self.config = config
+        self.run_dir = run_dir or Path(".")
+        # Tensor parallel: this process's rank of the mx.distributed group (service.launcher
+        # set the backend's environment before MLX was imported).
+        self.group = init_group(config.resolved_backend()) if config.tensor_parallel > 1 else None
+        self.rank = self.group.rank() if self.group is not None else 0
         self.serving = False
         self.loaded: LoadedModel | None = None
         self.layout: CacheLayout | None = None
@@ -77,6 +91,7 @@ class Runtime:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.engine: Engine | ReplicatedEngine | None = None
 
     # -- start-up --------------------------------------------------------------------
     def start(self) -> None:
@@ -85,6 +100,10 @@ class Runtime:
         evaluates what mlx-lm creates lazily) is the one that runs every forward."""
         self._thread = threading.Thread(target=self._engine_main, name="engine", daemon=True)
         self._thread.start()
+
+    @property
+    def engine_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def load_error(self) -> BaseException | None:
@@ -120,6 +139,8 @@ class Runtime:
         cfg = self.config
         started = time.monotonic()
         lm = load_model(cfg.model, cfg.dtype, cfg.load_format)
+        if self.group is not None:
+            self._shard(lm)
         try:
             layout = probe_layout(lm.model)
         except UnsupportedModelError as exc:
@@ -130,6 +151,11 @@ class Runtime:
         self.slot_context = cfg.slot_context(lm.max_context)
         fam = family(lm.family)
         self.batch_size = cfg.batch_size
+        if layout.native and self.group is not None:
+            raise ModelLoadError(
+                f"{lm.model_id}: tensor parallel needs caches the engine can view"
+                f" ({layout.native_reason})"
+            )
         if layout.native:
             # Served as mlx-lm runs it alone, one sequence at a time.
             self.batch_size = 1
@@ -158,7 +184,14 @@ class Runtime:
             engine_config,
             split_head=fam.split_head,
             fault_injector=fault_injector_from_env(),
+            contain_failures=self.group is None,
         )
+        if self.group is not None and self.rank > 0:
+            # A follower: no scheduler; it replays rank 0's engine calls (service.distributed).
+            self.serving = True
+            return
+        if self.group is not None:
+            self.engine = ReplicatedEngine(self.engine, self.run_dir, self.group.size())
         batch_size = self.batch_size
         self.scheduler = Scheduler(
             self.engine,
@@ -185,6 +218,8 @@ class Runtime:
             eos_token_ids=self.eos_token_ids,
             on_health=self._engine_health,
             on_tick=self._publish_stats,
+            # Tensor parallel: the other ranks cannot follow a step rank 0 gave up on.
+            fatal_errors=self.group is not None,
         )
         warm_up_seconds = self._warm_up()
         self._log_decode_path(lm, fam.verified)
@@ -223,6 +258,29 @@ class Runtime:
     def _engine_health(self, healthy: bool) -> None:
         if self.on_engine_health is not None:
             self.on_engine_health(healthy)
+
+    def _shard(self, lm: LoadedModel) -> None:
+        """Split the model's heads and MLP over the group (mlx-lm's `model.shard`)."""
+        assert self.group is not None
+        fam = family(lm.family)
+        kv_heads = model_arg(lm.model.args, "num_key_value_heads") or lm.num_heads
+        try:
+            check_shardable(
+                lm.model, fam.tensor_parallel, lm.num_heads, kv_heads, self.group.size()
+            )
+        except TensorParallelError as exc:
+            raise ModelLoadError(
+                f"{lm.model_id} cannot be served at --tensor-parallel {self.group.size()}: {exc}"
+            ) from exc
+        lm.model.shard(self.group)
+        mx.eval(lm.model.parameters())
+        log.info(
+            "model sharded",
+            rank=self.rank,
+            tensor_parallel=self.group.size(),
+            heads_per_rank=lm.num_heads // self.group.size(),
+            kv_heads_per_rank=kv_heads // self.group.size(),
+        )
 
     def _log_decode_path(self, lm: LoadedModel, verified: bool) -> None:
         """The design document's start-up line: how this model's decode steps run."""
@@ -288,6 +346,9 @@ class Runtime:
         slot_blocks = -(-self.slot_context // PAGED_BLOCK_SIZE)
         most = 2 * cfg.batch_size * slot_blocks
         blocks = most if budget is None else min(most, budget // bytes_per_block)
+        if self.group is not None:
+            # Every rank's pool must be the same size: rank 0's (it decides from its memory).
+            blocks = agree(blocks, self.group)
         self.kv_budget_unlimited = budget is None
         if blocks < 1:
             raise ConfigError(f"--kv-cache-budget {cfg.kv_cache_budget} holds no KV block")
@@ -402,3 +463,5 @@ class Runtime:
             self.scheduler.stop(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
+        if isinstance(self.engine, ReplicatedEngine):
+            self.engine.close()  # the followers stop too

@@ -34,19 +34,20 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 LOAD_FAILED_EXIT = 2
 CORE_DIED_EXIT = 3
 DRAIN_LAST_MESSAGES_S = 2.0  # for the final messages of requests the drain ended
-STATS_TIMEOUT_S = 2.0  # a scrape waits this long for the core's CacheStats
+STATS_TIMEOUT_S = 2.0
+LOAD_FAILURE_GRACE_S = 3.0  # a scrape waits this long for the core's CacheStats
 
 
 async def serve_frontend(
     config: ServerConfig,
     run_dir: Path,
     index: int,
-    core_alive: Connection,
+    core_alive: list[Connection],
     on_stop: Callable[[], None] | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (then drain) or until the core dies. `core_alive`: a pipe
-    end that reads EOF once the core process is gone; `on_stop`: called when a stop signal
-    arrives. Returns the exit code."""
+    """Serve until SIGTERM/SIGINT (then drain) or until the core dies. `core_alive`: per
+    engine-core rank, a pipe end that reads EOF once that process is gone; `on_stop`: called
+    when a stop signal arrives. Returns the exit code."""
     telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
     client = EngineClient(run_dir, index)
     auth = transport.auth_interceptor(config)
@@ -103,15 +104,28 @@ async def serve_frontend(
 
     def on_core_exit() -> None:
         nonlocal exit_code
-        loop.remove_reader(core_alive.fileno())
+        for pipe in core_alive:
+            loop.remove_reader(pipe.fileno())
         if stop.is_set():
             return  # we are stopping it ourselves
+        if servicer.model is None:
+            # While loading, a rank may exit because the model cannot be loaded: give rank 0's
+            # reason (LoadFailed) a moment to arrive before calling it a crash.
+            loop.call_later(LOAD_FAILURE_GRACE_S, core_gone)
+        else:
+            core_gone()
+
+    def core_gone() -> None:
+        nonlocal exit_code
+        if stop.is_set():
+            return
         log.error("the engine core exited: ending every open request", frontend=index)
         exit_code = CORE_DIED_EXIT
         client.core_died()
         stop.set()
 
-    loop.add_reader(core_alive.fileno(), on_core_exit)
+    for pipe in core_alive:
+        loop.add_reader(pipe.fileno(), on_core_exit)
     client.on_health = lambda healthy: asyncio.ensure_future(
         set_health(healthy and servicer.serving)
     )
@@ -142,8 +156,9 @@ async def serve_frontend(
             await _drain(servicer, config.drain_timeout, stop_now, index)
         await server.stop(grace=0 if stop_now.is_set() else DRAIN_LAST_MESSAGES_S)
         servicer.close()
-        with contextlib.suppress(Exception):
-            loop.remove_reader(core_alive.fileno())
+        for pipe in core_alive:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(pipe.fileno())
         await client.close()
         telemetry.shutdown()  # exports the spans still buffered
         log.info("stopped", frontend=index)

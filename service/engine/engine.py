@@ -108,6 +108,7 @@ class Engine:
         *,
         split_head: bool = False,
         fault_injector: FaultInjector | None = None,
+        contain_failures: bool = True,
     ) -> None:
         """`cache`: what the model keeps per sequence (service.models.layout); `config`: how
         its forwards run (service.engine.config, resolved before the engine is built)."""
@@ -126,6 +127,9 @@ class Engine:
                 mirror=config.decode_attention == "mirror",
             )
         self._fault_injector = fault_injector
+        # Redo a failed step row by row, so only the failing rows end. Off under tensor
+        # parallel, where the other ranks could not follow the redo (service.distributed).
+        self._contain = contain_failures
         self._head = ModelHead(model, split_head)
         self.decode_graph = (
             DecodeGraph(self._head, storage, cache) if config.compile_decode else None
@@ -163,7 +167,9 @@ class Engine:
             state=self.states.new_sequence() if self.states is not None else None,
         )
 
-    def release(self, seq: EngineSequence) -> None:
+    def release(self, seq: EngineSequence, final: bool = True) -> None:
+        """Free the sequence's KV and state. `final`: it will not be re-added (False when it is
+        preempted: it comes back with its sampler state)."""
         self.storage.release(seq.kv)
         if seq.state is not None and self.states is not None:
             self.states.release(seq.state)
@@ -234,6 +240,8 @@ class Engine:
         except OutOfBlocksError:
             raise
         except Exception as exc:
+            if not self._contain:
+                raise
             if len(rows) == 1:
                 log.warning(
                     "building a forward failed", request_id=rows[0].seq.seq_id, error=str(exc)
@@ -369,6 +377,8 @@ class Engine:
             self._check_faults([pending.rows[i] for i in pending.sampled_rows], "evaluate")
             token_ids = pending.tokens.tolist()
         except Exception as exc:
+            if not self._contain:
+                raise
             log.warning("batched evaluation failed; retrying rows one by one", error=str(exc))
             return self._finish_rows_one_by_one(pending)
         results = []

@@ -13,6 +13,7 @@ resolves how a loaded model is served.
   scale=, mask=)` right after `cache.update_and_fetch`, without attention sinks or logit
   soft-capping, so on CUDA a decode step can read the paged pool through each row's slots
   (service.engine.paged_attention) instead of gathering it.
+- `tensor_parallel`: mlx-lm's model has `shard(group)` (heads and MLP split over ranks).
 - `grouped_mask`: attention is computed by hand over [B, kv_heads, repeats, N, T] scores, so a
   batched step's mask needs that rank ([B, 1, 1, N, T]) when heads share K/V heads.
 """
@@ -28,23 +29,25 @@ class Family:
     split_head: bool = False
     direct_decode: bool = False
     grouped_mask: bool = False
+    tensor_parallel: bool = False
 
 
 _PLAIN = Family(verified=True, split_head=True, direct_decode=True)
+_PLAIN_TP = Family(verified=True, split_head=True, direct_decode=True, tensor_parallel=True)
 
 FAMILIES: dict[str, Family] = {
     # mlx-lm serves mistral (and its `layer_types` sliding windows) through llama.py.
-    "llama": _PLAIN,
-    "qwen2": _PLAIN,
-    "qwen3": _PLAIN,
-    "qwen3_moe": _PLAIN,
+    "llama": _PLAIN_TP,
+    "qwen2": _PLAIN_TP,
+    "qwen3": _PLAIN_TP,
+    "qwen3_moe": _PLAIN_TP,
     "mixtral": _PLAIN,
     "phi3": _PLAIN,
     "gemma3_text": _PLAIN,
     # Logit soft-capping in attention and on the head: only the gathering path.
     "gemma2": Family(verified=True, grouped_mask=True),
     # Attention sinks: the decode kernel does not take them.
-    "gpt_oss": Family(verified=True, split_head=True),
+    "gpt_oss": Family(verified=True, split_head=True, tensor_parallel=True),
     # Recurrent and hybrid families: per-sequence state beside the pool.
     "mamba": Family(verified=True),
     "mamba2": Family(verified=True),

@@ -121,7 +121,7 @@ def quantization_of(config: dict, model: nn.Module) -> Quantization:
     )
 
 
-def _arg(args: Any, name: str) -> Any:
+def model_arg(args: Any, name: str) -> Any:
     """A model argument, from the arguments or (multimodal layouts) their `text_config`."""
     value = getattr(args, name, None)
     if value is None:
@@ -143,9 +143,9 @@ def _describe(
         architecture=getattr(args, "model_type", None) or model_family(model),
         family=model_family(model),
         num_layers=len(model.layers),
-        num_heads=_arg(args, "num_attention_heads") or 0,
-        vocab_size=_arg(args, "vocab_size") or tokenizer.vocab_size,
-        max_context=_arg(args, "max_position_embeddings") or 4096,
+        num_heads=model_arg(args, "num_attention_heads") or 0,
+        vocab_size=model_arg(args, "vocab_size") or tokenizer.vocab_size,
+        max_context=model_arg(args, "max_position_embeddings") or 4096,
         dtype=float_dtype(model),
         quantization=quantization_of(config or {}, model),
         config=config,

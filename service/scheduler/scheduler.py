@@ -94,6 +94,7 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         on_health: Callable[[bool], None] | None = None,
         on_tick: Callable[[Scheduler], None] | None = None,
+        fatal_errors: bool = False,
     ) -> None:
         """on_health: told (on the scheduler thread) when the engine turns unhealthy or
         healthy again; on_tick: called after each tick's outputs are delivered (and before
@@ -104,6 +105,7 @@ class Scheduler:
         self._failed_steps = 0  # consecutive engine steps in which every row failed
         self._touched: list[Request] = []  # the sequences of the engine call under way
         self._on_tick = on_tick
+        self._fatal_errors = fatal_errors  # an engine fault ends the loop (tensor parallel)
         self.config = config
         self._eos = eos_token_ids
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -172,6 +174,8 @@ class Scheduler:
             try:
                 self.tick()
             except Exception:
+                if self._fatal_errors:
+                    raise
                 # A fault outside the engine's own per-row containment: end what it touched.
                 touched = [s for s in self._touched if not s.is_finished] or list(self._running)
                 log.exception("scheduler tick failed", request_ids=[s.request_id for s in touched])
@@ -538,7 +542,7 @@ class Scheduler:
         so a resumed or follow-up request can adopt them."""
         if keep_prefix and seq.request.cache_prompt:
             self.engine.commit_tokens(seq.engine_seq, seq.all_token_ids)
-        self.engine.release(seq.engine_seq)
+        self.engine.release(seq.engine_seq, final=False)
         seq.engine_seq = None
 
     def _end_cancelled(self) -> None:

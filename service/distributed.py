@@ -1,0 +1,308 @@
+"""Tensor parallel: N engine-core ranks of one `mx.distributed` group serve one model.
+
+Every rank loads the model and shards it with mlx-lm's `model.shard(group)` (attention heads,
+K/V heads and MLP columns split N ways; embedding and LM head replicated, so every rank computes
+the same logits and samples the same tokens: no logits are gathered to one rank). Each rank
+keeps its own paged pool of its K/V heads.
+
+Rank 0 runs the scheduler and talks to the front ends (service.core). Its engine is a
+`ReplicatedEngine`: every call that changes engine state (sequences added, blocks reserved,
+adopted, committed, released, a step submitted, dispatched, read) is sent to the other ranks, in
+order, before it runs on rank 0; the followers (`follow`) replay the same calls on their own
+engines, so their block tables, step graphs and collectives match rank 0's exactly. Commands go
+over ZeroMQ (one socket per follower); the model's own collectives synchronize the forwards.
+
+Under tensor parallel an engine failure is fatal (the ranks could no longer be kept in step):
+the core exits and the front ends end every open request with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+
+from service.engine.params import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+class TensorParallelError(RuntimeError):
+    """The model cannot be served at this tensor-parallel size (the message says why)."""
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+
+class Add(msgspec.Struct, tag=True):
+    seq_id: str
+    params: SamplingParams
+    prompt: list[int]
+    want_logprobs: bool
+    top_logprobs: int
+    cache_prefix: bool
+    resume: bool  # re-admitted after a preemption: keeps its sampler state
+
+
+class Adopt(msgspec.Struct, tag=True):
+    seq_id: str
+    tokens: list[int]
+
+
+class Reserve(msgspec.Struct, tag=True):
+    seq_id: str
+    num_new_tokens: int
+
+
+class Commit(msgspec.Struct, tag=True):
+    seq_id: str
+    tokens: list[int]
+
+
+class Release(msgspec.Struct, tag=True):
+    seq_id: str
+    final: bool  # False: preempted, it comes back (with its sampler state)
+
+
+class Submit(msgspec.Struct, tag=True):
+    step: int
+    rows: list[tuple[str, list[int] | None, bool]]  # (seq_id, tokens or None, sample)
+    dispatch: bool
+
+
+class Dispatch(msgspec.Struct, tag=True):
+    step: int
+
+
+class Finish(msgspec.Struct, tag=True):
+    step: int
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+Command = Add | Adopt | Reserve | Commit | Release | Submit | Dispatch | Finish | Stop
+_decoder = msgspec.msgpack.Decoder(Command)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def follower_address(run_dir: Path, rank: int) -> str:
+    return f"ipc://{run_dir / f'rank-{rank}.sock'}"
+
+
+# -- the group -------------------------------------------------------------------------------
+
+
+def init_group(backend: str) -> Any:
+    """This process's `mx.distributed` group (the launcher set MLX_RANK and the backend's
+    variables before MLX was imported)."""
+    import mlx.core as mx
+
+    return mx.distributed.init(backend=backend, strict=True)
+
+
+def check_shardable(model: Any, family_ok: bool, heads: int, kv_heads: int, size: int) -> None:
+    """Refuse, with the reason, a model this tensor-parallel size cannot split."""
+    if not family_ok:
+        raise TensorParallelError(
+            f"the {type(model).__module__.rsplit('.', 1)[-1]} family has no tensor-parallel"
+            " sharding in mlx-lm"
+        )
+    if heads % size or kv_heads % size:
+        raise TensorParallelError(
+            f"{heads} attention heads and {kv_heads} K/V heads do not split {size} ways"
+        )
+
+
+def agree(value: int, group: Any) -> int:
+    """Rank 0's value on every rank (one small collective): e.g. the pool size, which rank 0
+    derives from its free memory."""
+    import mlx.core as mx
+
+    mine = value if group.rank() == 0 else 0
+    total = mx.distributed.all_sum(mx.array([mine], dtype=mx.int64), group=group)
+    return int(total.item())
+
+
+# -- rank 0 ------------------------------------------------------------------------------------
+
+
+class ReplicatedEngine:
+    """Rank 0's engine: the local Engine, with every state-changing call sent to the
+    followers first (service.engine.engine.Engine's interface, as the scheduler uses it)."""
+
+    def __init__(self, engine: Any, run_dir: Path, size: int) -> None:
+        self._engine = engine
+        self._context = zmq.Context()
+        self._sockets = []
+        for rank in range(1, size):
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(follower_address(run_dir, rank))
+            self._sockets.append(socket)
+        self._steps: dict[int, int] = {}  # id(PendingStep) -> step number
+        self._step = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # Read-only attributes and queries (config, storage, cache, free_blocks, ...).
+        return getattr(self._engine, name)
+
+    def _send(self, command: Any) -> None:
+        data = _encoder.encode(command)
+        for socket in self._sockets:
+            socket.send(data)
+
+    def add_sequence(
+        self,
+        seq_id: str,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        *,
+        want_logprobs: bool = False,
+        top_logprobs: int = 0,
+        sampler: Any = None,
+        cache_prefix: bool = True,
+    ) -> Any:
+        if sampler is None and not params.greedy and params.seed is None:
+            # Every rank must draw the same tokens: give the row one seed for all of them.
+            params = replace(params, seed=random.getrandbits(63))
+        self._send(
+            Add(
+                seq_id,
+                params,
+                list(prompt_token_ids),
+                want_logprobs,
+                top_logprobs,
+                cache_prefix,
+                sampler is not None,
+            )
+        )
+        return self._engine.add_sequence(
+            seq_id,
+            params,
+            prompt_token_ids,
+            want_logprobs=want_logprobs,
+            top_logprobs=top_logprobs,
+            sampler=sampler,
+            cache_prefix=cache_prefix,
+        )
+
+    def adopt_prefix(self, seq: Any, token_ids: Sequence[int]) -> int:
+        self._send(Adopt(seq.seq_id, list(token_ids)))
+        return self._engine.adopt_prefix(seq, token_ids)
+
+    def reserve(self, seq: Any, num_new_tokens: int) -> bool:
+        self._send(Reserve(seq.seq_id, num_new_tokens))
+        return self._engine.reserve(seq, num_new_tokens)
+
+    def commit_tokens(self, seq: Any, token_ids: Sequence[int]) -> None:
+        self._send(Commit(seq.seq_id, list(token_ids)))
+        self._engine.commit_tokens(seq, token_ids)
+
+    def release(self, seq: Any, final: bool = True) -> None:
+        self._send(Release(seq.seq_id, final))
+        self._engine.release(seq, final)
+
+    def submit(self, rows: list[Any], dispatch: bool = True) -> Any:
+        self._step += 1
+        self._send(
+            Submit(
+                self._step,
+                [
+                    (r.seq.seq_id, None if r.tokens is None else list(r.tokens), r.sample)
+                    for r in rows
+                ],
+                dispatch,
+            )
+        )
+        pending = self._engine.submit(rows, dispatch)
+        self._steps[id(pending)] = self._step
+        return pending
+
+    def dispatch(self, pending: Any) -> Any:
+        self._send(Dispatch(self._steps[id(pending)]))
+        return self._engine.dispatch(pending)
+
+    def finish_rows(self, pending: Any) -> list[Any]:
+        self._send(Finish(self._steps.pop(id(pending))))
+        return self._engine.finish_rows(pending)  # a failure raises (engine without containment)
+
+    def prefill(self, rows: list[Any]) -> list[Any]:
+        return self.finish_rows(self.submit(rows))
+
+    def step(self, rows: list[Any]) -> list[Any]:
+        return self.finish_rows(self.submit(rows))
+
+    def close(self) -> None:
+        self._send(Stop())
+        for socket in self._sockets:
+            socket.close(linger=1000)
+        self._context.term()
+
+
+# -- the other ranks -------------------------------------------------------------------------
+
+
+def follow(engine: Any, run_dir: Path, rank: int) -> None:
+    """Replay rank 0's engine calls on this rank's engine until told to stop."""
+    from service.engine.engine import StepRow
+
+    context = zmq.Context()
+    socket = context.socket(zmq.PULL)
+    socket.bind(follower_address(run_dir, rank))
+    seqs: dict[str, Any] = {}
+    samplers: dict[str, Any] = {}  # kept across a preemption, as rank 0's scheduler keeps its
+    pending: dict[int, Any] = {}
+    parent = os.getppid()
+    try:
+        while True:
+            if not socket.poll(1000):
+                if os.getppid() != parent:
+                    return  # the server is gone
+                continue
+            command = _decoder.decode(socket.recv())
+            if isinstance(command, Stop):
+                return
+            if isinstance(command, Add):
+                seq = engine.add_sequence(
+                    command.seq_id,
+                    command.params,
+                    command.prompt,
+                    want_logprobs=command.want_logprobs,
+                    top_logprobs=command.top_logprobs,
+                    sampler=samplers.get(command.seq_id) if command.resume else None,
+                    cache_prefix=command.cache_prefix,
+                )
+                seqs[command.seq_id] = seq
+                samplers[command.seq_id] = seq.sampler
+            elif isinstance(command, Adopt):
+                engine.adopt_prefix(seqs[command.seq_id], command.tokens)
+            elif isinstance(command, Reserve):
+                engine.reserve(seqs[command.seq_id], command.num_new_tokens)
+            elif isinstance(command, Commit):
+                engine.commit_tokens(seqs[command.seq_id], command.tokens)
+            elif isinstance(command, Release):
+                engine.release(seqs[command.seq_id], command.final)
+                if command.final:
+                    del seqs[command.seq_id]
+                    samplers.pop(command.seq_id, None)
+            elif isinstance(command, Submit):
+                rows = [StepRow(seqs[s], tokens, sample) for s, tokens, sample in command.rows]
+                pending[command.step] = engine.submit(rows, command.dispatch)
+            elif isinstance(command, Dispatch):
+                engine.dispatch(pending[command.step])
+            elif isinstance(command, Finish):
+                for result in engine.finish_rows(pending.pop(command.step)):
+                    if result.error is not None:
+                        raise RuntimeError(f"rank {rank}: a step failed: {result.error}")
+    finally:
+        socket.close(linger=0)
+        context.term()

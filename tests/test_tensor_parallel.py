@@ -1,0 +1,204 @@
+"""Tensor parallel on the CPU: the ring backend's local processes, served through gRPC.
+
+A tiny seeded llama with 4 heads and 2 K/V heads at TP=2, and the embedded SmolLM2 (9 heads,
+3 K/V heads) at TP=3: concurrent greedy requests give the tokens of one rank (mlx-lm alone for
+the tiny model, a TP=1 server for SmolLM2), with the logprob margin reported; cancellation and
+preemption behave as with one rank; a killed rank ends the open RPCs with UNAVAILABLE and the
+server exits non-zero; impossible sizes are refused at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from tests import model_zoo
+from tests.conftest import REPO_ROOT, chat_request, free_port, running_server, start_server
+from tests.test_processes import children
+
+pytestmark = pytest.mark.model
+
+TP_LLAMA = model_zoo.Family(
+    "llama_tp",
+    "TinyLlama/TinyLlama-1.1B-Chat-v1.0, with 4 heads and 2 K/V heads (splits 2 ways)",
+    {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 176,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    },
+    seed=5,
+)
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory: pytest.TempPathFactory):
+    return model_zoo.build(TP_LLAMA, tmp_path_factory.mktemp("tp"))
+
+
+def test_tp2_batched_greedy_equals_one_rank(tp_model) -> None:
+    prompts = {k: v for k, v in model_zoo.prompts(TP_LLAMA).items() if k != "prefix_b"}
+    want = model_zoo.reference(tp_model, prompts, max_tokens=12)
+    with running_server(
+        "--model", str(tp_model), "--tensor-parallel", "2", "--parallel", "4",
+        "--log-format", "json",
+    ) as server:  # fmt: skip
+        sharded = [r for r in server.records() if r.get("event") == "model sharded"]
+        assert {r["rank"] for r in sharded} == {0, 1}
+        assert all(r["kv_heads_per_rank"] == 1 for r in sharded)
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            futures = {
+                name: stub.Generate.future(model_zoo.request(ids, name, 12), timeout=120)
+                for name, ids in prompts.items()
+            }
+            margin = 0.0
+            for name, future in futures.items():
+                got = future.result()
+                assert list(got.token_ids) == want[name].token_ids, name
+                margin = max(
+                    margin,
+                    *(abs(a.logprob - b) for a, b in zip(got.logprobs, want[name].logprobs)),
+                )
+            print(f"TP=2 vs one rank: tokens equal, largest logprob difference {margin:.2e}")
+            assert margin < 1e-4
+            stats = stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
+            assert stats.active_sequences == 0 and stats.active_blocks == 0
+
+
+def test_tp2_cancellation_and_preemption(tp_model) -> None:
+    """A cancelled stream frees its slot on every rank (the next requests still match); a
+    high-priority request preempts a running one, which resumes and still gets its tokens."""
+    prompts = model_zoo.prompts(TP_LLAMA)
+    want = model_zoo.reference(tp_model, {"long": prompts["long"]}, max_tokens=150)["long"]
+    with (
+        running_server(
+            "--model", str(tp_model), "--tensor-parallel", "2", "--max-batch-size", "1",
+            "--enable-preemption", "--log-format", "json",
+        ) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):  # fmt: skip
+        stub = pb_grpc.GenerationServiceStub(channel)
+        stream_request = pb.StreamGenerateRequest.FromString(
+            model_zoo.request(prompts["short"], "tp-cancel", 200).SerializeToString()
+        )
+        call = stub.StreamGenerate(stream_request, timeout=60)
+        next(call)
+        call.cancel()
+        deadline = time.monotonic() + 10
+        while stub.CacheStats(pb.CacheStatsRequest(), timeout=10).active_sequences:
+            assert time.monotonic() < deadline, "the cancelled row is still running"
+            time.sleep(0.05)
+        low = stub.StreamGenerate(
+            pb.StreamGenerateRequest.FromString(
+                model_zoo.request(prompts["long"], "tp-low", 150).SerializeToString()
+            ),
+            timeout=120,
+        )
+        first = next(low)  # running
+        high = model_zoo.request(prompts["late"], "tp-high", 4)
+        high.priority = 5
+        assert len(stub.Generate(high, timeout=120).token_ids) == 4
+        got = [t for m in [first, *low] for t in m.token_ids]
+        assert got == want.token_ids
+        assert stub.CacheStats(pb.CacheStatsRequest(), timeout=10).preemptions >= 1
+
+
+def test_smollm2_tp3_gives_the_tokens_of_one_rank(stub) -> None:
+    """The embedded model's 9 heads and 3 K/V heads, one of each per rank."""
+    questions = ["What is the capital of France?", "Name a primary color."]
+    requests = [chat_request(q, max_tokens=6, cache_prompt=False) for q in questions]
+    want = [stub.Generate(r, timeout=120) for r in requests]  # the shared TP=1 server
+    with (
+        running_server("--tensor-parallel", "3", "--log-format", "json") as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        tp = pb_grpc.GenerationServiceStub(channel)
+        futures = [tp.Generate.future(r, timeout=300) for r in requests]
+        for question, future, w in zip(questions, futures, want):
+            assert list(future.result().token_ids) == list(w.token_ids), question
+
+
+def test_a_killed_rank_ends_the_rpcs_and_the_server(tp_model) -> None:
+    server = start_server(
+        "--model", str(tp_model), "--tensor-parallel", "2", "--log-format", "json"
+    )
+    try:
+        ranks = [c for c in children(server.proc.pid) if "libmlx" in _maps(c)]
+        assert len(ranks) == 2
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            request = pb.StreamGenerateRequest.FromString(
+                model_zoo.request(list(range(300, 320)), "tp-kill", 2000).SerializeToString()
+            )
+            call = stub.StreamGenerate(request, timeout=60)
+            next(call)
+            follower = max(ranks)  # started after rank 0
+            os.kill(follower, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - started < 15
+        assert server.wait(30) == 3
+    finally:
+        server.stop()
+
+
+def _maps(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _refused(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service", "--port", str(free_port()), *flags],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--tensor-parallel", "3"), "do not split 3 ways"),
+        (("--distributed-backend", "nccl", "--tensor-parallel", "2"), "GPU(s) are visible"),
+    ],
+)
+def test_impossible_sizes_are_refused_at_start(tp_model, flags, message) -> None:
+    env_gpus = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "--port", str(free_port()), "--model", str(tp_model),
+         *flags],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180, env=env_gpus,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr.splitlines()[-1]
+
+
+def test_a_family_without_sharding_is_refused(tmp_path) -> None:
+    gemma = dataclasses.replace(next(f for f in model_zoo.FAMILIES if f.name == "gemma3_text"))
+    path = model_zoo.build(gemma, tmp_path)
+    result = _refused("--model", str(path), "--tensor-parallel", "2")
+    assert result.returncode == 2
+    assert "no tensor-parallel sharding" in result.stderr.splitlines()[-1]
