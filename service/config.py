@@ -44,6 +44,11 @@ class ServerConfig:
     drain_timeout: float = 30.0
     api_workers: int = 1
     tensor_parallel: int = 1
+    draft_kind: str = "none"
+    prompt_lookup_max_batch: int = 2
+    num_draft_tokens: int = 4
+    prompt_lookup_min_ngram: int = 2
+    prompt_lookup_max_ngram: int = 4
     distributed_backend: str = "auto"
     max_connection_age: float = 0.0  # seconds; 0: unlimited
     max_connection_age_grace: float = 300.0
@@ -103,6 +108,14 @@ class ServerConfig:
             raise ConfigError("--default-max-tokens must be at least 1")
         if self.drain_timeout < 0:
             raise ConfigError("--drain-timeout must be >= 0")
+        if self.draft_kind not in ("none", "prompt-lookup"):
+            raise ConfigError("--draft-kind must be none or prompt-lookup")
+        if self.num_draft_tokens < 1 or self.prompt_lookup_max_batch < 1:
+            raise ConfigError("--num-draft-tokens and --prompt-lookup-max-batch must be >= 1")
+        if not 1 <= self.prompt_lookup_min_ngram <= self.prompt_lookup_max_ngram:
+            raise ConfigError(
+                "--prompt-lookup-min-ngram must be >= 1 and <= --prompt-lookup-max-ngram"
+            )
         if self.tensor_parallel < 1:
             raise ConfigError("--tensor-parallel must be at least 1")
         if self.distributed_backend not in ("auto", "ring", "nccl"):
@@ -335,6 +348,35 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=float(_env("drain_timeout", d.drain_timeout)),
         help="seconds a stop signal lets running requests finish (new ones get UNAVAILABLE); "
         "what still runs then ends as cancelled; a second signal stops at once",
+    )
+    a(
+        "--draft-kind",
+        default=_env("draft_kind", d.draft_kind),
+        help="speculative decoding: none | prompt-lookup (drafts from the row's own prompt and "
+        "output, verified in one forward while few rows decode)",
+    )
+    a(
+        "--prompt-lookup-max-batch",
+        type=int,
+        default=int(_env("prompt_lookup_max_batch", d.prompt_lookup_max_batch)),
+        help="rows decoding at most for drafts to be verified",
+    )
+    a(
+        "--num-draft-tokens",
+        type=int,
+        default=int(_env("num_draft_tokens", d.num_draft_tokens)),
+        help="tokens drafted per row and step",
+    )
+    a(
+        "--prompt-lookup-min-ngram",
+        type=int,
+        default=int(_env("prompt_lookup_min_ngram", d.prompt_lookup_min_ngram)),
+    )
+    a(
+        "--prompt-lookup-max-ngram",
+        type=int,
+        default=int(_env("prompt_lookup_max_ngram", d.prompt_lookup_max_ngram)),
+        help="n-gram sizes matched against the row's earlier tokens (longest first)",
     )
     a(
         "--tensor-parallel",

@@ -85,11 +85,15 @@ class Finish(msgspec.Struct, tag=True):
     step: int
 
 
+class Verify(msgspec.Struct, tag=True):
+    rows: list[tuple[str, int, list[int]]]  # (seq_id, last token, drafted tokens)
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Command = Add | Adopt | Reserve | Commit | Release | Submit | Dispatch | Finish | Stop
+Command = Add | Adopt | Reserve | Commit | Release | Submit | Dispatch | Finish | Verify | Stop
 _decoder = msgspec.msgpack.Decoder(Command)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -235,6 +239,10 @@ class ReplicatedEngine:
         self._send(Finish(self._steps.pop(id(pending))))
         return self._engine.finish_rows(pending)  # a failure raises (engine without containment)
 
+    def verify(self, rows: list[Any]) -> list[Any]:
+        self._send(Verify([(r.seq.seq_id, r.last_token, list(r.draft)) for r in rows]))
+        return self._engine.verify(rows)
+
     def prefill(self, rows: list[Any]) -> list[Any]:
         return self.finish_rows(self.submit(rows))
 
@@ -253,7 +261,7 @@ class ReplicatedEngine:
 
 def follow(engine: Any, run_dir: Path, rank: int) -> None:
     """Replay rank 0's engine calls on this rank's engine until told to stop."""
-    from service.engine.engine import StepRow
+    from service.engine.engine import DraftRow, StepRow
 
     context = zmq.Context()
     socket = context.socket(zmq.PULL)
@@ -299,6 +307,8 @@ def follow(engine: Any, run_dir: Path, rank: int) -> None:
                 pending[command.step] = engine.submit(rows, command.dispatch)
             elif isinstance(command, Dispatch):
                 engine.dispatch(pending[command.step])
+            elif isinstance(command, Verify):
+                engine.verify([DraftRow(seqs[s], last, draft) for s, last, draft in command.rows])
             elif isinstance(command, Finish):
                 for result in engine.finish_rows(pending.pop(command.step)):
                     if result.error is not None:

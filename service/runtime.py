@@ -38,10 +38,11 @@ from service.models.families import Family, family
 from service.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
 from service.scheduler.request import SequenceStatus
-from service.scheduler.scheduler import Scheduler, SchedulerConfig
+from service.scheduler.scheduler import Scheduler, SchedulerConfig, SpeculationConfig
 
 log = structlog.get_logger(__name__)
 PAGED_BLOCK_SIZE = 16
+SPECULATION_MAX_CONTEXT = 4608  # whole context at most for a verification round (paged)
 STATS_INTERVAL_S = 0.02  # CacheStats snapshots while requests run
 DETERMINISTIC_CHUNK = 2048
 
@@ -214,6 +215,7 @@ class Runtime:
                 enable_preemption=cfg.enable_preemption,
                 preemption_policy=cfg.preemption_policy,
                 kv_admission_watermark=cfg.kv_admission_watermark,
+                speculation=self._speculation(layout, isinstance(storage, PagedKVStorage)),
             ),
             eos_token_ids=self.eos_token_ids,
             on_health=self._engine_health,
@@ -258,6 +260,26 @@ class Runtime:
     def _engine_health(self, healthy: bool) -> None:
         if self.on_engine_health is not None:
             self.on_engine_health(healthy)
+
+    def _speculation(self, layout: CacheLayout, paged: bool) -> SpeculationConfig | None:
+        """--draft-kind prompt-lookup, where drafts can be rolled back (attention caches)."""
+        cfg = self.config
+        if cfg.draft_kind == "none":
+            return None
+        if layout.stateful or layout.native:
+            log.warning(
+                "speculative decoding is off for this model: a recurrent state or native cache"
+                " cannot roll back rejected drafts"
+            )
+            return None
+        return SpeculationConfig(
+            num_draft_tokens=cfg.num_draft_tokens,
+            max_batch=cfg.prompt_lookup_max_batch,
+            min_ngram=cfg.prompt_lookup_min_ngram,
+            max_ngram=cfg.prompt_lookup_max_ngram,
+            # Paged storage gathers a row's whole context for a verification forward.
+            max_context=SPECULATION_MAX_CONTEXT if paged else None,
+        )
 
     def _shard(self, lm: LoadedModel) -> None:
         """Split the model's heads and MLP over the group (mlx-lm's `model.shard`)."""
@@ -456,6 +478,20 @@ class Runtime:
                 overrides=lm.quantization.overrides,
             ),
             cache_layers=self.layout.describe() if self.layout is not None else "",
+            tensor_parallel=self.group.size() if self.group is not None else 1,
+            speculation=self._speculation_info(),
+        )
+
+    def _speculation_info(self) -> pb.Speculation:
+        spec = self.scheduler.config.speculation if self.scheduler is not None else None
+        if spec is None:
+            return pb.Speculation(draft_kind="none")
+        return pb.Speculation(
+            draft_kind=self.config.draft_kind,
+            num_draft_tokens=spec.num_draft_tokens,
+            max_batch=spec.max_batch,
+            min_ngram=spec.min_ngram,
+            max_ngram=spec.max_ngram,
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -317,6 +317,8 @@ def _fill_final(message: Any, final: Final) -> None:
             prompt_tokens=final.prompt_tokens,
             completion_tokens=final.completion_tokens,
             cached_tokens=final.cached_tokens,
+            drafted_tokens=final.drafted_tokens,
+            accepted_tokens=final.accepted_tokens,
         )
     )
     message.timing.CopyFrom(

@@ -74,7 +74,7 @@ class FakeEngine:
         self.live_seqs[id(seq)] = seq_id
         return seq
 
-    def release(self, seq: EngineSequence) -> None:
+    def release(self, seq: EngineSequence, final: bool = True) -> None:
         self.released.append(seq.seq_id)
         self.live_seqs.pop(id(seq), None)
         seq.next_input = None

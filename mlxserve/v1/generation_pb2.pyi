@@ -139,14 +139,18 @@ class StreamGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_prompt: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "drafted_tokens", "accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_seconds", "time_to_first_token_seconds", "total_seconds")
@@ -287,7 +291,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "num_layers", "dtype", "eos_token_ids", "decode_path", "slot_context_tokens", "max_batch_size", "storage_backend", "family", "quantization", "cache_layers")
+    __slots__ = ("model_id", "architecture", "vocab_size", "num_layers", "dtype", "eos_token_ids", "decode_path", "slot_context_tokens", "max_batch_size", "storage_backend", "family", "quantization", "cache_layers", "tensor_parallel", "speculation")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +305,8 @@ class GetModelInfoResponse(_message.Message):
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -314,7 +320,23 @@ class GetModelInfoResponse(_message.Message):
     family: str
     quantization: Quantization
     cache_layers: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., decode_path: _Optional[str] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., storage_backend: _Optional[str] = ..., family: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., cache_layers: _Optional[str] = ...) -> None: ...
+    tensor_parallel: int
+    speculation: Speculation
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., decode_path: _Optional[str] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., storage_backend: _Optional[str] = ..., family: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., cache_layers: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+
+class Speculation(_message.Message):
+    __slots__ = ("draft_kind", "num_draft_tokens", "max_batch", "min_ngram", "max_ngram")
+    DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MIN_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    draft_kind: str
+    num_draft_tokens: int
+    max_batch: int
+    min_ngram: int
+    max_ngram: int
+    def __init__(self, draft_kind: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., max_batch: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ...) -> None: ...
 
 class Quantization(_message.Message):
     __slots__ = ("mode", "bits", "group_size", "overrides")

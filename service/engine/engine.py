@@ -25,7 +25,7 @@ from service.engine.compiled_decode import DecodeGraph
 from service.engine.config import EngineConfig
 from service.engine.kv_native import NativeCacheStorage
 from service.engine.kv_paged import OutOfBlocksError, PagedKVStorage
-from service.engine.sampler import RowSamplerState, SamplingParams, sample
+from service.engine.sampler import RowSamplerState, SamplingParams, sample, verify_draft
 from service.engine.state_store import SequenceState, StateStore, StateUndo
 from service.models import rope
 from service.models.layout import CacheLayout
@@ -72,6 +72,26 @@ class RowResult:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     error: str | None = None
+
+
+@dataclass
+class DraftRow:
+    """A row of a verification forward: its last sampled token and the tokens drafted after
+    it (none: a plain decode step)."""
+
+    seq: EngineSequence
+    last_token: int
+    draft: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Verified:
+    """What a verification forward gave one row: its emitted tokens, in order."""
+
+    seq: EngineSequence
+    results: list[RowResult]
+    drafted: int
+    accepted: int
 
 
 @dataclass
@@ -353,6 +373,65 @@ class Engine:
             if res.token_id is not None:
                 res.seq.next_input = (mx.array([res.token_id], dtype=mx.int32), 0)
         return PendingStep(rows, [], None, None, None, None, results=results)
+
+    def verify(self, rows: list[DraftRow]) -> list[Verified]:
+        """Speculative decoding: one forward over each row's last token and drafted tokens
+        (rows with no draft take a plain decode step in the same forward); each row keeps the
+        drafts the model agrees with plus one token of its own (sampler.verify_draft), and the
+        K/V of rejected positions is rolled back (their slots are given back). Read at once:
+        the next step depends on how much was accepted. Not for recurrent models (a state
+        cannot be rolled back) nor native caches."""
+        if self.states is not None or isinstance(self.storage, NativeCacheStorage):
+            raise ValueError("speculative decoding needs attention caches that can roll back")
+        lengths = [1 + len(r.draft) for r in rows]
+        step_rows = [StepRow(r.seq, [r.last_token, *r.draft]) for r in rows]
+        for row in step_rows:
+            row.inputs = list(row.tokens or ())
+        self._reserve_blocks(step_rows, lengths)
+        starts = [r.seq.num_cached for r in rows]
+        layout = StepLayout([r.seq.kv for r in rows], starts, lengths)
+        tokens = self._input_tokens(step_rows, layout.width)
+        views = make_views(
+            self.storage,
+            self.cache,
+            layout,
+            mode="gather",
+            grouped_mask=self.config.grouped_query_mask,
+        )
+        hidden = self._head.hidden(tokens, views)  # [B, N, H]
+        row_idx = mx.array([i for i, n in enumerate(lengths) for _ in range(n)])
+        col_idx = mx.array([j for n in lengths for j in range(n)])
+        logits = self._head.logits(hidden[row_idx, col_idx])  # [sum(lengths), V]
+        mx.eval(logits)
+        out: list[Verified] = []
+        offset = 0
+        for r, start, n in zip(rows, starts, lengths):
+            seq = r.seq
+            emitted, processed = verify_draft(logits[offset : offset + n], r.draft, seq.sampler)
+            offset += n
+            accepted = len(emitted) - 1
+            # Valid K/V: the last token and the accepted drafts; the last emitted token is the
+            # next step's input.
+            seq.num_cached = start + accepted + 1
+            self.storage.truncate(seq.kv, seq.num_cached)
+            seq.next_input = (mx.array([emitted[-1]], dtype=mx.int32), 0)
+            results = []
+            lp = None
+            if seq.want_logprobs:
+                lp = processed[: len(emitted)] - mx.logsumexp(
+                    processed[: len(emitted)], axis=-1, keepdims=True
+                )
+            for j, token in enumerate(emitted):
+                result = RowResult(seq, token_id=token)
+                if lp is not None:
+                    result.logprob = lp[j, token].item()
+                    if seq.top_logprobs:
+                        top = mx.argsort(-lp[j])[: seq.top_logprobs].tolist()
+                        result.top_logprobs = [(t, lp[j, t].item()) for t in top]
+                seq.sampler.record(token)
+                results.append(result)
+            out.append(Verified(seq, results, drafted=len(r.draft), accepted=accepted))
+        return out
 
     @staticmethod
     def dispatch(pending: PendingStep) -> PendingStep:

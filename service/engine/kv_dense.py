@@ -40,6 +40,9 @@ class DenseKVStorage:
         self._live.add(id(seq))
         return seq
 
+    def truncate(self, seq: DenseSequenceKV, num_tokens: int) -> None:
+        pass  # positions past num_tokens are overwritten before they are read
+
     def release(self, seq: DenseSequenceKV) -> None:
         self._live.discard(id(seq))
         self._reserved_bytes -= seq.capacity * self.bytes_per_token

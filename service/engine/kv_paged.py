@@ -147,6 +147,12 @@ class PagedKVStorage:
         self._live.add(id(handle))
         return handle
 
+    def truncate(self, handle: PagedSequenceKV, num_tokens: int) -> None:
+        """Keep slots for the first num_tokens positions only (rejected draft tokens): the
+        blocks past them go back to the pool."""
+        if num_tokens < handle.blocks.num_tokens:
+            self.manager.truncate(handle.blocks, num_tokens)
+
     def release(self, handle: PagedSequenceKV) -> None:
         """Free the sequence's blocks; registered full blocks stay cached (evictable, LRU)."""
         self.manager.free_sequence(handle.blocks)

@@ -133,3 +133,48 @@ def _sample_group(
     # Gumbel-max with each row's own key: the draw does not depend on the batch around it.
     noise = mx.stack([mx.random.gumbel(shape=(vocab,), key=s.next_key()) for s in states])
     return mx.argmax(scaled + noise, axis=-1).astype(mx.int32)
+
+
+def verify_draft(
+    logits: mx.array, draft: list[int], state: RowSamplerState
+) -> tuple[list[int], mx.array]:
+    """Check drafted tokens against the model. logits [k+1, V]: the row's positions after its
+    last token and after each of its k drafted tokens. Returns the tokens to emit (the accepted
+    drafts, then one more: the model's own token where a draft was rejected, or the token after
+    the last draft) and the processed logits (bias applied; for logprobs).
+
+    Greedy: a draft is accepted while it is the argmax, so the output equals plain greedy
+    decoding. Sampled: rejection sampling against a draft that is a point mass (q(d) = 1): d is
+    kept with probability p(d), else one token is drawn from p with d removed, which leaves the
+    output distributed exactly as drawing token by token from p."""
+    logits = logits.astype(mx.float32)
+    if state.params.logit_bias:
+        logits = mx.stack([_apply_bias(row, state) for row in logits])
+    k = len(draft)
+    params = state.params
+    if params.greedy:
+        targets = mx.argmax(logits, axis=-1).tolist()
+        out: list[int] = []
+        for j in range(k):
+            if targets[j] != draft[j]:
+                return [*out, targets[j]], logits
+            out.append(draft[j])
+        return [*out, targets[k]], logits
+    probs = mx.softmax(
+        _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p), axis=-1
+    )
+    if k:
+        chances = probs[mx.arange(k), mx.array(draft)]
+        draws = mx.random.uniform(shape=(k,), key=state.next_key())
+        accepted = (draws < chances).tolist()
+    else:
+        accepted = []
+    out = []
+    for j in range(k):
+        if not accepted[j]:
+            residual = probs[j].at[draft[j]].multiply(0.0)
+            token = mx.random.categorical(mx.log(residual), key=state.next_key())
+            return [*out, int(token.item())], logits
+        out.append(draft[j])
+    bonus = mx.random.categorical(mx.log(probs[k]), key=state.next_key())
+    return [*out, int(bonus.item())], logits

@@ -71,6 +71,8 @@ class RequestStream:
                     final.queue_seconds,
                     final.ttft_seconds,
                     final.total_seconds,
+                    final.drafted_tokens,
+                    final.accepted_tokens,
                 )
             elif final.reason != FinishReason.ERROR.value:
                 delta.text += self._detok.flush()

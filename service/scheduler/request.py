@@ -61,6 +61,8 @@ class Final(msgspec.Struct, array_like=True):
     queue_seconds: float = 0.0
     ttft_seconds: float = 0.0
     total_seconds: float = 0.0
+    drafted_tokens: int = 0  # prompt-lookup tokens proposed for this request
+    accepted_tokens: int = 0  # of them, accepted by the model
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -117,6 +119,9 @@ class Request:
     plan: Any = None  # PrefillPlan of the current admission
     parked_ticks: int = 0  # consecutive ticks this prefill was passed over
     sampler_state: Any = None  # kept across preemption: seeded draws continue unchanged
+    lookup: Any = None  # prompt-lookup n-gram index of its tokens (speculative decoding)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.rid = self.rid or self.request.request_id

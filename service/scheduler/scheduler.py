@@ -25,8 +25,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 import structlog
 
-from service.engine.engine import Engine, EngineSequence, PendingStep, RowResult, StepRow
+from service.engine.engine import (
+    DraftRow,
+    Engine,
+    EngineSequence,
+    PendingStep,
+    RowResult,
+    StepRow,
+)
 from service.scheduler.prefill_plan import PrefillPlan
+from service.scheduler.prompt_lookup import NgramIndex
 from service.scheduler.request import (
     Final,
     FinishReason,
@@ -59,6 +67,18 @@ class SchedulerConfig:
     enable_preemption: bool = False
     preemption_policy: str = "longest-first"  # or "lowest-priority"
     kv_admission_watermark: float = 0.01  # free-block fraction kept while a batch decodes
+    speculation: SpeculationConfig | None = None  # prompt-lookup drafting (None: off)
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Prompt-lookup speculative decoding (--draft-kind prompt-lookup)."""
+
+    num_draft_tokens: int = 4
+    max_batch: int = 2  # rows decoding at most, for drafts to be verified
+    min_ngram: int = 2
+    max_ngram: int = 4
+    max_context: int | None = 4608  # whole context at most (paged storage); None: no limit
 
 
 @dataclass
@@ -354,6 +374,15 @@ class Scheduler:
     def _decode_step(self) -> None:
         self._reserve_decode_blocks()
         rows = [s for s in self._running if s.status is SequenceStatus.DECODING]
+        spec = self.config.speculation
+        if spec is not None and 0 < len(rows) <= spec.max_batch:
+            # Drafts depend on the last token: the lookahead pipeline pauses for small batches.
+            self._complete_inflight()
+            rows = [s for s in self._running if s.status is SequenceStatus.DECODING]
+            drafts = [self._draft(s, spec) for s in rows]
+            if any(drafts):
+                self._verify(rows, drafts)
+                return
         if self._inflight is None:
             if rows:
                 self._touched = rows
@@ -374,6 +403,42 @@ class Scheduler:
         nxt = self.engine.submit(rows_next, dispatch=overlap) if continuing else None
         self._complete_inflight(then_dispatch=None if overlap else nxt)
         self._inflight = nxt
+
+    def _draft(self, seq: Request, spec: SpeculationConfig) -> list[int]:
+        """Prompt-lookup draft tokens for a decoding row (none when it may not speculate)."""
+        req = seq.request
+        if req.sampling.has_penalties:
+            return []  # penalties follow each token: they cannot score a draft in one pass
+        room = min(
+            spec.num_draft_tokens,
+            req.max_tokens - seq.num_generated - 1,
+            self.config.slot_context - seq.prompt_len - seq.num_generated - 1,
+        )
+        if spec.max_context is not None:
+            room = min(room, spec.max_context - seq.prompt_len - seq.num_generated - 1)
+        if room <= 0:
+            return []
+        if seq.lookup is None:
+            seq.lookup = NgramIndex(spec.min_ngram, spec.max_ngram)
+            seq.lookup.extend(seq.all_token_ids)
+        return seq.lookup.propose(room)
+
+    def _verify(self, rows: list[Request], drafts: list[list[int]]) -> None:
+        """One forward checks every row's draft (rows without one take a plain step in it)."""
+        self._touched = rows
+        results = self.engine.verify(
+            [DraftRow(s.engine_seq, s.output_token_ids[-1], d) for s, d in zip(rows, drafts)]
+        )
+        self._record_results([r for v in results for r in v.results])
+        by_engine_seq = {id(s.engine_seq): s for s in rows}
+        for verified in results:
+            seq = by_engine_seq[id(verified.seq)]
+            seq.drafted_tokens += verified.drafted
+            seq.accepted_tokens += verified.accepted
+            for result in verified.results:
+                if seq.is_finished:
+                    break  # e.g. EOS among the accepted tokens: the rest is dropped
+                self._accept(seq, result)
 
     def _reserve_decode_blocks(self) -> None:
         """Each decoding row needs a slot for its next token before the forward. Short of
@@ -482,6 +547,8 @@ class Scheduler:
             seq.first_token_at = now
             self._event(seq, "first_token", ttft_seconds=now - seq.arrival)
         seq.output_token_ids.append(token)
+        if seq.lookup is not None:
+            seq.lookup.extend((token,))
         req = seq.request
         out = self._output(seq)
         out.token_ids.append(token)
@@ -527,6 +594,8 @@ class Scheduler:
             queue_s,
             ttft_s,
             total_s,
+            seq.drafted_tokens,
+            seq.accepted_tokens,
         )
         log.info(
             "request finished",

@@ -1,0 +1,196 @@
+"""Prompt-lookup speculative decoding: drafting, exact verification, rollback, and through the
+real server the same greedy tokens as without it."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import grpc
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.engine.engine import DraftRow
+from service.engine.params import SamplingParams
+from service.engine.sampler import RowSamplerState, verify_draft
+from service.scheduler.prompt_lookup import NgramIndex
+from tests.conftest import chat_request, running_server, to_stream
+from tests.tiny import PROMPTS, make_engine, paged, prompt, tiny_llama
+
+# -- drafting ------------------------------------------------------------------------------------
+
+
+def test_the_longest_earlier_ngram_proposes_its_continuation() -> None:
+    index = NgramIndex(1, 3)
+    index.extend([1, 2, 3, 4, 5, 9, 9, 1, 2, 3])
+    assert index.propose(3) == [4, 5, 9]  # (1, 2, 3) occurred before, followed by 4 5 9
+    index.extend([4])
+    assert index.propose(2) == [5, 9]
+    fresh = NgramIndex(2, 2)
+    fresh.extend([7, 8, 6])
+    assert fresh.propose(4) == []  # the suffix alone is no earlier occurrence
+
+
+def test_a_later_occurrence_wins_over_an_earlier_one() -> None:
+    index = NgramIndex(1, 1)
+    index.extend([5, 1, 5, 2, 5])
+    assert index.propose(1) == [2]
+
+
+# -- verification is exact ---------------------------------------------------------------------
+
+
+def test_greedy_verification_keeps_drafts_while_they_are_the_argmax() -> None:
+    logits = mx.array(np.eye(6, dtype=np.float32)[[3, 4, 1, 2]] * 10)  # argmaxes 3 4 1 2
+    state = RowSamplerState(SamplingParams())
+    assert verify_draft(logits, [3, 4, 5], state)[0] == [3, 4, 1]  # third draft rejected
+    assert verify_draft(logits, [3, 4, 1], state)[0] == [3, 4, 1, 2]  # all kept, plus one
+    assert verify_draft(logits[:1], [], state)[0] == [3]  # no draft: a plain step
+
+
+def test_sampled_verification_keeps_the_models_distribution() -> None:
+    """Rejection sampling against a fixed draft on a 5-token vocabulary: the first emitted
+    token is distributed as p0 and, after an accepted first draft, the second as p1."""
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.normal(size=(3, 5)).astype(np.float32))
+    p = np.array(mx.softmax(logits, axis=-1))
+    draft = [2, 0]
+    firsts: collections.Counter[int] = collections.Counter()
+    seconds: collections.Counter[int] = collections.Counter()
+    n = 6000
+    for seed in range(n):
+        state = RowSamplerState(SamplingParams(temperature=1.0, seed=seed))
+        emitted, _ = verify_draft(logits, draft, state)
+        firsts[emitted[0]] += 1
+        if emitted[0] == draft[0]:
+            seconds[emitted[1]] += 1
+    first = np.array([firsts[t] for t in range(5)]) / n
+    second = np.array([seconds[t] for t in range(5)]) / sum(seconds.values())
+    assert np.abs(first - p[0]).max() < 0.02
+    assert np.abs(second - p[1]).max() < 0.03
+
+
+# -- the engine: one forward per verification, rejected K/V given back ---------------------------
+
+
+def test_engine_verification_matches_plain_decoding_and_rolls_back() -> None:
+    """Drafts half right: the tokens equal plain greedy decoding, and each row ends holding
+    exactly the blocks its cached positions need."""
+    model = tiny_llama()
+    plain = make_engine(model, paged())
+    seqs = [plain.add_sequence(f"p{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
+    want = [[r.token_id] for r in plain.prefill([_row(s, p) for s, p in zip(seqs, PROMPTS)])]
+    for _ in range(12):
+        for w, r in zip(want, plain.step([_row(s) for s in seqs])):
+            w.append(r.token_id)
+
+    storage = paged()
+    spec = make_engine(model, storage)
+    seqs = [spec.add_sequence(f"s{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
+    got = [[r.token_id] for r in spec.prefill([_row(s, p) for s, p in zip(seqs, PROMPTS)])]
+    while min(len(g) for g in got) < 13:
+        rows = []
+        for i, s in enumerate(seqs):
+            n = len(got[i])
+            truth = want[i][n : n + 3]
+            draft = [*truth[:2], (truth[2] + 1) % 256] if len(truth) == 3 else []
+            rows.append(DraftRow(s, got[i][-1], draft))
+        for i, verified in enumerate(spec.verify(rows)):
+            got[i] += [r.token_id for r in verified.results]
+    for i, s in enumerate(seqs):
+        assert got[i][:13] == want[i]
+        blocks = s.kv.blocks
+        assert blocks.num_tokens == s.num_cached
+        assert len(blocks.block_ids) == -(-s.num_cached // storage.block_size)
+    for s in seqs:
+        spec.release(s)
+    assert storage.stats().num_active_blocks == 0
+
+
+def _row(seq, tokens=None):
+    from service.engine.engine import StepRow
+
+    return StepRow(seq, tokens)
+
+
+# -- through the server ----------------------------------------------------------------------------
+
+SUMMARY = (
+    "Summarize: The river flows from the mountains to the sea. The river flows from the "
+    "mountains to the sea, past the old mill and the stone bridge. The river flows from the "
+    "mountains to the sea."
+)
+
+
+@pytest.mark.model
+def test_greedy_output_is_unchanged_by_speculation(stub) -> None:
+    """The embedded model on a repetitive prompt, alone and two rows together: the same tokens
+    as the shared server without speculation, with drafts accepted."""
+    requests = [
+        chat_request(SUMMARY, max_tokens=40, cache_prompt=False),
+        chat_request("Repeat: one two three, one two three, one two three", max_tokens=30),
+    ]
+    want = [stub.Generate(r, timeout=120) for r in requests]
+    flags = ("--draft-kind", "prompt-lookup", "--log-format", "json")
+    with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
+        spec = pb_grpc.GenerationServiceStub(channel)
+        info = spec.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert info.speculation.draft_kind == "prompt-lookup"
+        assert info.speculation.max_batch == 2
+        alone = spec.Generate(requests[0], timeout=120)
+        assert list(alone.token_ids) == list(want[0].token_ids)
+        assert alone.usage.accepted_tokens > 0
+        assert alone.usage.drafted_tokens >= alone.usage.accepted_tokens
+        futures = [spec.Generate.future(r, timeout=120) for r in requests]
+        for future, w in zip(futures, want):
+            assert list(future.result().token_ids) == list(w.token_ids)
+        stats = spec.CacheStats(pb.CacheStatsRequest(), timeout=10)
+        assert stats.active_sequences == 0 and stats.active_blocks == 0
+
+
+@pytest.mark.model
+def test_no_match_means_no_drafts(stub) -> None:
+    request = chat_request("Name a primary color.", max_tokens=8, cache_prompt=False)
+    want = stub.Generate(request, timeout=120)
+    flags = ("--draft-kind", "prompt-lookup", "--prompt-lookup-min-ngram", "4")
+    with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
+        got = pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
+    assert list(got.token_ids) == list(want.token_ids)
+    assert got.usage.drafted_tokens == 0
+
+
+def test_prompts_of_the_tiny_model_are_repetitive_enough() -> None:
+    assert NgramIndex(2, 3).propose(2) == []
+    index = NgramIndex(2, 3)
+    index.extend(prompt(1, 5) * 2)
+    assert index.propose(2)
+
+
+@pytest.mark.model
+def test_speculation_through_preemption_and_cancellation(stub) -> None:
+    """One slot, preemption on: a speculating request is evicted by a higher-priority one and
+    resumes with the same tokens as a plain server's; a cancelled speculating stream frees
+    everything."""
+    low = chat_request(SUMMARY, max_tokens=40, cache_prompt=False, request_id="spec-low")
+    want = stub.Generate(low, timeout=120)
+    flags = ("--draft-kind", "prompt-lookup", "--max-batch-size", "1", "--enable-preemption")
+    with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
+        spec = pb_grpc.GenerationServiceStub(channel)
+        stream = spec.StreamGenerate(to_stream(low), timeout=120)
+        first = next(stream)
+        high = chat_request("Hi", max_tokens=3, priority=5)
+        assert len(spec.Generate(high, timeout=120).token_ids) == 3
+        messages = [first, *stream]
+        assert [t for m in messages for t in m.token_ids] == list(want.token_ids)
+        assert spec.CacheStats(pb.CacheStatsRequest(), timeout=10).preemptions >= 1
+        cancelled = spec.StreamGenerate(to_stream(low), timeout=120)
+        next(cancelled)
+        cancelled.cancel()
+        deadline = time.monotonic() + 10
+        while (stats := spec.CacheStats(pb.CacheStatsRequest(), timeout=10)).active_sequences:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert stats.active_blocks == 0
