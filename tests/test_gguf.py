@@ -10,24 +10,11 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from mlx.utils import tree_flatten
 
-from service.models.gguf import load_gguf_llama
+from service.models.gguf import LAYER_NAMES, TOP_NAMES, load_gguf_llama
 from service.models.loader import embedded_gguf_path
 
 pytestmark = pytest.mark.model
 
-# GGUF tensor names -> the Hugging Face / mlx-lm parameter names they load into.
-LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 
 

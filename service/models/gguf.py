@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models import llama
 
 _GGUF_GROUP_SIZE = 32
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -26,7 +26,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_TOP_NAMES = {
+TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
@@ -102,11 +102,11 @@ def load_gguf_llama(path: Path, dtype: mx.Dtype) -> tuple[llama.Model, dict]:
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
         if match:
             layer, kind = match.groups()
-            if kind not in _LAYER_NAMES:
+            if kind not in LAYER_NAMES:
                 continue
-            name = f"model.layers.{layer}.{_LAYER_NAMES[kind]}"
-        elif base in _TOP_NAMES:
-            name, kind = _TOP_NAMES[base], base
+            name = f"model.layers.{layer}.{LAYER_NAMES[kind]}"
+        elif base in TOP_NAMES:
+            name, kind = TOP_NAMES[base], base
         else:
             continue  # e.g. rope_freqs: mlx-lm computes its own
         w = _dequantize(tensors, base, dtype)
