@@ -10,6 +10,8 @@ its end). The first three share one server of this module; the drain starts its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import math
 import os
 import random
@@ -25,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
@@ -39,6 +43,7 @@ VOCAB = 49152  # the embedded SmolLM2's vocabulary (checked against GetModelInfo
 DEFAULT_MAX_TOKENS = 2  # the module server's --default-max-tokens: the fuzz leaves it unset too
 IDLE_TIMEOUT_S = 5.0  # a finished or cancelled request's slot and blocks are freed within this
 CALL_TIMEOUT_S = 60.0  # every call of these tests has a deadline: none can hang
+Strategy = SearchStrategy[Any]
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +99,14 @@ def assert_clean_log(server: ServerProcess, since: int) -> None:
     """No traceback and no error record in the server's output from line `since` on."""
     lines = server.lines[since:]
     assert not [line for line in lines if "Traceback" in line], "\n".join(lines[-40:])
+    records = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
     bad = [
         r
-        for r in server.records()[since:]
-        if r.get("level") in ("error", "critical") or "exception" in r
+        for r in records
+        if isinstance(r, dict) and (r.get("level") in ("error", "critical") or "exception" in r)
     ]
     assert not bad, bad
 
@@ -140,11 +149,13 @@ def wait_all_finished(
 
 # -- 1. a fuzz of every request field ------------------------------------------------------------
 #
-# Each example is drawn either tame (every field within its documented range, edges included) or
-# wild (any value the wire type holds), so both the served and the refused paths get many
-# examples. The oracle restates the ranges the proto documents: a request with a bad field
-# must get INVALID_ARGUMENT naming one of its bad fields; a good one OK with a whole result (or
-# ALREADY_EXISTS while another request runs under its request_id). Nothing else is allowed.
+# Every field is drawn within its documented range (edges included), except for none, one or
+# two fields per example drawn "wild": any value its wire type holds, out-of-range edges, NaN
+# and infinities first. So each example tests one or two checks rather than the first of many,
+# and the served path gets as many examples as the refused one. The oracle restates the ranges
+# the proto documents (from the message read back, float32 rounding included): a request with
+# a bad field must get INVALID_ARGUMENT naming one of its bad fields; a good one a whole result,
+# or ALREADY_EXISTS while another stream runs under its request_id. Nothing else is allowed.
 
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TEXT = (
@@ -155,53 +166,59 @@ SPECIAL_TEXT = (
     " ",
     "🙂é\u0301",
 )
-FLOAT_EDGES = (
-    0.0, -0.0, 1e-45, 1e-6, 0.5, 1.0, 1.0000001, 2.0, 2.0000002, 10.0, 10.000001, 100.0,
-    100.00001, -1e-6, -2.0, -2.0000002, -100.0, -100.00001, 3.4e38,
-    math.inf, -math.inf, math.nan,
-)  # fmt: skip
-ANY_FLOAT = st.one_of(st.sampled_from(FLOAT_EDGES), st.floats(width=32))
-ANY_UINT32 = st.one_of(
-    st.sampled_from((0, VOCAB - 1, VOCAB, VOCAB + 1, 2**31, 2**32 - 1)),
-    st.integers(0, 2**32 - 1),
-)
+TEXT = st.one_of(st.text(max_size=24), st.sampled_from(SPECIAL_TEXT))
 VALID_ID = st.one_of(st.sampled_from((0, 1, 2, VOCAB - 1)), st.integers(0, VOCAB - 1))
+ANY_UINT32 = st.one_of(
+    st.sampled_from((VOCAB, VOCAB + 1, 2**31, 2**32 - 1)), st.integers(0, 2**32 - 1)
+)
 ANY_INT32 = st.one_of(
     st.sampled_from((-(2**31), -1, 0, 1, 2**31 - 1)), st.integers(-(2**31), 2**31 - 1)
 )
-TEXT = st.one_of(st.text(max_size=24), st.sampled_from(SPECIAL_TEXT))
-VALID_REQUEST_IDS = st.one_of(
-    st.sampled_from(("", "fuzz", "fuzz-é", "x" * 128)), st.text(min_size=1, max_size=12)
-)
-REQUEST_IDS = st.one_of(VALID_REQUEST_IDS, st.just("x" * 129))
+NON_FINITE = (math.nan, math.inf, -math.inf)
 
 
-def _float_in(
-    lo: float, hi: float, *edges: float, lo_open: bool = False
-) -> st.SearchStrategy[float]:
-    """Values of [lo, hi] (or (lo, hi]): its edges, `edges`, and any float32 between."""
+def _floats_in(lo: float, hi: float, *edges: float, lo_open: bool = False) -> Strategy:
+    """[lo, hi] (or (lo, hi]): its ends, `edges`, and any float32 between."""
     ends = (hi,) if lo_open else (lo, hi)
     return st.one_of(
         st.sampled_from((*ends, *edges)), st.floats(lo, hi, width=32, exclude_min=lo_open)
     )
 
 
-# The documented ranges, tame: (field, strategy of valid values). Unset is drawn besides.
-TAME_SAMPLING = {
-    "temperature": _float_in(0.0, 100.0, 1e-45, 1e-6, 0.7),
-    "top_p": _float_in(0.0, 1.0, 1e-45, 0.5, lo_open=True),
-    "top_k": st.one_of(st.sampled_from((0, 1, 50, VOCAB, 2**31 - 1)), st.integers(0, 2**31 - 1)),
-    "min_p": _float_in(0.0, 1.0, 0.05),
-    "repetition_penalty": _float_in(0.0, 10.0, 1e-45, 1.0, lo_open=True),
-    "presence_penalty": _float_in(-2.0, 2.0, 0.0),
-    "frequency_penalty": _float_in(-2.0, 2.0, 0.0),
-    "seed": st.one_of(st.sampled_from((0, 2**63, 2**64 - 1)), st.integers(0, 2**64 - 1)),
+def _floats_out(lo: float, hi: float, *, lo_open: bool = False) -> Strategy:
+    """Wild values of a [lo, hi] field: just outside it, non-finite, or any float32."""
+    below = (lo,) if lo_open else (float(np.nextafter(np.float32(lo), np.float32(-math.inf))),)
+    above = float(np.nextafter(np.float32(hi), np.float32(math.inf)))
+    return st.one_of(st.sampled_from((*below, above, *NON_FINITE, 3.4e38)), st.floats(width=32))
+
+
+# Sampling fields: (values within the documented range, wild values). Unset is drawn besides.
+FLOAT_FIELDS = {
+    "temperature": (0.0, 100.0, False, (1e-45, 1e-6, 0.7)),
+    "top_p": (0.0, 1.0, True, (1e-45, 0.5)),
+    "min_p": (0.0, 1.0, False, (0.05,)),
+    "repetition_penalty": (0.0, 10.0, True, (1e-45, 1.0)),
+    "presence_penalty": (-2.0, 2.0, False, (0.0,)),
+    "frequency_penalty": (-2.0, 2.0, False, (0.0,)),
 }
-WILD_SAMPLING = {
-    **dict.fromkeys(TAME_SAMPLING, ANY_FLOAT),
-    "top_k": ANY_INT32,
-    "seed": TAME_SAMPLING["seed"],  # every uint64 is a valid seed
+SAMPLING: dict[str, tuple[Strategy, Strategy | None]] = {
+    name: (_floats_in(lo, hi, *edges, lo_open=lo_open), _floats_out(lo, hi, lo_open=lo_open))
+    for name, (lo, hi, lo_open, edges) in FLOAT_FIELDS.items()
 }
+SAMPLING["top_k"] = (
+    st.one_of(st.sampled_from((0, 1, 50, VOCAB, 2**31 - 1)), st.integers(0, 2**31 - 1)),
+    st.one_of(st.sampled_from((-1, -(2**31))), ANY_INT32),
+)
+SAMPLING["seed"] = (
+    st.one_of(st.sampled_from((0, 2**63, 2**64 - 1)), st.integers(0, 2**64 - 1)),
+    None,  # every uint64 is a seed
+)
+STOP = st.one_of(st.text(min_size=1, max_size=4), st.sampled_from((".", " the", "\n", "🙂")))
+# The fields an example may draw wild (every other field has no invalid value).
+WILD_FIELDS = (
+    "request_id", "input", *(n for n, (_, wild) in SAMPLING.items() if wild is not None),
+    "logit_bias", "max_tokens", "stop", "stop_token_ids", "top_logprobs",
+)  # fmt: skip
 
 
 @dataclass
@@ -211,68 +228,80 @@ class FuzzCase:
     collide: bool  # sent while another stream runs under the same request_id
 
 
-@st.composite
-def fuzz_cases(draw: st.DrawFn) -> FuzzCase:
-    wild = draw(st.booleans())
-    request = pb.GenerateRequest(request_id=draw(REQUEST_IDS if wild else VALID_REQUEST_IDS))
-    kinds = ["text", "token_ids", "chat"] + (["none"] if wild else [])
-    kind = draw(st.sampled_from(kinds))
+def _draw_input(draw: st.DrawFn, request: pb.GenerateRequest, wild: bool) -> None:
+    kind = draw(st.sampled_from(("text", "token_ids", "chat") + (("none",) if wild else ())))
     if kind == "text":
         request.text = draw(TEXT if wild else TEXT.filter(bool))
     elif kind == "token_ids":
-        ids = draw(
-            st.lists(ANY_UINT32 if wild else VALID_ID, min_size=0 if wild else 1, max_size=12)
-        )
         request.token_ids.SetInParent()
-        request.token_ids.ids.extend(ids)
+        ids = st.one_of(VALID_ID, ANY_UINT32) if wild else VALID_ID
+        request.token_ids.ids.extend(draw(st.lists(ids, min_size=0 if wild else 1, max_size=12)))
     elif kind == "chat":
         roles = (
             st.one_of(st.sampled_from(ROLES), st.text(max_size=6))
             if wild
             else st.sampled_from(ROLES)
         )
-        messages = draw(st.lists(st.tuples(roles, TEXT), min_size=0 if wild else 1, max_size=3))
         request.chat.SetInParent()
-        for role, content in messages:
+        for role, content in draw(
+            st.lists(st.tuples(roles, TEXT), min_size=0 if wild else 1, max_size=3)
+        ):
             request.chat.messages.add(role=role, content=content)
 
-    sampling = WILD_SAMPLING if wild else TAME_SAMPLING
+
+@st.composite
+def fuzz_cases(draw: st.DrawFn, wild_field: str | None = None) -> FuzzCase:
+    """A request whose fields are all within range but `wild_field` (and, one time in four,
+    another field)."""
+    wild = set() if wild_field is None else {wild_field}
+    if wild and draw(st.integers(0, 3)) == 0:
+        wild.add(draw(st.sampled_from(WILD_FIELDS)))
+    request = pb.GenerateRequest()
+    request.request_id = draw(
+        st.text(min_size=129, max_size=140)
+        if "request_id" in wild
+        else st.one_of(st.sampled_from(("", "fuzz", "x" * 128)), st.text(min_size=1, max_size=12))
+    )
+    _draw_input(draw, request, "input" in wild)
     request.sampling.SetInParent()
-    for name, values in sampling.items():
-        value = draw(st.one_of(st.none(), values))
+    for name, (tame_values, wild_values) in SAMPLING.items():
+        values = wild_values if name in wild else st.one_of(st.none(), tame_values)
+        value = draw(values)
         if value is not None:
             setattr(request.sampling, name, value)
-    bias_keys, bias_values = (
-        (ANY_UINT32, ANY_FLOAT) if wild else (VALID_ID, _float_in(-100.0, 100.0))
-    )
-    request.sampling.logit_bias.update(draw(st.dictionaries(bias_keys, bias_values, max_size=3)))
-
-    # max_tokens stays tiny to keep the fuzz fast; the largest value is read one message and
-    # then cancelled.
-    max_tokens = draw(st.sampled_from((None, 1, 2, 2**32 - 1) + ((0,) if wild else ())))
+    bias = st.dictionaries(VALID_ID, _floats_in(-100.0, 100.0, 0.0), max_size=3)
+    if "logit_bias" in wild:
+        bias = st.dictionaries(
+            st.one_of(VALID_ID, ANY_UINT32), _floats_out(-100.0, 100.0), min_size=1, max_size=3
+        )
+    request.sampling.logit_bias.update(draw(bias))
+    # max_tokens stays tiny to keep the fuzz fast (unset is the server's default of 2); the
+    # largest value is read for one message and then cancelled.
+    max_tokens = 0 if "max_tokens" in wild else draw(st.sampled_from((None, 1, 2, 2**32 - 1)))
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens
-    stop = st.one_of(st.text(max_size=4), st.sampled_from(("", ".", " the", "\n", "🙂")))
-    stops = draw(
-        st.one_of(st.lists(stop, max_size=3), st.lists(stop, min_size=16, max_size=17))
-        if wild
-        else st.lists(stop.filter(bool), max_size=3)
-    )
+    stops = draw(st.lists(STOP, max_size=3))
+    if "stop" in wild:  # an empty stop string, or too many
+        many = draw(st.booleans())
+        stops = stops * 6 + ["x"] * 17 if many else [*stops, ""]
     request.stopping.stop.extend(stops)
-    request.stopping.stop_token_ids.extend(
-        draw(st.lists(ANY_UINT32 if wild else VALID_ID, max_size=3))
-    )
+    stop_ids = st.lists(VALID_ID, max_size=3)
+    if "stop_token_ids" in wild:
+        stop_ids = st.lists(st.one_of(VALID_ID, ANY_UINT32), min_size=1, max_size=3)
+    request.stopping.stop_token_ids.extend(draw(stop_ids))
     request.stopping.ignore_eos = draw(st.booleans())
     request.priority = draw(ANY_INT32)
     request.logprobs = draw(st.booleans())
-    top = (0, 1, 5, 20, 21, 2**32 - 1) if wild else (0, 1, 20)
-    request.top_logprobs = draw(st.sampled_from(top)) if request.logprobs or wild else 0
+    if "top_logprobs" in wild:
+        request.top_logprobs = draw(st.one_of(st.sampled_from((1, 21, 2**32 - 1)), ANY_UINT32))
+    elif request.logprobs:
+        request.top_logprobs = draw(st.sampled_from((0, 1, 20)))
     cache_prompt = draw(st.one_of(st.none(), st.booleans()))
     if cache_prompt is not None:
         request.cache_prompt = cache_prompt
     rpc = draw(st.sampled_from(("Generate", "StreamGenerate")))
-    # Sent while a stream with the same request_id runs (one in three where the id is valid).
-    collide = 0 < len(request.request_id) <= 128 and draw(st.integers(0, 2)) == 0
+    # Sent while a stream with the same request_id runs (one in six where the id is valid).
+    collide = 0 < len(request.request_id) <= 128 and draw(st.integers(0, 5)) == 0
     return FuzzCase(request, rpc, collide)
 
 
@@ -385,25 +414,13 @@ def _check_served(case: FuzzCase, replies: list[Any]) -> None:
         assert not logprobs
 
 
-@settings(
-    max_examples=60,
-    derandomize=True,  # the same examples on every run: CI is not flaky
-    database=None,
-    deadline=None,  # each call has its own gRPC deadline
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(case=fuzz_cases())
-def test_fuzzed_requests_get_a_result_or_a_precise_status(
-    stress_server: ServerProcess, stress_stub: pb_grpc.GenerationServiceStub, case: FuzzCase
-) -> None:
-    """Every field of GenerateRequest / StreamGenerateRequest through gRPC, edges included: a
-    bad field gets INVALID_ARGUMENT naming it, a duplicate running request_id ALREADY_EXISTS,
-    anything else a whole result; never another status, and nothing is left running."""
-    since = len(stress_server.lines)
+def _check_case(server: ServerProcess, stub: pb_grpc.GenerationServiceStub, case: FuzzCase) -> None:
+    """Send `case`; its status is the one the oracle expects, and nothing is left running."""
+    since = len(server.lines)
     bad = invalid_fields(case.request)
-    holder = _holder(stress_stub, case.request.request_id) if case.collide else None
+    holder = _holder(stub, case.request.request_id) if case.collide else None
     try:
-        replies = _run_case(stress_stub, case)
+        replies = _run_case(stub, case)
         code, details = grpc.StatusCode.OK, ""
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()
@@ -420,8 +437,41 @@ def test_fuzzed_requests_get_a_result_or_a_precise_status(
     else:
         assert code == grpc.StatusCode.OK, (code, details)
         _check_served(case, replies)
-    wait_idle(stress_stub)
-    assert_clean_log(stress_server, since)
+    wait_idle(stub)
+    assert_clean_log(server, since)
+
+
+FUZZ = settings(
+    derandomize=True,  # the same examples on every run: CI is not flaky
+    database=None,
+    deadline=None,  # each call has its own gRPC deadline
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@settings(FUZZ, max_examples=20)
+@given(case=fuzz_cases())
+def test_fuzzed_valid_requests_are_served(
+    stress_server: ServerProcess, stress_stub: pb_grpc.GenerationServiceStub, case: FuzzCase
+) -> None:
+    """Every field of GenerateRequest / StreamGenerateRequest within its range, edges included:
+    a whole result (or ALREADY_EXISTS while the same request_id runs), nothing left running."""
+    _check_case(stress_server, stress_stub, case)
+
+
+@pytest.mark.parametrize("wild_field", WILD_FIELDS)
+@settings(FUZZ, max_examples=6)
+@given(data=st.data())
+def test_a_fuzzed_field_is_refused_by_name_or_served(
+    stress_server: ServerProcess,
+    stress_stub: pb_grpc.GenerationServiceStub,
+    wild_field: str,
+    data: st.DataObject,
+) -> None:
+    """One field (sometimes two) with any value its wire type holds, out-of-range edges, NaN
+    and infinities first: INVALID_ARGUMENT naming a bad field, or served when the value
+    happens to be valid; never another status, and nothing left running."""
+    _check_case(stress_server, stress_stub, data.draw(fuzz_cases(wild_field)))
 
 
 def test_the_server_serves_after_the_fuzz(stress_stub: pb_grpc.GenerationServiceStub) -> None:
@@ -467,14 +517,14 @@ def _storm_plans(rng: random.Random) -> list[StormPlan]:
         plan = StormPlan(
             request_id=f"storm-{i}",
             kind=rng.choice(("cancel", "deadline", "complete")),
-            max_tokens=rng.randint(3, 16),
+            max_tokens=rng.randint(2, 10),
             prompt=rng.choice(STORM_PROMPTS),
-            delay=rng.uniform(0.0, 2.0),
+            delay=rng.uniform(0.0, 1.5),
         )
         if plan.kind == "cancel":
             plan.after, plan.pause = rng.randint(0, 4), rng.choice((0.0, rng.uniform(0.0, 0.3)))
-        elif plan.kind == "deadline":
-            plan.timeout = rng.uniform(0.05, 2.0)
+        elif plan.kind == "deadline":  # some pass while queued, some mid-stream
+            plan.timeout = rng.choice((rng.uniform(0.01, 0.1), rng.uniform(0.1, 2.0)))
         plans.append(plan)
     return plans
 
@@ -523,8 +573,8 @@ def _check_storm_result(result: StormResult) -> str | None:
 async def test_a_cancel_storm_ends_every_stream_and_frees_everything(
     stress_server: ServerProcess,
 ) -> None:
-    """120 streams from several channels, arriving over two seconds: a third cancelled after a
-    few messages (or before any), a third with deadlines from 50 ms to 2 s, a third read to the
+    """120 streams from several channels, arriving over 1.5 s: a third cancelled after a
+    few messages (or before any), a third with deadlines from 10 ms to 2 s, a third read to the
     end. Every stream ends (cancelled, DEADLINE_EXCEEDED, or all its tokens and a final
     message); every request a front end admitted is finished by the core; the server ends idle
     with no block held, and a request after the storm gets the same tokens as before it."""
@@ -552,7 +602,7 @@ async def test_a_cancel_storm_ends_every_stream_and_frees_everything(
     # The storm did what it meant to: streams cancelled early, deadlines passed, some whole.
     cancelled = sum(r.cancelled_by_us for r in results)
     expired = sum(r.code == grpc.StatusCode.DEADLINE_EXCEEDED for r in results)
-    assert cancelled >= 20 and expired >= 10, (cancelled, expired)
+    assert cancelled >= 20 and expired >= 5, (cancelled, expired)
     # Nothing admitted is lost: every request queued in the core was finished by it, once.
     admitted = queued_ids(stress_server, "storm-")
     finished = wait_all_finished(stress_server, admitted)
@@ -601,14 +651,18 @@ def test_a_sigkilled_client_process_has_its_streams_freed(
         [sys.executable, "-c", KILLED_CLIENT, stress_server.target, *ids],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
     )
+    assert client.stdout is not None
     try:
-        assert client.stdout is not None
-        ready, _, _ = select.select([client.stdout], [], [], CALL_TIMEOUT_S)
-        assert ready, "the client did not start streaming"
-        assert client.stdout.readline().strip() == "streaming", client.stderr
+        output: list[str] = []
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while "streaming" not in output and client.poll() is None:
+            assert time.monotonic() < deadline, f"the client did not start streaming: {output}"
+            if select.select([client.stdout], [], [], 0.1)[0]:
+                output.append(client.stdout.readline().strip())
+        assert "streaming" in output, output
         stats = stress_stub.CacheStats(pb.CacheStatsRequest(), timeout=5)
         assert set(ids) <= {s.request_id for s in stats.slots}, stats
         assert stats.active_blocks > 0
@@ -616,7 +670,6 @@ def test_a_sigkilled_client_process_has_its_streams_freed(
         os.kill(client.pid, signal.SIGKILL)
         client.wait(10)
         client.stdout.close()
-        client.stderr.close()
     killed_at = time.monotonic()
     wait_idle(stress_stub, KILLED_FREED_WITHIN_S)
     assert time.monotonic() - killed_at < KILLED_FREED_WITHIN_S
@@ -633,7 +686,7 @@ def test_a_sigkilled_client_process_has_its_streams_freed(
 # -- 4. a drain under load -----------------------------------------------------------------------
 
 DRAIN_TIMEOUT_S = 8
-DRAIN_SHORT = {f"drain-short-{n}": n for n in (3, 6, 9, 12)}  # finish within the drain
+DRAIN_SHORT = {f"drain-short-{n}": n for n in (3, 5, 7, 9)}  # finish within the drain
 DRAIN_LONG = {f"drain-long-{i}": 2000 for i in range(4)}  # cannot: cancelled at its end
 DRAIN_BOUND_S = DRAIN_TIMEOUT_S + 20  # every stream has ended by then, or it hung
 
@@ -694,11 +747,16 @@ def test_a_drain_under_load_finishes_what_it_can_and_cancels_the_rest() -> None:
         server.proc.send_signal(signal.SIGTERM)
         server.wait_for_record(lambda r: r.get("event") == "draining")
         for t, s in zip(threads[len(long) :], short, strict=True):
-            t.join(DRAIN_TIMEOUT_S)
+            t.join(max(0.0, signalled + DRAIN_TIMEOUT_S - time.monotonic()))
             assert not t.is_alive(), f"{s.request_id} did not finish within the drain"
-        # The short ones are gone from the core, the long ones still decode.
-        stats = stub.CacheStats(pb.CacheStatsRequest(), timeout=5)
-        assert {slot.request_id for slot in stats.slots} == set(DRAIN_LONG), stats
+        # The short ones are gone from the core (their blocks freed), the long ones decode on.
+        while True:
+            stats = stub.CacheStats(pb.CacheStatsRequest(), timeout=5)
+            if {slot.request_id for slot in stats.slots} == set(DRAIN_LONG):
+                break
+            assert time.monotonic() < signalled + DRAIN_TIMEOUT_S - 0.5, stats
+            time.sleep(0.02)
+        assert stats.active_sequences == len(DRAIN_LONG) and stats.queued_requests == 0
         for t in threads:
             t.join(max(0.0, signalled + DRAIN_BOUND_S - time.monotonic()))
         hung = [s.request_id for t, s in zip(threads, long + short, strict=True) if t.is_alive()]
