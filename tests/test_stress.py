@@ -149,13 +149,13 @@ def wait_all_finished(
 
 # -- 1. a fuzz of every request field ------------------------------------------------------------
 #
-# Every field is drawn within its documented range (edges included), except for none, one or
-# two fields per example drawn "wild": any value its wire type holds, out-of-range edges, NaN
-# and infinities first. So each example tests one or two checks rather than the first of many,
-# and the served path gets as many examples as the refused one. The oracle restates the ranges
-# the proto documents (from the message read back, float32 rounding included): a request with
-# a bad field must get INVALID_ARGUMENT naming one of its bad fields; a good one a whole result,
-# or ALREADY_EXISTS while another stream runs under its request_id. Nothing else is allowed.
+# Two fuzzes. In the first every field is drawn within its documented range, edges included. In
+# the second, once per field that has invalid values, that field (and one time in four another)
+# is drawn "wild": out-of-range edges, NaN and infinities, or any value its wire type holds; so
+# each check is reached, not just the first of many. The oracle restates the ranges the proto
+# documents (from the message read back, float32 rounding included): a request with a bad field
+# must get INVALID_ARGUMENT naming one of its bad fields; a good one a whole result, or
+# ALREADY_EXISTS while another stream runs under its request_id. Nothing else is allowed.
 
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TEXT = (
