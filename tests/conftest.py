@@ -124,6 +124,13 @@ class ServerProcess:
             self._reader.join(5)
         return code
 
+    def kill_process_group(self) -> None:
+        """SIGKILL the launcher and every process of its group at once, as a crashed host or
+        an OOM kill would (needs `own_process_group`); waits for the launcher to be gone."""
+        assert os.getpgid(self.proc.pid) == self.proc.pid, "not started in its own group"
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.wait(STOP_TIMEOUT_S)
+
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, then SIGKILL after `timeout`. Returns the exit code of the SIGTERM (None if
         it had to be killed)."""
@@ -196,9 +203,12 @@ def start_server(
     env: dict[str, str] | None = None,
     timeout: float = READY_TIMEOUT_S,
     credentials: grpc.ChannelCredentials | None = None,
+    own_process_group: bool = False,
 ) -> ServerProcess:
     """Start `python -m service` with `flags` (and extra `env`); return once it is SERVING.
-    `credentials`: how to reach a TLS server (health needs no token)."""
+    `credentials`: how to reach a TLS server (health needs no token). `own_process_group`:
+    the launcher leads a new session, so `kill_process_group` reaches it and its children (the
+    engine core, other front ends) and nothing of the test's."""
     for attempt in range(3):
         port = free_port()
         proc = subprocess.Popen(
@@ -212,6 +222,7 @@ def start_server(
             encoding="utf-8",
             errors="replace",
             bufsize=1,
+            start_new_session=own_process_group,
         )
         server = ServerProcess(proc, f"127.0.0.1:{port}")
         server._reader = threading.Thread(target=server._follow, daemon=True)
@@ -232,12 +243,38 @@ def running_server(
     *flags: str,
     env: dict[str, str] | None = None,
     credentials: grpc.ChannelCredentials | None = None,
+    own_process_group: bool = False,
 ) -> Iterator[ServerProcess]:
-    server = start_server(*flags, env=env, credentials=credentials)
+    server = start_server(
+        *flags, env=env, credentials=credentials, own_process_group=own_process_group
+    )
     try:
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def running_replicas(
+    count: int, *flags: str, own_process_group: bool = False
+) -> Iterator[list[ServerProcess]]:
+    """`count` servers with the same flags, started side by side (replicas behind a load
+    balancer); each is stopped on exit unless the test already stopped or killed it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(count) as pool:
+        futures = [
+            pool.submit(start_server, *flags, own_process_group=own_process_group)
+            for _ in range(count)
+        ]
+    started = [f.result() for f in futures if f.exception() is None]
+    try:
+        if len(started) < count:
+            raise next(f.exception() for f in futures if f.exception() is not None)
+        yield started
+    finally:
+        for server in started:
+            server.stop()
 
 
 @contextlib.asynccontextmanager
