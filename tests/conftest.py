@@ -16,7 +16,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -256,21 +257,20 @@ def running_server(
 
 @contextlib.contextmanager
 def running_replicas(
-    count: int, *flags: str, own_process_group: bool = False
+    *flags_each: Sequence[str], own_process_group: bool = False
 ) -> Iterator[list[ServerProcess]]:
-    """`count` servers with the same flags, started side by side (replicas behind a load
-    balancer); each is stopped on exit unless the test already stopped or killed it."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(count) as pool:
+    """One server per entry of `flags_each` (its flags), started side by side: replicas behind
+    a load balancer. Each is stopped on exit unless the test already stopped or killed it."""
+    with ThreadPoolExecutor(len(flags_each)) as pool:
         futures = [
             pool.submit(start_server, *flags, own_process_group=own_process_group)
-            for _ in range(count)
+            for flags in flags_each
         ]
     started = [f.result() for f in futures if f.exception() is None]
     try:
-        if len(started) < count:
-            raise next(f.exception() for f in futures if f.exception() is not None)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
         yield started
     finally:
         for server in started:

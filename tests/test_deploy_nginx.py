@@ -154,7 +154,7 @@ def test_nginx_fails_over_when_a_replica_is_killed(tmp_path: Path) -> None:
     # One sequence per replica at a time, so each replica has one call running and one queued.
     flags = ("--parallel", "1", "--log-format", "json")
     with (
-        running_replicas(2, *flags, own_process_group=True) as (victim, survivor),
+        running_replicas(flags, flags, own_process_group=True) as (victim, survivor),
         running_nginx([victim.target, survivor.target], tmp_path) as (target, access_log),
         grpc.insecure_channel(target) as channel,
         grpc.insecure_channel(victim.target) as direct_channel,
