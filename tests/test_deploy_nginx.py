@@ -6,6 +6,8 @@ through it to both replicas; then one replica's whole process group (launcher an
 is SIGKILLed. Its calls end at once, each with the status the protocol gives it; the other
 replica's calls finish; every new call goes to the survivor and succeeds, including those
 nginx first tries on the dead replica (refused connections: the calls had not started).
+Behind nginx, the client's retry policy (client.Balancing) carries calls past a draining
+replica.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from client import Balancing, GenerationClient
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import (
@@ -250,3 +253,53 @@ def test_nginx_fails_over_when_a_replica_is_killed(tmp_path: Path) -> None:
         f"survivor {routed_after:.2f} s after the kill; the first 4 new calls were done "
         f"{first_calls_done_after:.2f} s after it"
     )
+
+
+def test_client_retry_policy_covers_a_draining_replica_behind_nginx(tmp_path: Path) -> None:
+    """nginx does not read grpc.health.v1: a draining replica still gets calls through it and
+    refuses them with UNAVAILABLE before any reply. The client's retry policy alone
+    (Balancing without health checking, which through nginx would watch one replica) sends
+    each such call again, and nginx passes it to the other replica."""
+    flags = ("--log-format", "json", "--drain-timeout", "120")
+    with (
+        running_replicas(flags, flags) as (draining, other),
+        running_nginx([draining.target, other.target], tmp_path) as (target, access_log),
+        grpc.insecure_channel(draining.target) as direct,
+        GenerationClient(target, balancing=Balancing(health_service=None)) as client,
+    ):
+        # A running stream keeps the replica draining while the calls go through nginx.
+        long = pb_grpc.GenerationServiceStub(direct).StreamGenerate(
+            to_stream(
+                chat_request(
+                    "Tell me a long story about the sea.",
+                    max_tokens=4000,
+                    request_id="long",
+                    stopping=pb.StoppingCriteria(ignore_eos=True),
+                )
+            ),
+            timeout=2 * DEADLINE_S,
+        )
+        next(long)
+        draining.proc.send_signal(signal.SIGTERM)
+        draining.wait_for_record(lambda r: r.get("event") == "draining", timeout=10)
+        ids = [f"retried-{i}" for i in range(4)]
+        for request_id in ids:
+            reply = client.generate(
+                chat_request("Say hi.", max_tokens=1, request_id=request_id), timeout=DEADLINE_S
+            )
+            assert reply.request_id == request_id and reply.token_ids
+        assert next(long).token_ids, "the draining replica's running stream stopped"
+        long.cancel()
+        assert draining.wait(30) == 0
+
+    assert not set(ids) & queued_ids(draining)
+    assert set(ids) <= queued_ids(other)
+    # nginx passed some attempts to the draining replica (each answered UNAVAILABLE, a gRPC
+    # status inside an HTTP 200, so nginx itself does not retry them): the client did.
+    to_draining = [
+        line
+        for line in access_log.read_text().splitlines()
+        if "/Generate " in line and f"upstream={draining.target} " in line
+    ]
+    assert to_draining, "nginx sent no call to the draining replica: nothing was retried"
+    print(f"\n{len(to_draining)} attempts refused by the draining replica, all retried")
