@@ -19,7 +19,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,9 +146,9 @@ def queued_ids(server: ServerProcess) -> set[str]:
     return {r["request_id"] for r in server.records() if r.get("event") == "request queued"}
 
 
-def wait_until(predicate: object, what: str, timeout: float = DEADLINE_S) -> None:
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
     deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
 
