@@ -88,8 +88,9 @@ def test_grace_period_covers_the_drain(
     pod = manifests["Deployment"]["spec"]["template"]["spec"]
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     # After SIGTERM: the drain, the last messages of what it ended, the server's stop grace,
-    # then the engine core's stop.
-    needed = pre_stop + config.drain_timeout + 2 * DRAIN_LAST_MESSAGES_S + CORE_STOP_TIMEOUT_S
+    # then each engine-core rank's stop, one after the other.
+    stops = config.tensor_parallel * CORE_STOP_TIMEOUT_S
+    needed = pre_stop + config.drain_timeout + 2 * DRAIN_LAST_MESSAGES_S + stops
     assert config.api_workers == 1  # more front ends add their own join time
     assert pod["terminationGracePeriodSeconds"] >= needed
     # ... and not far beyond it: the grace period is what a stuck pod costs a rollout.
