@@ -66,7 +66,7 @@ def _read_pem(path: str | Path | None) -> bytes | None:
 class Balancing:
     """Client-side load balancing over several replicas, for a target that names them all:
     `ipv4:10.0.0.1:50051,10.0.0.2:50051` or a DNS name with one address per replica
-    (`dns:///mlxserve.default.svc.cluster.local:50051`, a headless Kubernetes Service).
+    (`dns:///mlxserve-headless.default.svc.cluster.local:50051`: a headless Kubernetes Service).
 
     Each call goes to the next replica in turn (`round_robin`). With `health_service` set, the
     channel watches each replica's grpc.health.v1 status for that service and sends calls only

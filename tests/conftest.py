@@ -244,11 +244,8 @@ def running_server(
     *flags: str,
     env: dict[str, str] | None = None,
     credentials: grpc.ChannelCredentials | None = None,
-    own_process_group: bool = False,
 ) -> Iterator[ServerProcess]:
-    server = start_server(
-        *flags, env=env, credentials=credentials, own_process_group=own_process_group
-    )
+    server = start_server(*flags, env=env, credentials=credentials)
     try:
         yield server
     finally:
