@@ -3,6 +3,7 @@
 from client.client import (
     DEFAULT_TARGET,
     AsyncGenerationClient,
+    Balancing,
     GenerationClient,
     TLSConfig,
     build_request,
@@ -13,6 +14,7 @@ from client.client import (
 __all__ = [
     "DEFAULT_TARGET",
     "AsyncGenerationClient",
+    "Balancing",
     "GenerationClient",
     "TLSConfig",
     "build_request",

@@ -8,6 +8,7 @@ an active span carry its trace context (see `with_trace_context`); it is importe
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,10 +62,70 @@ def _read_pem(path: str | Path | None) -> bytes | None:
     return None if path is None else Path(path).read_bytes()
 
 
+@dataclass(frozen=True)
+class Balancing:
+    """Client-side load balancing over several replicas, for a target that names them all:
+    `ipv4:10.0.0.1:50051,10.0.0.2:50051` or a DNS name with one address per replica
+    (`dns:///mlxserve-headless.default.svc.cluster.local:50051`: a headless Kubernetes Service).
+
+    Each call goes to the next replica in turn (`round_robin`). With `health_service` set, the
+    channel watches each replica's grpc.health.v1 status for that service and sends calls only
+    to the SERVING ones: a replica loading its model or draining gets none. A call that a
+    replica refuses with UNAVAILABLE before answering anything (it began draining, or went
+    away, between the pick and the call) is sent again, to another replica, up to
+    `max_attempts` in all; once a reply has started, a call is never resent."""
+
+    health_service: str | None = SERVICE_NAME
+    max_attempts: int = 3
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.max_attempts <= 5:  # gRPC caps a retry policy at 5 attempts
+            raise ValueError("max_attempts must be within [2, 5]")
+        if not 0 < self.initial_backoff_s <= self.max_backoff_s:
+            raise ValueError("need 0 < initial_backoff_s <= max_backoff_s")
+
+    def service_config(self) -> dict[str, Any]:
+        """The gRPC service config (https://github.com/grpc/grpc/blob/master/doc/service_config.md)."""
+        config: dict[str, Any] = {
+            "loadBalancingConfig": [{"round_robin": {}}],
+            "methodConfig": [
+                {
+                    "name": [{"service": SERVICE_NAME}],
+                    "retryPolicy": {
+                        "maxAttempts": self.max_attempts,
+                        "initialBackoff": f"{self.initial_backoff_s}s",
+                        "maxBackoff": f"{self.max_backoff_s}s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ],
+        }
+        if self.health_service is not None:
+            config["healthCheckConfig"] = {"serviceName": self.health_service}
+        return config
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.service_config", json.dumps(self.service_config())),
+            # Ours, not one a DNS TXT record might carry.
+            ("grpc.service_config_disable_resolution", 1),
+            ("grpc.enable_retries", 1),
+        ]
+
+
 def _channel(
-    target: str, options: Sequence[tuple[str, Any]], tls: TLSConfig | None, *, aio: bool
+    target: str,
+    options: Sequence[tuple[str, Any]],
+    tls: TLSConfig | None,
+    balancing: Balancing | None,
+    *,
+    aio: bool,
 ) -> Any:
-    options = [*_CHANNEL_OPTIONS, *options]
+    balanced = balancing.channel_options() if balancing is not None else []
+    options = [*_CHANNEL_OPTIONS, *balanced, *options]
     module: Any = grpc.aio if aio else grpc
     if tls is None:
         return module.insecure_channel(target, options=options)
@@ -234,7 +295,8 @@ class GenerationClient:
     """Blocking client. `request` arguments take a GenerateRequest, or a raw prompt string
     plus `build_request` keyword arguments (e.g. `client.generate("Hi", max_tokens=8)`).
     `tls` connects with TLS (plaintext without it); `token` is sent on every call as
-    `authorization: Bearer <token>`."""
+    `authorization: Bearer <token>`; `balancing` spreads calls over the replicas a target
+    names (see Balancing)."""
 
     def __init__(
         self,
@@ -243,10 +305,11 @@ class GenerationClient:
         options: Sequence[tuple[str, Any]] = (),
         tls: TLSConfig | None = None,
         token: str | None = None,
+        balancing: Balancing | None = None,
     ) -> None:
         self.target = target
         self._auth = _auth_metadata(token)
-        self._channel = _channel(target, options, tls, aio=False)
+        self._channel = _channel(target, options, tls, balancing, aio=False)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -354,10 +417,11 @@ class AsyncGenerationClient:
         options: Sequence[tuple[str, Any]] = (),
         tls: TLSConfig | None = None,
         token: str | None = None,
+        balancing: Balancing | None = None,
     ) -> None:
         self.target = target
         self._auth = _auth_metadata(token)
-        self._channel = _channel(target, options, tls, aio=True)
+        self._channel = _channel(target, options, tls, balancing, aio=True)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

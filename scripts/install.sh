@@ -24,6 +24,21 @@ if [ "$(uname -s)" = "Linux" ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthr
   fi
 fi
 
+# Debian's nginx, for tests/test_deploy_nginx.py (deploy/nginx/ in front of real replicas); the
+# test is skipped without it. Only the binary is used: the test runs it in the foreground with
+# its own configuration. (On a host that runs systemd, Debian's package also enables and starts
+# the system service on port 80: `systemctl disable --now nginx` if that is not wanted.)
+if [ "$(uname -s)" = "Linux" ] && ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "installing nginx (for the load-balancer test)"
+    (apt-get install -y -qq nginx >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq nginx >/dev/null; }) \
+      || echo "warning: could not install nginx; its test will be skipped"
+  else
+    echo "warning: nginx not found (apt-get install nginx); its test will be skipped"
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # Both distributions, editable: the server requires mlxserve-client, which comes from this tree.

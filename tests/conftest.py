@@ -16,7 +16,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,13 @@ class ServerProcess:
             self._reader.join(5)
         return code
 
+    def kill_process_group(self) -> None:
+        """SIGKILL the launcher and every process of its group at once, as a crashed host or
+        an OOM kill would (needs `own_process_group`); waits for the launcher to be gone."""
+        assert os.getpgid(self.proc.pid) == self.proc.pid, "not started in its own group"
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.wait(STOP_TIMEOUT_S)
+
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, then SIGKILL after `timeout`. Returns the exit code of the SIGTERM (None if
         it had to be killed)."""
@@ -196,9 +204,12 @@ def start_server(
     env: dict[str, str] | None = None,
     timeout: float = READY_TIMEOUT_S,
     credentials: grpc.ChannelCredentials | None = None,
+    own_process_group: bool = False,
 ) -> ServerProcess:
     """Start `python -m service` with `flags` (and extra `env`); return once it is SERVING.
-    `credentials`: how to reach a TLS server (health needs no token)."""
+    `credentials`: how to reach a TLS server (health needs no token). `own_process_group`:
+    the launcher leads a new session, so `kill_process_group` reaches it and its children (the
+    engine core, other front ends) and nothing of the test's."""
     for attempt in range(3):
         port = free_port()
         proc = subprocess.Popen(
@@ -212,6 +223,7 @@ def start_server(
             encoding="utf-8",
             errors="replace",
             bufsize=1,
+            start_new_session=own_process_group,
         )
         server = ServerProcess(proc, f"127.0.0.1:{port}")
         server._reader = threading.Thread(target=server._follow, daemon=True)
@@ -238,6 +250,28 @@ def running_server(
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def running_replicas(
+    *flags_each: Sequence[str], own_process_group: bool = False
+) -> Iterator[list[ServerProcess]]:
+    """One server per entry of `flags_each` (its flags), started side by side: replicas behind
+    a load balancer. Each is stopped on exit unless the test already stopped or killed it."""
+    with ThreadPoolExecutor(len(flags_each)) as pool:
+        futures = [
+            pool.submit(start_server, *flags, own_process_group=own_process_group)
+            for flags in flags_each
+        ]
+    started = [f.result() for f in futures if f.exception() is None]
+    try:
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        yield started
+    finally:
+        for server in started:
+            server.stop()
 
 
 @contextlib.asynccontextmanager
