@@ -319,6 +319,31 @@ def reference(stub: pb_grpc.GenerationServiceStub) -> Callable[[pb.GenerateReque
     return run
 
 
+# -- metrics ------------------------------------------------------------------------------------
+
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape_metrics(url: str) -> MetricSamples:
+    """A /metrics page as {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric(samples: MetricSamples, name: str, **labels: str) -> float:
+    """One sample's value (0 when absent)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
 # -- request builders shared by the gRPC tests -----------------------------------------------
 
 
