@@ -14,9 +14,11 @@ import pytest
 
 from client import (
     AsyncGenerationClient,
+    ErrorClass,
     GenerationClient,
     TLSConfig,
     build_request,
+    error_details,
     to_stream_request,
 )
 from client.bench.server import ServerProcess
@@ -97,7 +99,39 @@ def test_invalid_request_is_a_usage_error_naming_the_field(server_target: str) -
     assert error["retry_delay_seconds"] is None
 
 
-def test_exit_status_says_unavailable(tmp_path: Path) -> None:
+def test_exit_status_says_rejected(server_target: str) -> None:
+    """A request id that is already running: ALREADY_EXISTS, exit status 4, and the reason."""
+    request = build_request(
+        chat=[("user", "Tell me a long story.")],
+        max_tokens=300,
+        ignore_eos=True,
+        request_id="cli-duplicate",
+    )
+    with GenerationClient(server_target) as client:
+        stream = client.stream(request)
+        next(stream)
+        done = run_cli(server_target, "generate", "Hi", "--request-id", "cli-duplicate")
+        stream.close()
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.startswith("error: ALREADY_EXISTS:")
+    assert "  reason: REQUEST_ID_IN_USE" in done.stderr.splitlines()
+
+
+async def test_clients_read_the_error_details(server_target: str) -> None:
+    bad = build_request("Hi", top_p=0.0)
+    with GenerationClient(server_target) as client, pytest.raises(grpc.RpcError) as sync_err:
+        client.generate(bad)
+    async with AsyncGenerationClient(server_target) as aclient:
+        with pytest.raises(grpc.aio.AioRpcError) as async_err:
+            await aclient.generate(bad)
+    for err in (sync_err.value, async_err.value):
+        details = error_details(err)
+        assert details.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.error_class is ErrorClass.USAGE
+        assert [v.field for v in details.field_violations] == ["sampling.top_p"]
+
+
+def test_exit_status_says_unavailable() -> None:
     """Nothing listens there: UNAVAILABLE, exit status 3 (retry later)."""
     from tests.conftest import free_port
 

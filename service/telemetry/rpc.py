@@ -10,6 +10,11 @@ DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS). A client er
 (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) leaves the status unset and records no exception;
 a client that cancels gives `rpc.status_code` CANCELLED. The servicer adds the request's
 attributes (GenAI conventions) to the span while it is current.
+
+Written here rather than taken from opentelemetry-instrumentation-grpc: its grpc.aio interceptor
+emits the deprecated keys (`net.peer.*`, an integer `rpc.grpc.status_code`), records each client
+error's abort as an exception (stack traces), misses `abort_with_status` and records a cancelled
+call as OK, with no option to do otherwise; and the gRPC metrics need the same wrapping anyway.
 """
 
 from __future__ import annotations
