@@ -580,3 +580,21 @@ def test_client_injects_the_active_span_unless_a_traceparent_is_given() -> None:
     ctx = span.get_span_context()
     assert injected["x-tenant"] == "a"
     assert injected["traceparent"].startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
+
+
+def test_network_attributes_from_grpc_peer_strings() -> None:
+    from service.telemetry.rpc import _peer_attributes
+
+    assert _peer_attributes("ipv4:10.1.2.80:65123") == {
+        "network.transport": "tcp",
+        "network.type": "ipv4",
+        "network.peer.address": "10.1.2.80",
+        "network.peer.port": 65123,
+    }
+    ipv6 = _peer_attributes("ipv6:[fe80::1%25eth0]:443")
+    assert ipv6["network.peer.address"] == "fe80::1%eth0" and ipv6["network.peer.port"] == 443
+    assert _peer_attributes("unix:/run/mlxserve.sock") == {
+        "network.transport": "unix",
+        "network.peer.address": "/run/mlxserve.sock",
+    }
+    assert _peer_attributes("") == {}

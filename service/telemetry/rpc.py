@@ -19,6 +19,7 @@ call as OK, with no option to do otherwise; and the gRPC metrics need the same w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import time
@@ -74,7 +75,7 @@ def _carrier(metadata: Sequence[Any] | None) -> dict[str, str]:
 class _Call:
     """One RPC under observation."""
 
-    __slots__ = ("labels", "metrics", "received", "sent", "span", "started", "token")
+    __slots__ = ("labels", "metrics", "received", "sent", "span", "started", "task", "token")
 
     def __init__(
         self, metrics: Metrics | None, labels: tuple[str, str, str], span: Any, token: Any
@@ -83,6 +84,7 @@ class _Call:
         self.labels = labels
         self.span = span
         self.token = token  # the OpenTelemetry context token to detach at the end
+        self.task = asyncio.current_task()  # the RPC's, whose context the token belongs to
         self.started = time.perf_counter()
         self.received = 0
         self.sent = 0
@@ -101,9 +103,12 @@ class _Call:
                 m.rpc_sent.labels(*labels).inc(self.sent)
         if self.span is not None:
             _end_span(self.span, code, context, error)
-            from opentelemetry import context as otel_context
+            # A stream left unfinished is closed later by the event loop's generator finalizer,
+            # in another task: the RPC's own context is gone then, nothing to detach from.
+            if asyncio.current_task() is self.task:
+                from opentelemetry import context as otel_context
 
-            otel_context.detach(self.token)
+                otel_context.detach(self.token)
 
 
 def _status_code(context: Any, error: BaseException | None) -> StatusCode:
