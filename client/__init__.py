@@ -10,14 +10,19 @@ from client.client import (
     to_generate_request,
     to_stream_request,
 )
+from client.errors import ErrorClass, ErrorDetails, FieldViolation, error_details
 
 __all__ = [
     "DEFAULT_TARGET",
     "AsyncGenerationClient",
     "Balancing",
+    "ErrorClass",
+    "ErrorDetails",
+    "FieldViolation",
     "GenerationClient",
     "TLSConfig",
     "build_request",
+    "error_details",
     "to_generate_request",
     "to_stream_request",
 ]

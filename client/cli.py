@@ -1,7 +1,8 @@
 """Command-line client: `python -m client [--target HOST:PORT] COMMAND ...`.
 
-Commands: generate, stream, stats, info, tokenize, bench. gRPC failures print one line,
-`error: CODE: details`, on stderr and exit with status 1.
+Commands: generate, stream, stats, info, tokenize, bench. A failed call prints
+`error: CODE: details` on stderr, then what the server attached to it (the request field at
+fault, its reason, how long to wait before retrying); with --json, one JSON object instead.
 """
 
 from __future__ import annotations
@@ -20,9 +21,33 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from client.client import DEFAULT_TARGET, TOKEN_ENV, GenerationClient, TLSConfig, build_request
+from client.errors import ErrorClass, ErrorDetails, error_details
 from mlxserve.v1 import generation_pb2 as pb
 
 TARGET_ENV = "MLXSERVE_TARGET"
+
+# Exit statuses, by what went wrong (also in the --help epilog and the README).
+EXIT_OK = 0
+EXIT_FAILED = 1  # the server failed on the request (INTERNAL, UNKNOWN, ...), or the client did
+EXIT_USAGE = 2  # the command or the request is wrong: bad flags, INVALID_ARGUMENT, UNAUTHENTICATED
+EXIT_UNAVAILABLE = 3  # no server to take it now: UNAVAILABLE, DEADLINE_EXCEEDED; retry later
+EXIT_REJECTED = 4  # the server refused it as things stand: RESOURCE_EXHAUSTED, ALREADY_EXISTS
+EXIT_INTERRUPTED = 130
+EXIT_CODES = {
+    ErrorClass.USAGE: EXIT_USAGE,
+    ErrorClass.UNAVAILABLE: EXIT_UNAVAILABLE,
+    ErrorClass.REJECTED: EXIT_REJECTED,
+    ErrorClass.FAILED: EXIT_FAILED,
+}
+EXIT_STATUS_HELP = """exit status:
+  0    success
+  1    the server failed on the request (INTERNAL, UNKNOWN, ...)
+  2    usage: bad arguments, or the server found the request invalid (INVALID_ARGUMENT, the
+       field named), UNAUTHENTICATED, PERMISSION_DENIED
+  3    unavailable: UNAVAILABLE (not started, loading, draining, restarting) or
+       DEADLINE_EXCEEDED; retrying later (or elsewhere) can succeed
+  4    rejected: RESOURCE_EXHAUSTED (queue full, KV budget), ALREADY_EXISTS
+  130  interrupted"""
 
 
 def _metadata_pair(text: str) -> tuple[str, str]:
@@ -140,7 +165,12 @@ def _generation_options() -> argparse.ArgumentParser:
 def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
     from client.bench.cli import add_bench_arguments
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__,
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--target",
         default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
@@ -365,6 +395,37 @@ COMMANDS = {
 }
 
 
+def error_lines(details: ErrorDetails) -> list[str]:
+    """What the CLI prints for a failed call."""
+    lines = [f"error: {details.code.name}: {details.message}"]
+    for violation in details.field_violations:
+        if violation.description in ("", details.message):
+            lines.append(f"  field: {violation.field}")
+        else:
+            lines.append(f"  field: {violation.field}: {violation.description}")
+    if details.reason:
+        lines.append(f"  reason: {details.reason}")
+    if details.retry_delay is not None:
+        lines.append(f"  retry after: {details.retry_delay:g}s")
+    return lines
+
+
+def error_json(details: ErrorDetails) -> str:
+    import json
+
+    return json.dumps(
+        {
+            "code": details.code.name,
+            "message": details.message,
+            "reason": details.reason,
+            "field_violations": [
+                {"field": v.field, "description": v.description} for v in details.field_violations
+            ],
+            "retry_delay_seconds": details.retry_delay,
+        }
+    )
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m client") -> int:
     args = build_parser(prog).parse_args(argv)
     try:
@@ -375,13 +436,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m client") -> i
         with GenerationClient(args.target, **connection_kwargs(args)) as client:
             return COMMANDS[args.command](client, args)
     except grpc.RpcError as err:
-        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
-    except (TimeoutError, ValueError, OSError, RuntimeError) as err:
+        details = error_details(err)
+        if getattr(args, "json", False):
+            print(error_json(details), file=sys.stderr)
+        else:
+            print("\n".join(error_lines(details)), file=sys.stderr)
+        return EXIT_CODES[details.error_class]
+    except (ValueError, OSError) as err:  # bad arguments: an unreadable --tls-ca, ...
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
+    except TimeoutError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def console_main() -> int:

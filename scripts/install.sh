@@ -39,6 +39,19 @@ if [ "$(uname -s)" = "Linux" ] && ! command -v nginx >/dev/null && [ ! -x /usr/s
   fi
 fi
 
+# Prometheus (Debian's package): tests/test_telemetry.py lets a real one scrape the server and
+# queries it (the test is skipped without it). Only the binary is used; the tests start their own.
+if [ "$(uname -s)" = "Linux" ] && ! command -v prometheus >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "installing Prometheus (prometheus) for the metrics test"
+    (apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }) \
+      || echo "warning: could not install Prometheus; its test will be skipped"
+  else
+    echo "note: no prometheus binary (apt-get install prometheus); its test will be skipped"
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # Both distributions, editable: the server requires mlxserve-client, which comes from this tree.

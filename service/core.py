@@ -185,6 +185,7 @@ class CoreServer:
             eos_token_ids=sorted(rt.eos_token_ids),
             slot_context=rt.slot_context,
             capacity_tokens=rt.engine.capacity_tokens(),
+            pid=os.getpid(),
         )
 
 

@@ -51,6 +51,7 @@ class Ready(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
     slot_context: int
     capacity_tokens: int | None  # the most tokens one sequence could ever hold (None: no cap)
+    pid: int = 0  # the core's process id (its process metrics)
 
 
 class LoadFailed(msgspec.Struct, tag=True):

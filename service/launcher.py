@@ -9,6 +9,10 @@ core exits, for whatever reason, the pipe reads EOF in every front end at once. 
 to the launcher is passed to the other front ends; each drains, then the core is stopped.
 Exit codes: 0 after a stop signal, 2 when the model cannot be loaded or the port bound, 3 when
 the engine core died.
+
+With --metrics-port and several front ends, prometheus-client's multiprocess mode is set up
+here, before any front end imports it (service.server is imported late for that): each front
+end keeps its counters in the run directory and front end 0's /metrics adds them up.
 """
 
 from __future__ import annotations
@@ -30,15 +34,21 @@ from service import core
 from service.config import ConfigError, ServerConfig, visible_gpus
 from service.frontend.engine_client import LoadFailedError
 from service.logging import configure_logging
-from service.server import LOAD_FAILED_EXIT, serve_frontend
 
 log = structlog.get_logger(__name__)
 CORE_STOP_TIMEOUT_S = 15.0
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client reads it when first imported
 
 
 def run(config: ServerConfig) -> int:
     ctx = mp.get_context("spawn")  # no fork: the children start clean (MLX, gRPC threads)
     run_dir = core.make_run_dir()
+    if config.metrics_port and config.api_workers > 1:
+        metrics_dir = run_dir / "metrics"
+        metrics_dir.mkdir()
+        os.environ[MULTIPROC_ENV] = str(metrics_dir)  # the spawned front ends inherit it
+    from service.server import LOAD_FAILED_EXIT, serve_frontend
+
     try:
         rank_env = _rank_environments(config, run_dir)
     except ConfigError as exc:
@@ -143,6 +153,8 @@ def _stop(engine: mp.process.BaseProcess) -> None:
 
 def _worker(config: ServerConfig, run_dir: str, index: int, core_alive: list[Connection]) -> None:
     """Front end `index` (> 0) in its own process."""
+    from service.server import serve_frontend
+
     configure_logging(config.log_level, config.log_format)
     try:
         code = asyncio.run(serve_frontend(config, Path(run_dir), index, core_alive))

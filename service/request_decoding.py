@@ -4,12 +4,14 @@ grpc.aio decodes a request with the handler's `request_deserializer` before the 
 a protobuf DecodeError there (corrupt wire format, or a string field that is not UTF-8) becomes
 UNKNOWN "Unexpected <class 'DecodeError'>" plus a logged traceback. `DecodeErrorInterceptor`
 swaps in a deserializer that returns an `Undecodable` marker instead of raising, and wraps the
-method so that a marker is answered with INVALID_ARGUMENT and one log line. It works on the
-handlers of any service (the generated registration code stays as generated).
+method so that a marker is answered with INVALID_ARGUMENT (a BadRequest field violation when a
+string field is not UTF-8) and one log line. It works on the handlers of any service (the
+generated registration code stays as generated).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 from functools import cache
@@ -21,25 +23,34 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from service import errors
+
 log = structlog.get_logger(__name__)
 
 
 class Undecodable:
     """What the lenient deserializer returns for bytes that are not the request message."""
 
-    __slots__ = ("message",)
+    __slots__ = ("field", "message")
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, field: str | None = None) -> None:
         self.message = message
+        self.field = field  # the string field that is not UTF-8, when that is the trouble
 
 
 def describe_decode_error(data: bytes, message_type: Descriptor, error: DecodeError) -> str:
     """A client-facing reason, naming the field when a string field holds invalid UTF-8."""
+    return explain_decode_error(data, message_type, error).message
+
+
+def explain_decode_error(data: bytes, message_type: Descriptor, error: DecodeError) -> Undecodable:
     field = _non_utf8_field(data, message_type)
     if field is not None:
-        return f"{field} is not valid UTF-8 (protobuf string fields must be)"
+        return Undecodable(f"{field} is not valid UTF-8 (protobuf string fields must be)", field)
     reason = str(error).rpartition(": ")[2] or "it does not parse"
-    return f"the request body is not a valid {message_type.full_name} message ({reason})"
+    return Undecodable(
+        f"the request body is not a valid {message_type.full_name} message ({reason})"
+    )
 
 
 def _non_utf8_field(data: bytes, message_type: Descriptor) -> str | None:
@@ -148,11 +159,24 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
             except DecodeError as exc:
                 if message_type is None:
                     return Undecodable(f"the request body does not decode: {exc}")
-                return Undecodable(describe_decode_error(data, message_type, exc))
+                return explain_decode_error(data, message_type, exc)
 
         async def refuse(request: Undecodable, context: grpc.aio.ServicerContext) -> None:
-            log.warning("undecodable request refused", rpc=method, reason=request.message)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            log.warning(
+                "request rejected",
+                code=grpc.StatusCode.INVALID_ARGUMENT.name,
+                field=request.field,
+                request_id=None,  # the body that would name it does not decode
+                rpc=method,
+                reason=request.message,
+            )
+            status = errors.rich_status(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                request.message,
+                reason=errors.INVALID_REQUEST,
+                field=request.field,
+            )
+            await errors.abort(context, status)
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -171,8 +195,9 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if isinstance(request, Undecodable):
                     await refuse(request, context)
-                async for response in inner_stream(request, context):
-                    yield response
+                async with contextlib.aclosing(inner_stream(request, context)) as responses:
+                    async for response in responses:
+                        yield response
 
         else:  # writes its responses with context.write
 

@@ -427,6 +427,7 @@ class Runtime:
             )
             response.used_bytes = storage.used_bytes
             response.budget_bytes = 0 if self.kv_budget_unlimited else storage.budget_bytes
+            response.capacity_bytes = storage.budget_bytes
             response.prefix_lookups = stats.prefix_lookups
             response.prefix_hits = stats.prefix_hits
             response.prefix_hit_tokens = stats.prefix_hit_tokens
@@ -436,6 +437,7 @@ class Runtime:
         else:
             used = sum(s.engine_seq.num_cached for s in running if s.engine_seq is not None)
             response.used_bytes = used * storage.bytes_per_token
+            response.capacity_bytes = self.batch_size * self.slot_context * storage.bytes_per_token
         response.active_sequences = len(running)
         response.queued_requests = sched.queue_depth
         response.total_completed = sched.stats.total_completed

@@ -52,8 +52,9 @@ async def serve_frontend(
     client = EngineClient(run_dir, index)
     auth = transport.auth_interceptor(config)
     server = grpc.aio.server(
-        # Innermost last: tracing sees an undecodable request's INVALID_ARGUMENT like any other;
-        # authentication refuses before anything decodes the request.
+        # Innermost last: the RPC observer (spans, gRPC metrics) sees every RPC's final status,
+        # an authentication refusal's or an undecodable request's too; authentication refuses
+        # before anything decodes the request.
         interceptors=[
             *telemetry.server_interceptors(SERVICE_NAME),
             *([auth] if auth is not None else []),
@@ -142,8 +143,9 @@ async def serve_frontend(
                 exit_code = exit_code or LOAD_FAILED_EXIT
                 raise
             servicer.model = await loop.run_in_executor(None, served_model, ready)
+            telemetry.model_ready(servicer.model.info.model_id)
             if config.metrics_port and index == 0:
-                _serve_metrics(config, telemetry, client)
+                _serve_metrics(config, telemetry, client, ready.pid)
             await set_health(True)
             log.info("serving", address=address, frontend=index)
             await stop.wait()
@@ -181,7 +183,9 @@ async def _drain(
             await asyncio.wait_for(idle, DRAIN_LAST_MESSAGES_S)
 
 
-def _serve_metrics(config: ServerConfig, telemetry: Telemetry, client: EngineClient) -> None:
+def _serve_metrics(
+    config: ServerConfig, telemetry: Telemetry, client: EngineClient, core_pid: int
+) -> None:
     """/metrics on this front end; its gauges ask the core for CacheStats at each scrape (from
     the metrics server's thread, through this event loop)."""
     loop = asyncio.get_running_loop()
@@ -196,7 +200,7 @@ def _serve_metrics(config: ServerConfig, telemetry: Telemetry, client: EngineCli
 
     try:
         assert config.metrics_port is not None
-        telemetry.start_metrics_server(config.host, config.metrics_port, cache_stats)
+        telemetry.start_metrics_server(config.host, config.metrics_port, cache_stats, core_pid)
     except OSError as exc:
         message = f"could not serve metrics on port {config.metrics_port}: {exc}"
         raise ConfigError(message) from exc

@@ -8,23 +8,21 @@ the engine-core process, reached through `EngineClient`. No policy here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import structlog
-from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service import ipc
+from service import errors, ipc
 from service.config import ServerConfig
 from service.frontend.engine_client import CORE_GONE, EngineClient, drain
 from service.frontend.stream import Delta, RequestStream
@@ -49,8 +47,8 @@ _FINISH = {
 BACKEND_ERROR = "inference backend error"
 CORE_GONE_MESSAGE = "the engine core exited; the server is restarting"
 SHUTDOWN = object()  # put in a request's queue when the drain timeout has passed
-RETRY_AFTER_S = 1  # what a refused caller is told (RetryInfo) while the server drains
 T = TypeVar("T")
+Code = grpc.StatusCode
 
 
 @dataclass(frozen=True)
@@ -99,17 +97,51 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         for outputs in self._queues.values():
             outputs.put_nowait(SHUTDOWN)
 
-    async def _refuse_unavailable(self, context: Any) -> None:
-        """UNAVAILABLE, with RetryInfo while draining (another replica can take the call)."""
-        message = self.unavailable_reason()
-        if not self.draining or self.client.gone.is_set():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-        retry = error_details_pb2.RetryInfo()
-        retry.retry_delay.FromSeconds(RETRY_AFTER_S)
-        detail = any_pb2.Any()
-        detail.Pack(retry)
-        status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message=message, details=[detail])
-        await context.abort_with_status(rpc_status.to_status(status))
+    def _unavailable(self) -> grpc.Status:
+        """UNAVAILABLE with RetryInfo: loading, draining (another replica can take the call)
+        or the engine core gone (the server restarts)."""
+        if self.client.gone.is_set():
+            reason = errors.ENGINE_GONE
+        else:
+            reason = errors.DRAINING if self.draining else errors.MODEL_LOADING
+        return errors.rich_status(
+            Code.UNAVAILABLE,
+            self.unavailable_reason(),
+            reason=reason,
+            retry_after_s=errors.RETRY_AFTER_S,
+        )
+
+    async def _reject(
+        self,
+        context: Any,
+        status: grpc.Status,
+        *,
+        metric: str,
+        field: str | None = None,
+        request_id: str | None = None,
+    ) -> NoReturn:
+        """Refuse a request before it runs: one log line, the rejection metric, the status."""
+        level = log.info if status.code is Code.INVALID_ARGUMENT else log.warning
+        level(
+            "request rejected",
+            code=status.code.name,
+            field=field,
+            request_id=request_id or None,
+            reason=status.details,
+            frontend=self.client.name,
+        )
+        self.telemetry.rejected(metric)
+        await errors.abort(context, status)
+
+    async def _invalid(
+        self, context: Any, exc: InvalidRequestError, request_id: str | None
+    ) -> NoReturn:
+        status = errors.rich_status(
+            Code.INVALID_ARGUMENT, str(exc), reason=errors.INVALID_REQUEST, field=exc.field
+        )
+        await self._reject(
+            context, status, metric="invalid_argument", field=exc.field, request_id=request_id
+        )
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -118,22 +150,26 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     # -- RPCs -----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
-        async for request_id, delta in self._run(request, context):
-            response.request_id = request_id
-            response.text += delta.text
-            response.token_ids.extend(delta.token_ids)
-            self._fill_extras(response, delta)
+        async with contextlib.aclosing(self._run(request, context, streaming=False)) as run:
+            async for request_id, delta in run:
+                response.request_id = request_id
+                response.text += delta.text
+                response.token_ids.extend(delta.token_ids)
+                self._fill_extras(response, delta)
         return response
 
     async def StreamGenerate(
         self, request: pb.StreamGenerateRequest, context: Any
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
-        async for request_id, delta in self._run(request, context):
-            message = pb.StreamGenerateResponse(
-                request_id=request_id, text=delta.text, token_ids=delta.token_ids
-            )
-            self._fill_extras(message, delta)
-            yield message
+        # Closed with this stream, however it ends: the request's cleanup (abort in the core,
+        # telemetry) runs then, not whenever the generator is collected.
+        async with contextlib.aclosing(self._run(request, context, streaming=True)) as run:
+            async for request_id, delta in run:
+                message = pb.StreamGenerateResponse(
+                    request_id=request_id, text=delta.text, token_ids=delta.token_ids
+                )
+                self._fill_extras(message, delta)
+                yield message
 
     async def CacheStats(
         self, request: pb.CacheStatsRequest, context: Any
@@ -143,22 +179,28 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             return await self.client.stats()
         except TimeoutError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine core did not answer")
+            status = errors.rich_status(
+                Code.UNAVAILABLE,
+                "the engine core did not answer",
+                reason=errors.ENGINE_NOT_ANSWERING,
+                retry_after_s=errors.RETRY_AFTER_S,
+            )
+            await errors.abort(context, status)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: Any
     ) -> pb.GetModelInfoResponse:
         if self.model is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
+            await errors.abort(context, self._unavailable())
         return self.model.info
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
         if self.model is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
+            await errors.abort(context, self._unavailable())
         try:
             return await self._off_loop(self._tokenize, request, self.model)
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._invalid(context, exc, None)
 
     def _tokenize(self, request: pb.TokenizeRequest, model: ServedModel) -> pb.TokenizeResponse:
         tok = model.tokenizer
@@ -171,13 +213,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) for i in ids])
 
     # -- the request path -------------------------------------------------------------
-    async def _run(self, message: Any, context: Any) -> AsyncIterator[tuple[str, Delta]]:
+    async def _run(
+        self, message: Any, context: Any, *, streaming: bool
+    ) -> AsyncIterator[tuple[str, Delta]]:
         """Validate, queue and follow one request; yields (request_id, delta) as the engine
         produces tokens (several steps in one delta when this RPC fell behind); aborts with a
         status on failure."""
+        received = time.monotonic()
+        self.telemetry.rpc_request(message, streaming=streaming)
         if not self.serving:
-            self.telemetry.rejected("unavailable")
-            await self._refuse_unavailable(context)
+            await self._reject(
+                context, self._unavailable(), metric="unavailable", request_id=message.request_id
+            )
         model = self.model
         assert model is not None
         try:
@@ -191,25 +238,43 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 allow_special_tokens_in_content=self.config.allow_special_tokens_in_content,
             )
         except InvalidRequestError as exc:
-            self.telemetry.rejected("invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._invalid(context, exc, message.request_id)
         # Nothing awaits from here to `_active_ids.add` but an abort: the ALREADY_EXISTS check
         # and the add are one step for the event loop.
         prompt_tokens = len(req.prompt_token_ids)
         too_big = kv_budget_refusal(model.capacity_tokens, prompt_tokens, req.max_tokens)
         if too_big is not None:
-            self.telemetry.rejected("kv_budget")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
+            # It could never fit: no RetryInfo.
+            status = errors.rich_status(
+                Code.RESOURCE_EXHAUSTED,
+                too_big,
+                reason=errors.KV_BUDGET_EXCEEDED,
+                metadata={
+                    "capacity_tokens": str(model.capacity_tokens),
+                    "needed_tokens": str(prompt_tokens + req.max_tokens),
+                },
+            )
+            await self._reject(context, status, metric="kv_budget", request_id=req.request_id)
         if req.request_id in self._active_ids:
-            self.telemetry.rejected("already_exists")
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
+            status = errors.rich_status(
+                Code.ALREADY_EXISTS,
+                f"request_id {req.request_id!r} is already running",
+                reason=errors.REQUEST_ID_IN_USE,
+            )
+            await self._reject(
+                context,
+                status,
+                metric="already_exists",
+                field="request_id",
+                request_id=req.request_id,
             )
         if not self.serving:  # the core died or a drain began while we tokenized
-            await self._refuse_unavailable(context)
+            await self._reject(
+                context, self._unavailable(), metric="unavailable", request_id=req.request_id
+            )
         bound = log.bind(request_id=req.request_id, frontend=self.client.name)
         stream = RequestStream(req, model.tokenizer, model.eos_token_ids)
-        state = self.telemetry.request_started(req)
+        state = self.telemetry.request_started(req, received, streaming=streaming)
         rid, outputs = self.client.submit(req, state.ids if state is not None else None)
         self._active_ids.add(req.request_id)
         self._queues[rid] = outputs
@@ -227,13 +292,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 delta = Delta()
                 for item in items:
                     if isinstance(item, ipc.Rejected):
-                        self.telemetry.rejected("queue_full")
-                        bound.warning("rejected: queue full")
                         stream.done = True
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, item.message)
+                        status = errors.rich_status(
+                            Code.RESOURCE_EXHAUSTED,
+                            item.message,
+                            reason=errors.QUEUE_FULL,
+                            retry_after_s=errors.RETRY_AFTER_S,
+                        )
+                        await self._reject(
+                            context, status, metric="queue_full", request_id=req.request_id
+                        )
                     if item is CORE_GONE:
                         stream.done = True
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, CORE_GONE_MESSAGE)
+                        await errors.abort(context, self._unavailable())
                     if item is SHUTDOWN:
                         bound.info("request cancelled by shutdown")
                         self.client.abort(rid)
@@ -260,9 +331,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         self.client.abort(rid)  # a stop string matched: end it in the core
                     _merge(delta, step)
                 self.telemetry.request_tokens(state, len(delta.token_ids))
-                if delta.final is not None and delta.final.reason == FinishReason.ERROR.value:
-                    bound.error("request failed", error=delta.final.error)
-                    await context.abort(grpc.StatusCode.INTERNAL, BACKEND_ERROR)
+                if delta.final is not None:
+                    self.telemetry.request_finished(state, delta.final)
+                    if delta.final.reason == FinishReason.ERROR.value:
+                        bound.error("request failed", error=delta.final.error)
+                        status = errors.rich_status(
+                            Code.INTERNAL, BACKEND_ERROR, reason=errors.ENGINE_ERROR
+                        )
+                        await errors.abort(context, status)
                 if delta.token_ids or delta.text or delta.final is not None:
                     yield req.request_id, delta
         finally:
@@ -284,19 +360,26 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             message.logprobs.extend(self._logprobs(delta))
         if delta.final is not None:
             _fill_final(message, delta.final)
+            message.stop_string = delta.stop_string
 
     def _logprobs(self, delta: Delta) -> list[pb.TokenLogprob]:
         assert self.model is not None
         tok = self.model.tokenizer
+
+        def spelled(token_id: int) -> dict[str, Any]:
+            data = tok.token_bytes(token_id)
+            return {
+                "token_id": token_id,
+                "token": tok.id_to_token(token_id),
+                "text": data.decode("utf-8", errors="replace"),
+                "bytes": data,
+            }
+
         return [
             pb.TokenLogprob(
-                token_id=lp.token_id,
-                token=tok.id_to_token(lp.token_id),
+                **spelled(lp.token_id),
                 logprob=lp.logprob,
-                top_logprobs=[
-                    pb.TopLogprob(token_id=t, token=tok.id_to_token(t), logprob=v)
-                    for t, v in lp.top
-                ],
+                top_logprobs=[pb.TopLogprob(**spelled(t), logprob=v) for t, v in lp.top],
             )
             for lp in delta.logprobs
         ]
@@ -308,6 +391,7 @@ def _merge(into: Delta, step: Delta) -> None:
     into.logprobs.extend(step.logprobs)
     if step.final is not None:
         into.final = step.final
+        into.stop_string = step.stop_string
 
 
 def _fill_final(message: Any, final: Final) -> None:

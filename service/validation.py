@@ -14,10 +14,18 @@ from service.scheduler.request import GenerationRequest
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_REQUEST_ID_LEN = 128
+# Where a prompt too long once tokenized is, by input kind.
+_INPUT_FIELD = {"text": "text", "token_ids": "token_ids.ids", "chat": "chat.messages"}
 
 
 class InvalidRequestError(ValueError):
-    """Bad input; the message names the field. Maps to INVALID_ARGUMENT."""
+    """Bad input; the message names the field. Maps to INVALID_ARGUMENT, with `field` (its
+    path in the request, e.g. `sampling.top_p` or `chat.messages[2].role`) as the
+    google.rpc.BadRequest field violation."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -38,7 +46,8 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool
     if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
         raise InvalidRequestError(
-            f"sampling.{name} must be within {bracket}{lo}, {hi}], got {value}"
+            f"sampling.{name} must be within {bracket}{lo}, {hi}], got {value}",
+            field=f"sampling.{name}",
         )
 
 
@@ -54,7 +63,8 @@ def check_prompt_size(
         n = len(message.token_ids.ids)
         if n > slot_context:
             raise PromptTooLongError(
-                f"token_ids.ids: the prompt has {n} ids; the slot context is {slot_context} tokens"
+                f"token_ids.ids: the prompt has {n} ids; the slot context is {slot_context} tokens",
+                field="token_ids.ids",
             )
     elif kind == "text":
         n = len(message.text)
@@ -62,7 +72,8 @@ def check_prompt_size(
             raise PromptTooLongError(
                 f"text: the prompt is {n} characters; the slot context of {slot_context} tokens "
                 f"holds at most {max_chars} (no token of this model is longer than "
-                f"{tok.max_token_chars})"
+                f"{tok.max_token_chars})",
+                field="text",
             )
     elif kind == "chat":
         n = sum(len(m.content) for m in message.chat.messages)
@@ -70,7 +81,8 @@ def check_prompt_size(
             raise PromptTooLongError(
                 f"chat.messages: the prompt's content totals {n} characters; the slot context of "
                 f"{slot_context} tokens holds at most {max_chars} (no token of this model is "
-                f"longer than {tok.max_token_chars})"
+                f"longer than {tok.max_token_chars})",
+                field="chat.messages",
             )
 
 
@@ -87,29 +99,33 @@ def prompt_token_ids(
     as it is."""
     kind = message.WhichOneof("input")
     if kind is None:
-        raise InvalidRequestError("input is required: set one of text, token_ids or chat")
+        raise InvalidRequestError(
+            "input is required: set one of text, token_ids or chat", field="input"
+        )
     check_prompt_size(message, tok, slot_context)
     if kind == "text":
         if not message.text:
-            raise InvalidRequestError("text must not be empty")
+            raise InvalidRequestError("text must not be empty", field="text")
         return tok.encode(message.text)
     if kind == "token_ids":
         ids = list(message.token_ids.ids)
         if not ids:
-            raise InvalidRequestError("token_ids.ids must not be empty")
-        bad = next((t for t in ids if t >= tok.vocab_size), None)
+            raise InvalidRequestError("token_ids.ids must not be empty", field="token_ids.ids")
+        bad = next((i for i, t in enumerate(ids) if t >= tok.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(
-                f"token_ids.ids contains {bad}, outside the vocabulary [0, {tok.vocab_size})"
+                f"token_ids.ids contains {ids[bad]}, outside the vocabulary [0, {tok.vocab_size})",
+                field=f"token_ids.ids[{bad}]",
             )
         return ids
     messages = message.chat.messages
     if not messages:
-        raise InvalidRequestError("chat.messages must not be empty")
+        raise InvalidRequestError("chat.messages must not be empty", field="chat.messages")
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"chat.messages[{i}].role {m.role!r} is unknown; use one of {sorted(CHAT_ROLES)}"
+                f"chat.messages[{i}].role {m.role!r} is unknown; use one of {sorted(CHAT_ROLES)}",
+                field=f"chat.messages[{i}].role",
             )
     return tok.render_chat(
         [ChatTurn(m.role, m.content) for m in messages],
@@ -128,7 +144,9 @@ def sampling_params(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
         kw["top_p"] = float(s.top_p)
     if s.HasField("top_k"):
         if s.top_k < 0:
-            raise InvalidRequestError(f"sampling.top_k must be >= 0, got {s.top_k}")
+            raise InvalidRequestError(
+                f"sampling.top_k must be >= 0, got {s.top_k}", field="sampling.top_k"
+            )
         kw["top_k"] = int(s.top_k)
     if s.HasField("min_p"):
         _check_range("min_p", s.min_p, 0.0, 1.0)
@@ -146,11 +164,13 @@ def sampling_params(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
         for token, bias in s.logit_bias.items():
             if token >= vocab_size:
                 raise InvalidRequestError(
-                    f"sampling.logit_bias key {token} is outside the vocabulary [0, {vocab_size})"
+                    f"sampling.logit_bias key {token} is outside the vocabulary [0, {vocab_size})",
+                    field=f"sampling.logit_bias[{token}]",
                 )
             if math.isnan(bias) or not -100.0 <= bias <= 100.0:
                 raise InvalidRequestError(
-                    f"sampling.logit_bias[{token}] must be within [-100, 100], got {bias}"
+                    f"sampling.logit_bias[{token}] must be within [-100, 100], got {bias}",
+                    field=f"sampling.logit_bias[{token}]",
                 )
         kw["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items()))
     return SamplingParams(**{**p.__dict__, **kw})
@@ -167,7 +187,9 @@ def generation_request(
 ) -> GenerationRequest:
     request_id = message.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_LEN:
-        raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
+        raise InvalidRequestError(
+            f"request_id is longer than {MAX_REQUEST_ID_LEN} characters", field="request_id"
+        )
     prompt = prompt_token_ids(
         message,
         tok,
@@ -177,27 +199,41 @@ def generation_request(
     if len(prompt) >= slot_context:
         raise PromptTooLongError(
             f"prompt is {len(prompt)} tokens; the slot context is {slot_context} tokens "
-            "(prompt plus at least one generated token must fit)"
+            "(prompt plus at least one generated token must fit)",
+            field=_INPUT_FIELD[message.WhichOneof("input") or "text"],
         )
     stopping = message.stopping
     room = slot_context - len(prompt)
     if stopping.HasField("max_tokens"):
         if stopping.max_tokens < 1:
-            raise InvalidRequestError("stopping.max_tokens must be at least 1")
+            raise InvalidRequestError(
+                "stopping.max_tokens must be at least 1", field="stopping.max_tokens"
+            )
         max_tokens = min(int(stopping.max_tokens), room)
     else:
         max_tokens = min(default_max_tokens, room)
     if len(stopping.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"stopping.stop has more than {MAX_STOP_STRINGS} strings")
-    if any(not s for s in stopping.stop):
-        raise InvalidRequestError("stopping.stop must not contain empty strings")
-    bad = next((t for t in stopping.stop_token_ids if t >= tok.vocab_size), None)
+        raise InvalidRequestError(
+            f"stopping.stop has more than {MAX_STOP_STRINGS} strings", field="stopping.stop"
+        )
+    empty = next((i for i, s in enumerate(stopping.stop) if not s), None)
+    if empty is not None:
+        raise InvalidRequestError(
+            "stopping.stop must not contain empty strings", field=f"stopping.stop[{empty}]"
+        )
+    ids = stopping.stop_token_ids
+    bad = next((i for i, t in enumerate(ids) if t >= tok.vocab_size), None)
     if bad is not None:
-        raise InvalidRequestError(f"stopping.stop_token_ids contains {bad}, outside the vocabulary")
+        raise InvalidRequestError(
+            f"stopping.stop_token_ids contains {ids[bad]}, outside the vocabulary",
+            field=f"stopping.stop_token_ids[{bad}]",
+        )
     if message.top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequestError(f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}]")
+        raise InvalidRequestError(
+            f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}]", field="top_logprobs"
+        )
     if message.top_logprobs and not message.logprobs:
-        raise InvalidRequestError("top_logprobs needs logprobs set to true")
+        raise InvalidRequestError("top_logprobs needs logprobs set to true", field="top_logprobs")
     cache_prompt = message.cache_prompt if message.HasField("cache_prompt") else True
     return GenerationRequest(
         request_id=request_id,

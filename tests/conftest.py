@@ -76,8 +76,10 @@ class ServerProcess:
     lines: list[str] = field(default_factory=list)
     # Health answers seen while starting, in order ("NOT_SERVING", "SERVING", ...).
     health_history: list[str] = field(default_factory=list)
-    # Status code of a Generate sent while health still said NOT_SERVING (None: no probe).
+    # Status code of a Generate sent while health still said NOT_SERVING (None: no probe),
+    # and the error it got.
     probe_while_loading: grpc.StatusCode | None = None
+    probe_error: grpc.RpcError | None = None
     returncode: int | None = None
     _reader: threading.Thread | None = None
 
@@ -180,23 +182,27 @@ def _wait_serving(
             if status == "SERVING":
                 return
             if server.probe_while_loading is None:
-                server.probe_while_loading = _probe_generate(generation, health)
+                _probe_generate(server, generation, health)
             time.sleep(0.02)
 
 
 def _probe_generate(
-    generation: pb_grpc.GenerationServiceStub, health: health_pb2_grpc.HealthStub
-) -> grpc.StatusCode | None:
-    """Send a tiny Generate while loading; keep its code only if health still says
+    server: ServerProcess,
+    generation: pb_grpc.GenerationServiceStub,
+    health: health_pb2_grpc.HealthStub,
+) -> None:
+    """Send a tiny Generate while loading; keep its outcome only if health still says
     NOT_SERVING afterwards (otherwise the model may have finished loading in between)."""
     request = pb.GenerateRequest(text="Hi", stopping=pb.StoppingCriteria(max_tokens=1))
+    error = None
     try:
         generation.Generate(request, timeout=30)
         code = grpc.StatusCode.OK
     except grpc.RpcError as exc:
-        code = exc.code()
+        code, error = exc.code(), exc
     after = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    return code if after.status == health_pb2.HealthCheckResponse.NOT_SERVING else None
+    if after.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+        server.probe_while_loading, server.probe_error = code, error
 
 
 def start_server(
@@ -351,6 +357,31 @@ def reference(stub: pb_grpc.GenerationServiceStub) -> Callable[[pb.GenerateReque
         return cache[key]
 
     return run
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape_metrics(url: str) -> MetricSamples:
+    """A /metrics page as {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric(samples: MetricSamples, name: str, **labels: str) -> float:
+    """One sample's value (0 when absent)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 # -- request builders shared by the gRPC tests -----------------------------------------------

@@ -14,9 +14,11 @@ import pytest
 
 from client import (
     AsyncGenerationClient,
+    ErrorClass,
     GenerationClient,
     TLSConfig,
     build_request,
+    error_details,
     to_stream_request,
 )
 from client.bench.server import ServerProcess
@@ -82,11 +84,60 @@ def test_info_json(server_target: str) -> None:
     assert '"model_id"' in done.stdout
 
 
-def test_invalid_request_exits_1_with_code(server_target: str) -> None:
+def test_invalid_request_is_a_usage_error_naming_the_field(server_target: str) -> None:
     done = run_cli(server_target, "generate", "hi", "--temperature", "-1")
-    assert done.returncode == 1
-    assert done.stderr.startswith("error: INVALID_ARGUMENT:")
-    assert len(done.stderr.strip().splitlines()) == 1
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("error: INVALID_ARGUMENT: sampling.temperature must be")
+    assert lines[1:] == ["  field: sampling.temperature", "  reason: INVALID_REQUEST"]
+
+    done = run_cli(server_target, "generate", "hi", "--temperature", "-1", "--json")
+    assert done.returncode == 2
+    error = json.loads(done.stderr)
+    assert error["code"] == "INVALID_ARGUMENT"
+    assert [v["field"] for v in error["field_violations"]] == ["sampling.temperature"]
+    assert error["retry_delay_seconds"] is None
+
+
+def test_exit_status_says_rejected(server_target: str) -> None:
+    """A request id that is already running: ALREADY_EXISTS, exit status 4, and the reason."""
+    request = build_request(
+        chat=[("user", "Tell me a long story.")],
+        max_tokens=300,
+        ignore_eos=True,
+        request_id="cli-duplicate",
+    )
+    with GenerationClient(server_target) as client:
+        stream = client.stream(request)
+        next(stream)
+        done = run_cli(server_target, "generate", "Hi", "--request-id", "cli-duplicate")
+        stream.close()
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.startswith("error: ALREADY_EXISTS:")
+    assert "  reason: REQUEST_ID_IN_USE" in done.stderr.splitlines()
+
+
+async def test_clients_read_the_error_details(server_target: str) -> None:
+    bad = build_request("Hi", top_p=0.0)
+    with GenerationClient(server_target) as client, pytest.raises(grpc.RpcError) as sync_err:
+        client.generate(bad)
+    async with AsyncGenerationClient(server_target) as aclient:
+        with pytest.raises(grpc.aio.AioRpcError) as async_err:
+            await aclient.generate(bad)
+    for err in (sync_err.value, async_err.value):
+        details = error_details(err)
+        assert details.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.error_class is ErrorClass.USAGE
+        assert [v.field for v in details.field_violations] == ["sampling.top_p"]
+
+
+def test_exit_status_says_unavailable() -> None:
+    """Nothing listens there: UNAVAILABLE, exit status 3 (retry later)."""
+    from tests.conftest import free_port
+
+    done = run_cli(f"127.0.0.1:{free_port()}", "info", "--timeout", "5")
+    assert done.returncode == 3, done.stderr
+    assert "error: UNAVAILABLE:" in done.stderr
 
 
 def test_sync_client(server_target: str) -> None:
@@ -206,7 +257,7 @@ def test_cli_without_token_or_certificates_is_refused(secured, drop, code) -> No
         flags.remove("--tls-key")
         flags.remove(str(pki.client_key))
     done = run_cli(target, *flags, "tokenize", "hi", "--raw")
-    assert done.returncode == 1
+    assert done.returncode == (2 if code == "UNAUTHENTICATED" else 3)  # usage, unavailable
     # (gRPC itself may log the failed handshake first.)
     assert done.stderr.splitlines()[-1].startswith(f"error: {code}:"), done.stderr
 
@@ -214,7 +265,7 @@ def test_cli_without_token_or_certificates_is_refused(secured, drop, code) -> No
 def test_cli_a_certificate_without_its_key_is_a_usage_error(secured) -> None:
     target, pki = secured
     done = run_cli(target, "--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "info")
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert "--tls-cert and --tls-key" in done.stderr
 
 

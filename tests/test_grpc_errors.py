@@ -20,6 +20,7 @@ import pytest
 from conftest import ServerProcess, chat_request, running_server, to_stream
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -34,49 +35,65 @@ def _hi(**fields) -> pb.GenerateRequest:
     return chat_request("Hi", max_tokens=1, **fields)
 
 
+# Each bad request, and the path of the field at fault (the BadRequest field violation).
 INVALID = {
     "no-input": (pb.GenerateRequest(), "input"),
     "empty-text": (pb.GenerateRequest(text=""), "text"),
-    "empty-token-ids": (pb.GenerateRequest(token_ids=pb.TokenIdsInput()), "token_ids"),
-    "empty-chat": (pb.GenerateRequest(chat=pb.ChatInput()), "messages"),
+    "empty-token-ids": (pb.GenerateRequest(token_ids=pb.TokenIdsInput()), "token_ids.ids"),
+    "empty-chat": (pb.GenerateRequest(chat=pb.ChatInput()), "chat.messages"),
     "unknown-role": (
         pb.GenerateRequest(
             chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="x")])
         ),
-        "role",
+        "chat.messages[0].role",
     ),
-    "temperature-negative": (_hi(sampling=pb.SamplingParams(temperature=-1)), "temperature"),
-    "top-p-zero": (_hi(sampling=pb.SamplingParams(top_p=0)), "top_p"),
-    "top-p-above-one": (_hi(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
-    "min-p-above-one": (_hi(sampling=pb.SamplingParams(min_p=2)), "min_p"),
-    "top-k-negative": (_hi(sampling=pb.SamplingParams(top_k=-1)), "top_k"),
+    "temperature-negative": (
+        _hi(sampling=pb.SamplingParams(temperature=-1)),
+        "sampling.temperature",
+    ),
+    "top-p-zero": (_hi(sampling=pb.SamplingParams(top_p=0)), "sampling.top_p"),
+    "top-p-above-one": (_hi(sampling=pb.SamplingParams(top_p=1.5)), "sampling.top_p"),
+    "min-p-above-one": (_hi(sampling=pb.SamplingParams(min_p=2)), "sampling.min_p"),
+    "top-k-negative": (_hi(sampling=pb.SamplingParams(top_k=-1)), "sampling.top_k"),
     "repetition-penalty-zero": (
         _hi(sampling=pb.SamplingParams(repetition_penalty=0)),
-        "repetition_penalty",
+        "sampling.repetition_penalty",
     ),
     "token-id-outside-vocab": (
         pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[1, 2, VOCAB])),
-        "token_ids",
+        "token_ids.ids[2]",
     ),
     "logit-bias-key-outside-vocab": (
         _hi(sampling=pb.SamplingParams(logit_bias={VOCAB + 5: 1.0})),
-        "logit_bias",
+        f"sampling.logit_bias[{VOCAB + 5}]",
     ),
     "logit-bias-value-out-of-range": (
         _hi(sampling=pb.SamplingParams(logit_bias={7: 1000.0})),
-        "logit_bias",
+        "sampling.logit_bias[7]",
     ),
     "max-tokens-zero": (
         chat_request("Hi", stopping=pb.StoppingCriteria(max_tokens=0)),
-        "max_tokens",
+        "stopping.max_tokens",
     ),
     "stop-token-outside-vocab": (
         _hi(stopping=pb.StoppingCriteria(max_tokens=1, stop_token_ids=[VOCAB])),
-        "stop_token_ids",
+        "stopping.stop_token_ids[0]",
     ),
     "top-logprobs-without-logprobs": (_hi(top_logprobs=3), "top_logprobs"),
     "top-logprobs-too-many": (_hi(logprobs=True, top_logprobs=21), "top_logprobs"),
 }
+
+
+def assert_names_the_field(error: grpc.RpcError, field: str) -> None:
+    """INVALID_ARGUMENT whose message names the field, with a BadRequest field violation
+    giving its exact path (what a client reads to point at it)."""
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field.split("[")[0] in error.details()
+    details = error_details(error)
+    assert [(v.field, v.description) for v in details.field_violations] == [
+        (field, error.details())
+    ]
+    assert details.reason == "INVALID_REQUEST" and details.retry_delay is None
 
 
 @pytest.mark.parametrize("case", INVALID.values(), ids=INVALID.keys())
@@ -84,8 +101,7 @@ def test_invalid_argument_names_the_field(stub, case) -> None:
     request, field = case
     with pytest.raises(grpc.RpcError) as info:
         stub.Generate(request, timeout=10)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in info.value.details()
+    assert_names_the_field(info.value, field)
 
 
 @pytest.mark.parametrize("key", ["unknown-role", "top-p-zero", "max-tokens-zero"])
@@ -93,8 +109,29 @@ def test_stream_invalid_argument_names_the_field(stub, key: str) -> None:
     request, field = INVALID[key]
     with pytest.raises(grpc.RpcError) as info:
         list(stub.StreamGenerate(to_stream(request), timeout=10))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in info.value.details()
+    assert_names_the_field(info.value, field)
+
+
+def test_tokenize_invalid_argument_names_the_field(stub) -> None:
+    request = pb.TokenizeRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="x")]))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Tokenize(request, timeout=10)
+    assert_names_the_field(info.value, "chat.messages[0].role")
+
+
+def test_each_rejected_request_leaves_one_log_line(server, stub) -> None:
+    """Code, field and request id; nothing of the prompt."""
+    rid = "bad-temperature-7"
+    request = _hi(request_id=rid, sampling=pb.SamplingParams(temperature=-3))
+    with pytest.raises(grpc.RpcError):
+        stub.Generate(request, timeout=10)
+    record = server.wait_for_record(
+        lambda r: r.get("event") == "request rejected" and r.get("request_id") == rid
+    )
+    assert record["code"] == "INVALID_ARGUMENT"
+    assert record["field"] == "sampling.temperature"
+    assert record["level"] == "info"
+    assert len([r for r in server.records() if r.get("request_id") == rid]) == 1
 
 
 def test_server_still_serves_after_bad_requests(stub) -> None:
@@ -188,6 +225,17 @@ async def test_overload_rejects_at_once_and_drops_nothing_admitted(small) -> Non
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert exc.details() == BUSY
         assert elapsed < 2.0, "a full queue is refused at once"
+        details = error_details(exc)  # come back in a second
+        assert details.reason == "QUEUE_FULL" and details.retry_delay == 1.0
+    # One log line for each refusal, naming the request.
+    refused = [
+        r
+        for r in small.records()
+        if r.get("event") == "request rejected" and (r["request_id"] or "").startswith("overload")
+    ]
+    rejected_ids = {f"overload-{i}" for i in range(8)} - {r.request_id for r in completed}
+    assert sorted(r["request_id"] for r in refused) == sorted(rejected_ids)
+    assert {(r["code"], r["level"]) for r in refused} == {("RESOURCE_EXHAUSTED", "warning")}
     for r in completed:  # nothing admitted is dropped
         assert r.finish_reason == pb.FINISH_REASON_LENGTH
         assert len(r.token_ids) == max_tokens

@@ -124,6 +124,25 @@ def test_stream_matches_unary(stub, reference) -> None:
     ['Repeat exactly: "café ☕ 日本語"', "Write the word café with three emoji"],
     ids=["cafe-coffee-japanese", "emoji"],
 )
+def test_logprob_bytes_join_into_the_text(stub, content: str) -> None:
+    """Each logprob carries its token's bytes and their text: byte-level pieces read as what
+    they stand for ("Ġthe" is " the"), and a character split over tokens is whole again once
+    their bytes are joined (each piece alone reads as U+FFFD)."""
+    r = stub.Generate(chat_request(content, max_tokens=10, logprobs=True), timeout=60)
+    joined = b"".join(lp.bytes for lp in r.logprobs)
+    assert joined.decode("utf-8") == r.text
+    assert any(lp.text != lp.token for lp in r.logprobs)  # " x" spelled "Ġx"
+    split = [lp for lp in r.logprobs if "\ufffd" in lp.text]
+    assert split, "no character split over tokens in this answer"
+    for lp in split:
+        assert lp.text == lp.bytes.decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['Repeat exactly: "café ☕ 日本語"', "Write the word café with three emoji"],
+    ids=["cafe-coffee-japanese", "emoji"],
+)
 def test_stream_never_splits_utf8(stub, reference, content: str) -> None:
     request = chat_request(content, max_tokens=10)
     unary = reference(request)
@@ -142,8 +161,10 @@ def test_stream_never_splits_utf8(stub, reference, content: str) -> None:
 def test_stop_string_is_cut_and_never_leaks(stub, reference) -> None:
     assert "Paris" in reference(france()).text
     for stop in ("Paris", "of Fr"):  # one whole token, and text across token boundaries
-        r = stub.Generate(france(stopping=pb.StoppingCriteria(stop=[stop])), timeout=60)
+        stopping = pb.StoppingCriteria(stop=["never there", stop])
+        r = stub.Generate(france(stopping=stopping), timeout=60)
         assert r.finish_reason == STOP
+        assert r.stop_string == stop  # which one matched
         assert stop not in r.text
         assert reference(france()).text.startswith(r.text)
     assert r.text == "The capital "
@@ -151,6 +172,10 @@ def test_stop_string_is_cut_and_never_leaks(stub, reference) -> None:
     text = "".join(m.text for m in streamed)
     assert text == r.text
     assert streamed[-1].finish_reason == STOP
+    assert streamed[-1].stop_string == "of Fr"
+    assert not any(m.stop_string for m in streamed[:-1])
+    # Ended by the end-of-sequence token, or by length: no stop string.
+    assert reference(france()).stop_string == ""
 
 
 def test_stop_token_ids(stub, reference) -> None:
@@ -257,6 +282,9 @@ def test_logprobs_and_top_logprobs(stub, reference) -> None:
     for token_id, lp in zip(r.token_ids, r.logprobs):
         assert lp.token_id == token_id
         assert lp.token  # the vocabulary entry
+        assert lp.text == lp.bytes.decode("utf-8")  # what it reads as
+        for top in lp.top_logprobs:
+            assert top.bytes and top.text == top.bytes.decode("utf-8", errors="replace")
         assert lp.logprob <= 0.0
         assert len(lp.top_logprobs) == 3
         tops = [t.logprob for t in lp.top_logprobs]

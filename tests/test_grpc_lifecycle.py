@@ -10,6 +10,7 @@ import grpc
 import pytest
 from conftest import chat_request, to_stream, with_id
 
+from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.model
@@ -140,7 +141,7 @@ async def test_unary_client_cancel_ends_the_sequence(server, aio_stub) -> None:
     assert server.finished_record(request_id)["finish_reason"] == "cancelled"
 
 
-def test_duplicate_running_request_id_is_refused(stub) -> None:
+def test_duplicate_running_request_id_is_refused(server, stub) -> None:
     request_id = "lifecycle-duplicate"
     stream = stub.StreamGenerate(
         to_stream(chat_request("Tell me a long story.", request_id=request_id, stopping=LONG))
@@ -151,5 +152,11 @@ def test_duplicate_running_request_id_is_refused(stub) -> None:
             stub.Generate(chat_request("Hi", request_id=request_id, max_tokens=1), timeout=10)
         assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert request_id in info.value.details()
+        assert error_details(info.value).reason == "REQUEST_ID_IN_USE"
     finally:
         stream.cancel()
+    # One log line for the refusal: its code, the field at fault and the request id.
+    record = server.wait_for_record(
+        lambda r: r.get("event") == "request rejected" and r.get("request_id") == request_id
+    )
+    assert (record["code"], record["field"]) == ("ALREADY_EXISTS", "request_id")

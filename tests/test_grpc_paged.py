@@ -10,9 +10,19 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, chat_request, running_server, to_stream, with_id
+from tests.conftest import (
+    ServerProcess,
+    chat_request,
+    free_port,
+    metric,
+    running_server,
+    scrape_metrics,
+    to_stream,
+    with_id,
+)
 
 pytestmark = pytest.mark.model
 
@@ -136,12 +146,14 @@ def test_paged_output_equals_dense_output(
 def test_tight_budget_completes_everything_without_leaks() -> None:
     # 24 blocks of 16 tokens (~18 MB of float32 K/V): room for about 3 of the 12 requests.
     budget = str(24 * 16 * 2 * 30 * 3 * 64 * 4)
+    metrics_port = free_port()
     with (
         running_server(
-            "--kv-cache-budget", budget, "--max-batch-size", "8", "--max-queue-depth", "16"
+            "--kv-cache-budget", budget, "--max-batch-size", "8", "--max-queue-depth", "16",
+            "--metrics-port", str(metrics_port),
         ) as server,
         grpc.insecure_channel(server.target) as channel,
-    ):
+    ):  # fmt: skip
         stub = pb_grpc.GenerationServiceStub(channel)
         assert _stats(stub).total_blocks == 24
         results: dict[int, pb.GenerateResponse | grpc.RpcError] = {}
@@ -173,8 +185,22 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
         assert idle.free_blocks == idle.total_blocks
         assert idle.preemptions >= 1  # the budget really was tight
 
-        # A request that can never fit the budget is refused at once.
+        # A request that can never fit the budget is refused at once, with no RetryInfo
+        # (a retry would fail again).
         with pytest.raises(grpc.RpcError) as refused:
             stub.Generate(chat_request("hi", max_tokens=400), timeout=30)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "KV cache budget" in refused.value.details()
+        details = error_details(refused.value)
+        assert details.reason == "KV_BUDGET_EXCEEDED" and details.retry_delay is None
+        assert details.metadata["capacity_tokens"] == str(24 * 16)
+
+        # The metrics saw the same: the preemptions, the refusal, the pool's size, all free.
+        samples = scrape_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+        model = {"model": "SmolLM2-135M-Instruct"}
+        assert metric(samples, "mlxserve_preemptions_total", **model) == idle.preemptions
+        assert metric(samples, "mlxserve_rejections_total", **model, reason="kv_budget") == 1
+        assert metric(samples, "mlxserve_requests_total", **model, finish_reason="length") == 12
+        assert metric(samples, "mlxserve_kv_cache_capacity_blocks", **model) == 24
+        assert metric(samples, "mlxserve_kv_cache_capacity_bytes", **model) == int(budget)
+        assert metric(samples, "mlxserve_kv_cache_usage_ratio", **model) == 0

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from client.errors import error_details
 from service.introspection import HealthServicer
 
 GENERATION_SERVICE = "mlxserve.v1.GenerationService"
@@ -143,6 +144,9 @@ def test_health_was_not_serving_while_the_model_loaded(server) -> None:
     assert set(history) == {"NOT_SERVING", "SERVING"}
     assert history.index("SERVING") == len(history) - 1  # never back to NOT_SERVING
     assert server.probe_while_loading == grpc.StatusCode.UNAVAILABLE
+    # ... with RetryInfo: come back shortly.
+    details = error_details(server.probe_error)
+    assert details.reason == "MODEL_LOADING" and details.retry_delay == 1.0
 
 
 @pytest.mark.model

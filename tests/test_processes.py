@@ -20,7 +20,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import chat_request, running_server, start_server, to_stream
+from tests.conftest import (
+    GENERATION_SERVICE,
+    chat_request,
+    free_port,
+    metric,
+    running_server,
+    scrape_metrics,
+    start_server,
+    to_stream,
+)
 
 pytestmark = [
     pytest.mark.model,
@@ -64,8 +73,11 @@ def test_only_the_engine_core_imports_mlx() -> None:
 
 def test_front_ends_share_the_port() -> None:
     """--api-workers 2: two front-end processes answer on one port (new connections spread
-    over them by the kernel), and both reach the one engine core."""
-    with running_server("--api-workers", "2", "--log-format", "json") as server:
+    over them by the kernel), and both reach the one engine core. Front end 0's /metrics
+    counts the requests of both (prometheus-client's multiprocess mode)."""
+    metrics_port = free_port()
+    flags = ("--api-workers", "2", "--log-format", "json", "--metrics-port", str(metrics_port))
+    with running_server(*flags) as server:
         served_by: set[int] = set()
         for i in range(16):
             with grpc.insecure_channel(
@@ -82,6 +94,14 @@ def test_front_ends_share_the_port() -> None:
         assert served_by == {"fe0", "fe1"}
         with_mlx = [p for p in [server.proc.pid, *children(server.proc.pid)] if maps_mlx(p)]
         assert len(with_mlx) == 1  # one engine core for both
+        samples = scrape_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+        sent = i + 1
+        model = {"model": "SmolLM2-135M-Instruct"}
+        assert metric(samples, "mlxserve_requests_total", **model, finish_reason="length") == sent
+        assert metric(samples, "mlxserve_generation_tokens_total", **model) == sent
+        rpc = {"grpc_service": GENERATION_SERVICE, "grpc_method": "Generate", "grpc_type": "unary"}
+        assert metric(samples, "grpc_server_handled_total", **rpc, grpc_code="OK") == sent
+        assert metric(samples, "mlxserve_num_requests_running", **model) == 0
 
 
 def test_a_slow_consumer_gets_several_steps_per_message_and_slows_no_one() -> None:
@@ -152,7 +172,8 @@ def test_a_dead_engine_core_ends_every_rpc_and_the_server() -> None:
                 assert status == health_pb2.HealthCheckResponse.NOT_SERVING
             except grpc.RpcError as exc:
                 # The server is going away: refused (UNAVAILABLE), or caught by its shutdown
-                # while in flight (grpc-core ends such calls CANCELLED). Never SERVING, never a hang.
+                # while in flight (grpc-core ends such calls CANCELLED).
+                # Never SERVING, never a hang.
                 assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         assert server.wait(30) == 3
     finally:

@@ -20,9 +20,8 @@ from conftest import (
     running_server,
     to_stream,
 )
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
+from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.config import ServerConfig
@@ -124,10 +123,17 @@ async def test_undecodable_requests_get_invalid_argument_and_one_log_line(
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.2)  # anything else it logged would be printed by now
         new = [json.loads(line) for line in server.lines[before:]]
-        refused = [r for r in new if r.get("event") == "undecodable request refused"]
+        refused = [r for r in new if r.get("event") == "request rejected"]
         assert len(refused) == 1, new
         assert refused[0]["rpc"] == f"/{GENERATION_SERVICE}/{rpc}"
         assert refused[0]["reason"] == error.details()
+        assert refused[0]["code"] == "INVALID_ARGUMENT"
+        # A string field that is not UTF-8 is named in a BadRequest field violation too.
+        field = reason.split(" is not valid")[0] if " is not valid" in reason else None
+        assert refused[0]["field"] == field
+        details = error_details(error)
+        assert [v.field for v in details.field_violations] == ([field] if field else [])
+        assert details.reason == "INVALID_REQUEST"
         assert not any("exception" in r or r["level"] == "error" for r in new), new
     # The server carries on: a well-formed request on the same channel is served.
     info = await aio_stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
@@ -323,10 +329,8 @@ def test_a_drain_ends_what_outlives_its_timeout_as_cancelled() -> None:
             with pytest.raises(grpc.RpcError) as info:
                 stub.Generate(chat_request("Hi", max_tokens=1), timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            status = rpc_status.from_call(info.value)
-            assert status is not None and status.details[0].Is(
-                error_details_pb2.RetryInfo.DESCRIPTOR
-            )
+            details = error_details(info.value)
+            assert details.retry_delay == 1.0 and details.reason == "DRAINING"
             rest = list(call)
             assert rest[-1].finish_reason == pb.FINISH_REASON_CANCELLED
             assert rest[-1].usage.completion_tokens == 1 + sum(len(m.token_ids) for m in rest)

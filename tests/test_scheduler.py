@@ -81,6 +81,8 @@ class FakeEngine:
         seq.num_cached = 0
 
     # Dense-like KV bookkeeping: no prefix cache, no block budget.
+    prefix_caching = False
+
     def adopt_prefix(self, seq: EngineSequence, token_ids: Seq[int]) -> int:
         return 0
 

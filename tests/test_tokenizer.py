@@ -198,3 +198,48 @@ def test_a_nonce_marker_typed_by_the_user_is_just_text() -> None:
     ids = tok.render_chat(turns)
     assert tok.decode(ids) == tok._render(turns)
     assert re.search("\ue000", tok.decode(ids))
+
+
+# -- a token's bytes (logprobs) ------------------------------------------------------------------
+
+
+@given(st.text(min_size=1, max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_byte_level_token_bytes_join_into_the_text(text: str) -> None:
+    """The bytes of a text's tokens, joined, read as the tokenizer's own decoding of them, and
+    are the text's UTF-8 whatever splits a character (where the vocabulary has every byte)."""
+    tok = embedded()
+    ids = tok.encode(text)
+    joined = b"".join(tok.token_bytes(t) for t in ids)
+    assert joined.decode("utf-8", errors="replace") == tok.decode(ids)
+    if tok.decode(ids) == text:
+        assert joined == text.encode("utf-8")
+
+
+def test_token_bytes_of_pieces_and_special_tokens() -> None:
+    tok = embedded()
+    (the,) = tok.encode(" the")
+    assert tok.id_to_token(the) == "Ġthe" and tok.token_bytes(the) == b" the"
+    im_end = tok.encode(IM_END)
+    assert len(im_end) == 1 and tok.token_bytes(im_end[0]) == IM_END.encode()
+    # "日" is split over two tokens here: their bytes join into it.
+    pieces = [tok.token_bytes(t) for t in tok.encode("日本")]
+    assert pieces[:2] == [b"\xe6\x97", b"\xa5"]
+    assert b"".join(pieces) == "日本".encode()
+
+
+def test_sentencepiece_token_bytes() -> None:
+    """A SentencePiece vocabulary: `▁` is a space, `<0xE2>` (byte fallback) is that byte."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "▁the": 1, "<0xE2>": 2, "<0x98>": 3, "<0x95>": 4, "a": 5}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    raw.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>"), [0])
+    assert tok.token_bytes(1) == b" the"
+    assert [tok.token_bytes(i) for i in (2, 3, 4)] == [b"\xe2", b"\x98", b"\x95"]
+    assert b"".join(tok.token_bytes(i) for i in (2, 3, 4)).decode() == "☕"
+    assert tok.token_bytes(5) == b"a"

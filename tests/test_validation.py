@@ -201,10 +201,10 @@ def test_prompt_cache_switch_follows_the_server() -> None:
 BAD = {
     "no-input": (pb.GenerateRequest(), "input"),
     "empty-text": (pb.GenerateRequest(text=""), "text"),
-    "empty-token-ids": (pb.GenerateRequest(token_ids=pb.TokenIdsInput()), "token_ids"),
+    "empty-token-ids": (pb.GenerateRequest(token_ids=pb.TokenIdsInput()), "token_ids.ids"),
     "token-id-outside-vocab": (
         pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[1, VOCAB])),
-        "token_ids",
+        "token_ids.ids[1]",
     ),
     "empty-chat": (pb.GenerateRequest(chat=pb.ChatInput()), "chat.messages"),
     "unknown-role": (
@@ -220,41 +220,65 @@ BAD = {
     ),
     "empty-role": (
         pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(content="a")])),
-        "role",
+        "chat.messages[0].role",
     ),
-    "temperature-negative": (_text(sampling=pb.SamplingParams(temperature=-1)), "temperature"),
-    "temperature-too-high": (_text(sampling=pb.SamplingParams(temperature=101)), "temperature"),
-    "temperature-nan": (_text(sampling=pb.SamplingParams(temperature=math.nan)), "temperature"),
-    "top-p-zero": (_text(sampling=pb.SamplingParams(top_p=0)), "top_p"),
-    "top-p-above-one": (_text(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
-    "top-k-negative": (_text(sampling=pb.SamplingParams(top_k=-1)), "top_k"),
-    "min-p-negative": (_text(sampling=pb.SamplingParams(min_p=-0.1)), "min_p"),
-    "min-p-above-one": (_text(sampling=pb.SamplingParams(min_p=1.1)), "min_p"),
+    "temperature-negative": (
+        _text(sampling=pb.SamplingParams(temperature=-1)),
+        "sampling.temperature",
+    ),
+    "temperature-too-high": (
+        _text(sampling=pb.SamplingParams(temperature=101)),
+        "sampling.temperature",
+    ),
+    "temperature-nan": (
+        _text(sampling=pb.SamplingParams(temperature=math.nan)),
+        "sampling.temperature",
+    ),
+    "top-p-zero": (_text(sampling=pb.SamplingParams(top_p=0)), "sampling.top_p"),
+    "top-p-above-one": (_text(sampling=pb.SamplingParams(top_p=1.5)), "sampling.top_p"),
+    "top-k-negative": (_text(sampling=pb.SamplingParams(top_k=-1)), "sampling.top_k"),
+    "min-p-negative": (_text(sampling=pb.SamplingParams(min_p=-0.1)), "sampling.min_p"),
+    "min-p-above-one": (_text(sampling=pb.SamplingParams(min_p=1.1)), "sampling.min_p"),
     "repetition-penalty-zero": (
         _text(sampling=pb.SamplingParams(repetition_penalty=0)),
-        "repetition_penalty",
+        "sampling.repetition_penalty",
     ),
     "repetition-penalty-too-high": (
         _text(sampling=pb.SamplingParams(repetition_penalty=11)),
-        "repetition_penalty",
+        "sampling.repetition_penalty",
     ),
-    "presence-penalty": (_text(sampling=pb.SamplingParams(presence_penalty=3)), "presence_penalty"),
+    "presence-penalty": (
+        _text(sampling=pb.SamplingParams(presence_penalty=3)),
+        "sampling.presence_penalty",
+    ),
     "frequency-penalty": (
         _text(sampling=pb.SamplingParams(frequency_penalty=-2.5)),
-        "frequency_penalty",
+        "sampling.frequency_penalty",
     ),
-    "logit-bias-key": (_text(sampling=pb.SamplingParams(logit_bias={VOCAB: 1.0})), "logit_bias"),
-    "logit-bias-value": (_text(sampling=pb.SamplingParams(logit_bias={5: 101.0})), "logit_bias"),
-    "logit-bias-nan": (_text(sampling=pb.SamplingParams(logit_bias={5: math.nan})), "logit_bias"),
+    "logit-bias-key": (
+        _text(sampling=pb.SamplingParams(logit_bias={VOCAB: 1.0})),
+        f"sampling.logit_bias[{VOCAB}]",
+    ),
+    "logit-bias-value": (
+        _text(sampling=pb.SamplingParams(logit_bias={5: 101.0})),
+        "sampling.logit_bias[5]",
+    ),
+    "logit-bias-nan": (
+        _text(sampling=pb.SamplingParams(logit_bias={5: math.nan})),
+        "sampling.logit_bias[5]",
+    ),
     "max-tokens-zero": (_text(stopping=pb.StoppingCriteria(max_tokens=0)), "stopping.max_tokens"),
-    "empty-stop-string": (_text(stopping=pb.StoppingCriteria(stop=["ok", ""])), "stopping.stop"),
+    "empty-stop-string": (
+        _text(stopping=pb.StoppingCriteria(stop=["ok", ""])),
+        "stopping.stop[1]",
+    ),
     "too-many-stop-strings": (
         _text(stopping=pb.StoppingCriteria(stop=[f"s{i}" for i in range(17)])),
         "stopping.stop",
     ),
     "stop-token-outside-vocab": (
-        _text(stopping=pb.StoppingCriteria(stop_token_ids=[VOCAB])),
-        "stopping.stop_token_ids",
+        _text(stopping=pb.StoppingCriteria(stop_token_ids=[7, VOCAB])),
+        "stopping.stop_token_ids[1]",
     ),
     "top-logprobs-without-logprobs": (_text(top_logprobs=2), "top_logprobs"),
     "top-logprobs-too-many": (_text(logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -264,10 +288,13 @@ BAD = {
 
 @pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
 def test_bad_input_names_the_field(case) -> None:
+    """The error carries the field's path (the BadRequest field violation) and its message
+    names the field."""
     message, field = case
     with pytest.raises(InvalidRequestError) as info:
         _validate(message)
-    assert field in str(info.value)
+    assert info.value.field == field
+    assert field.split("[")[0] in str(info.value)
 
 
 @pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
@@ -276,7 +303,7 @@ def test_bad_stream_input_names_the_field(case) -> None:
     stream = pb.StreamGenerateRequest.FromString(message.SerializeToString())
     with pytest.raises(InvalidRequestError) as info:
         _validate(stream)
-    assert field in str(info.value)
+    assert info.value.field == field
 
 
 @pytest.mark.parametrize("length", [64, 65, 1000])
@@ -288,6 +315,7 @@ def test_prompt_longer_than_the_slot(length: int) -> None:
     # Past the slot the ids are refused by count alone, before the vocabulary is checked.
     field = "prompt is" if length == 64 else "token_ids.ids: the prompt has"
     assert field in str(info.value) and str(length) in str(info.value)
+    assert info.value.field == "token_ids.ids"
 
 
 def test_prompt_one_short_of_the_slot_fits_one_token() -> None:
@@ -352,6 +380,7 @@ def test_oversized_input_is_refused_by_size_before_tokenizing(message, field: st
         with pytest.raises(PromptTooLongError) as info:
             refuse()
         assert str(info.value).startswith(field)
+        assert info.value.field == field.split(":")[0]
 
 
 def test_input_at_the_size_bound_is_tokenized() -> None:

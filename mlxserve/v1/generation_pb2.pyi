@@ -163,29 +163,37 @@ class Timing(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "token", "logprob")
+    __slots__ = ("token_id", "token", "logprob", "text", "bytes")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
+    text: str
+    bytes: bytes
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., bytes: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "token", "logprob", "top_logprobs")
+    __slots__ = ("token_id", "token", "logprob", "top_logprobs", "text", "bytes")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    text: str
+    bytes: bytes
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., text: _Optional[str] = ..., bytes: _Optional[bytes] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timing", "logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timing", "logprobs", "stop_string")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +201,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -200,10 +209,11 @@ class GenerateResponse(_message.Message):
     usage: Usage
     timing: Timing
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    stop_string: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class StreamGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timing", "logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timing", "logprobs", "stop_string")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +221,7 @@ class StreamGenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -218,7 +229,8 @@ class StreamGenerateResponse(_message.Message):
     usage: Usage
     timing: Timing
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    stop_string: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class CacheStatsRequest(_message.Message):
     __slots__ = ()
@@ -239,7 +251,7 @@ class SlotInfo(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[SlotState, str]] = ..., generated_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CacheStatsResponse(_message.Message):
-    __slots__ = ("storage_backend", "block_size", "total_blocks", "allocated_blocks", "active_blocks", "free_blocks", "cached_blocks", "reserved_bytes", "used_bytes", "budget_bytes", "prefix_lookups", "prefix_hits", "prefix_hit_tokens", "evictions", "active_sequences", "queued_requests", "total_completed", "preemptions", "slot_context_tokens", "max_batch_size", "slots", "total_failed")
+    __slots__ = ("storage_backend", "block_size", "total_blocks", "allocated_blocks", "active_blocks", "free_blocks", "cached_blocks", "reserved_bytes", "used_bytes", "budget_bytes", "prefix_lookups", "prefix_hits", "prefix_hit_tokens", "evictions", "active_sequences", "queued_requests", "total_completed", "preemptions", "slot_context_tokens", "max_batch_size", "slots", "total_failed", "capacity_bytes")
     STORAGE_BACKEND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +274,7 @@ class CacheStatsResponse(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FAILED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     storage_backend: str
     block_size: int
     total_blocks: int
@@ -284,7 +297,8 @@ class CacheStatsResponse(_message.Message):
     max_batch_size: int
     slots: _containers.RepeatedCompositeFieldContainer[SlotInfo]
     total_failed: int
-    def __init__(self, storage_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., allocated_blocks: _Optional[int] = ..., active_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., total_completed: _Optional[int] = ..., preemptions: _Optional[int] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., total_failed: _Optional[int] = ...) -> None: ...
+    capacity_bytes: int
+    def __init__(self, storage_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., allocated_blocks: _Optional[int] = ..., active_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., total_completed: _Optional[int] = ..., preemptions: _Optional[int] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., total_failed: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

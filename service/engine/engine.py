@@ -209,6 +209,17 @@ class Engine:
     def paged(self) -> bool:
         return isinstance(self.storage, PagedKVStorage)
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether adopt_prefix can find anything: paged storage with its prefix cache on, and
+        no recurrent state (which shared K/V blocks cannot rebuild)."""
+        storage = self.storage
+        return (
+            isinstance(storage, PagedKVStorage)
+            and storage.manager.enable_prefix_caching
+            and self.states is None
+        )
+
     def commit_tokens(self, seq: EngineSequence, token_ids: Sequence[int]) -> None:
         """Offer the sequence's computed full blocks to the prefix cache."""
         if self.states is None:

@@ -30,6 +30,7 @@ class IncrementalDetokenizer:
         self._text = ""  # all final text decoded so far (before stop truncation)
         self._emitted = 0  # characters of `_text` handed out
         self.stopped = False
+        self.matched_stop = ""  # the stop string that matched (the earliest in the text)
 
     @property
     def text(self) -> str:
@@ -72,9 +73,9 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         if self._stops:
             search_from = max(0, self._emitted - max(len(s) for s in self._stops) + 1)
-            hits = [i for s in self._stops if (i := self._text.find(s, search_from)) >= 0]
+            hits = [(i, s) for s in self._stops if (i := self._text.find(s, search_from)) >= 0]
             if hits:
-                cut = min(hits)
+                cut, self.matched_stop = min(hits, key=lambda hit: hit[0])
                 self._text = self._text[:cut]
                 self.stopped = True
                 return self._take(cut)

@@ -25,6 +25,7 @@ class Delta:
     text: str = ""
     logprobs: list[EngineLogprob] = field(default_factory=list)
     final: Final | None = None  # set on the last delta
+    stop_string: str = ""  # with `final`: the stop string that ended the request, if one did
 
 
 class RequestStream:
@@ -62,6 +63,7 @@ class RequestStream:
             final = out.final
             if self.stopped:
                 # Our abort ended it: a stop, with the tokens up to the stop string.
+                delta.stop_string = self._detok.matched_stop
                 final = Final(
                     FinishReason.STOP.value,
                     None,

@@ -19,6 +19,7 @@ _GGUF_TOKEN_TYPE_CONTROL = 3
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 EOS_FILE = "mlxserve_eos_token_ids.json"
 _WHITESPACE = re.compile(r"\s*")
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,21 @@ class Tokenizer:
         return self._hf.decode(list(token_ids), skip_special_tokens=False)
 
     def id_to_token(self, token_id: int) -> str:
+        """The token's vocabulary entry, as the tokenizer spells it (e.g. "Ġthe")."""
         return self._hf.convert_ids_to_tokens(int(token_id)) or ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for in generated text: a byte-level BPE piece through the
+        byte map, a SentencePiece byte token (`<0xE2>`) as that byte, `▁` as a space; a special
+        token is its text."""
+        piece = self.id_to_token(token_id)
+        if self._byte_decoder is not None:
+            data = self._bytes_of(token_id)
+            return data if data or not piece else piece.encode("utf-8")
+        byte = _BYTE_TOKEN.fullmatch(piece)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def render_chat(
         self, turns: Sequence[ChatTurn], *, allow_special_tokens: bool = False

@@ -258,7 +258,14 @@ class Scheduler:
             seq.admitted_at = seq.admitted_at or time.monotonic()
             self._running.append(seq)
             admitted.append(seq)
-            self._event(seq, "admitted" if first else "resumed")
+            # The prefix-cache lookup of this admission, in tokens (what the metrics count).
+            looked_up = seq.request.cache_prompt and self.engine.prefix_caching
+            self._event(
+                seq,
+                "admitted" if first else "resumed",
+                prefix_query_tokens=seq.plan.total_tokens if looked_up else 0,
+                prefix_hit_tokens=seq.plan.cached_tokens,
+            )
         return admitted
 
     def _pop_waiting(self) -> Request:

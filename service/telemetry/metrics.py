@@ -1,39 +1,69 @@
-"""Prometheus metrics on their own registry, served on --metrics-port at /metrics.
+"""Prometheus metrics on their own registry, served on --metrics-port at /metrics (front end 0).
 
-Counters and histograms are fed by the scheduler observer and the servicer's hooks; the gauges
-(queue depth, active sequences, KV blocks in use, prefix-cache hit ratio) are read from
-Runtime.cache_stats() at scrape time, so they cost nothing between scrapes.
+- Per request (`mlxserve_*`, label `model`): token counters, latency and size histograms,
+  requests by finish reason, rejections, preemptions and prefix-cache queries and hits, fed by
+  the telemetry hooks from the lifecycle events the engine core sends with each request.
+- The engine core's state (`mlxserve_num_requests_*`, `mlxserve_kv_cache_*`): gauges read from
+  a CacheStats snapshot at scrape time, so they cost nothing between scrapes.
+- Per RPC (`grpc_server_*`, go-grpc-prometheus's names and labels): started, handled by code,
+  handling seconds, messages received and sent, fed by the RpcObserver interceptor.
+- Processes: `process_*` (this front end), `mlxserve_core_process_*` (the engine core).
+
+With several front ends (--api-workers) each keeps its counters and histograms in the
+directory named by PROMETHEUS_MULTIPROC_DIR (the launcher sets it before any of them imports
+prometheus_client), and front end 0's /metrics adds them up (prometheus-client's multiprocess
+mode).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
 from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Histogram,
     disable_created_metrics,
     start_http_server,
+    values,
 )
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 log = structlog.get_logger(__name__)
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-REJECTION_REASONS = ("queue_full", "invalid_argument", "already_exists", "unavailable")
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REJECTION_REASONS = ("queue_full", "kv_budget", "invalid_argument", "already_exists", "unavailable")
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+# Queue, prefill, decode and end-to-end times: from a few ms (an idle server's queue) to
+# minutes (a long generation on a CPU).
+REQUEST_SECONDS_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+    300.0, 600.0,
+)  # fmt: skip
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+RPC_SECONDS_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 
 
 class _CacheStatsCollector(Collector):
-    """Gauges from one CacheStatsResponse, taken when Prometheus scrapes."""
+    """Gauges from one CacheStatsResponse of the engine core, taken when Prometheus scrapes."""
 
-    def __init__(self, cache_stats: Callable[[], Any]) -> None:
+    def __init__(self, cache_stats: Callable[[], Any], model: Callable[[], str]) -> None:
         self._cache_stats = cache_stats
+        self._model = model
 
     def describe(self) -> list:
         return []  # unchecked collector: no call of cache_stats() at registration
@@ -41,81 +71,208 @@ class _CacheStatsCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         try:
             s = self._cache_stats()
-        except Exception:  # the runtime is still loading, or a race with the scheduler thread
+        except Exception:  # the core is still loading, or did not answer in time
             log.debug("cache stats unavailable for /metrics", exc_info=True)
             return
-        yield GaugeMetricFamily(
-            "mlxserve_queue_depth", "Requests waiting for admission.", value=s.queued_requests
-        )
-        yield GaugeMetricFamily(
-            "mlxserve_active_sequences",
-            "Sequences holding a batch slot (prefilling or decoding).",
-            value=s.active_sequences,
-        )
+        model = self._model()
+
+        def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, documentation, labels=["model"])
+            family.add_metric([model], value)
+            return family
+
         paged = s.storage_backend == "paged"
-        yield GaugeMetricFamily(
-            "mlxserve_kv_blocks_in_use",
-            "KV cache blocks held by running sequences (paged storage; 0 for dense).",
-            value=s.active_blocks if paged else 0,
+        yield gauge(
+            "mlxserve_num_requests_running",
+            "Requests holding a batch slot (prefilling or decoding).",
+            s.active_sequences,
         )
-        yield GaugeMetricFamily(
+        yield gauge(
+            "mlxserve_num_requests_waiting",
+            "Requests queued for admission (preempted ones included).",
+            s.queued_requests,
+        )
+        if paged:
+            usage = s.active_blocks / s.total_blocks if s.total_blocks else 0.0
+        else:
+            usage = s.used_bytes / s.capacity_bytes if s.capacity_bytes else 0.0
+        yield gauge(
+            "mlxserve_kv_cache_usage_ratio",
+            "Fraction of the KV cache held by running requests (0 to 1); cached prefixes of "
+            "finished requests count as free.",
+            usage,
+        )
+        yield gauge(
+            "mlxserve_kv_cache_capacity_blocks",
+            "KV cache blocks the budget holds (paged storage; 0 for dense).",
+            s.total_blocks if paged else 0,
+        )
+        yield gauge(
+            "mlxserve_kv_cache_capacity_bytes",
+            "Bytes of K/V the cache can hold (0 when unknown).",
+            s.capacity_bytes,
+        )
+        yield gauge(
+            "mlxserve_kv_cache_used_blocks",
+            "KV cache blocks held by running requests (paged storage; 0 for dense).",
+            s.active_blocks if paged else 0,
+        )
+        yield gauge(
             "mlxserve_kv_cache_used_bytes",
-            "Bytes of KV cache holding running sequences' tokens.",
-            value=s.used_bytes,
-        )
-        yield GaugeMetricFamily(
-            "mlxserve_prefix_cache_hit_ratio",
-            "Prefix-cache hits / lookups since start (0 before any lookup).",
-            value=s.prefix_hits / s.prefix_lookups if s.prefix_lookups else 0.0,
+            "Bytes of K/V holding running requests' tokens.",
+            s.used_bytes,
         )
 
 
 class Metrics:
+    """Every metric of a front end. Observations take the served model's name as their `model`
+    label (empty until the engine core reports the model loaded)."""
+
     def __init__(self) -> None:
         disable_created_metrics()  # no `*_created` series: they only add noise to a scrape
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
+        if self.multiprocess and values.ValueClass is values.MutexValue:
+            raise RuntimeError(
+                f"{MULTIPROC_ENV} was set after prometheus_client was imported in this process"
+            )
+        self.model = ""
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.generated_tokens = Counter(
-            "mlxserve_generated_tokens", "Tokens generated and delivered.", registry=r
+        m = ["model"]
+        self.prompt_tokens = Counter(
+            "mlxserve_prompt_tokens",
+            "Prompt tokens of requests that began to generate.",
+            m,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "mlxserve_generation_tokens", "Generated tokens delivered to their RPC.", m, registry=r
         )
         self.requests = Counter(
             "mlxserve_requests",
-            "Requests that ran in the scheduler, by finish reason.",
-            ["finish_reason"],
+            "Requests that ran, by finish reason (cancelled: the client left, its deadline "
+            "passed or the server stopped it).",
+            [*m, "finish_reason"],
             registry=r,
         )
         self.rejections = Counter(
             "mlxserve_rejections",
-            "Requests refused before queueing, by reason.",
-            ["reason"],
+            "Requests refused before they ran, by reason.",
+            [*m, "reason"],
             registry=r,
         )
         self.preemptions = Counter(
-            "mlxserve_preemptions", "Running sequences evicted for a higher priority.", registry=r
+            "mlxserve_preemptions",
+            "Running requests evicted (for a higher priority or for KV blocks).",
+            m,
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "mlxserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at admission (paged storage).",
+            m,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "mlxserve_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache at admission (not prefilled again).",
+            m,
+            registry=r,
         )
         self.ttft = Histogram(
             "mlxserve_time_to_first_token_seconds",
-            "Arrival to first generated token.",
+            "Arrival in the engine to the first generated token.",
+            m,
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "mlxserve_inter_token_latency_seconds",
             "Time between consecutive tokens of a request, as delivered to its RPC.",
+            m,
             buckets=ITL_BUCKETS,
             registry=r,
         )
-        for reason in FINISH_REASONS:  # export zeros, so rate() works from the first request
-            self.requests.labels(reason)
-        for reason in REJECTION_REASONS:
-            self.rejections.labels(reason)
+
+        def seconds(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, m, buckets=REQUEST_SECONDS_BUCKETS, registry=r)
+
+        def tokens(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, m, buckets=TOKEN_COUNT_BUCKETS, registry=r)
+
+        # Of requests that finished with stop or length.
+        self.e2e = seconds(
+            "mlxserve_e2e_request_latency_seconds",
+            "The RPC's arrival to the request's last token (stop or length).",
+        )
+        self.queue_time = seconds(
+            "mlxserve_request_queue_time_seconds", "Arrival in the engine to first admission."
+        )
+        self.prefill_time = seconds(
+            "mlxserve_request_prefill_time_seconds", "First admission to the first token."
+        )
+        self.decode_time = seconds(
+            "mlxserve_request_decode_time_seconds", "First token to the last token."
+        )
+        self.request_prompt_tokens = tokens(
+            "mlxserve_request_prompt_tokens", "Prompt tokens of a finished request."
+        )
+        self.request_generation_tokens = tokens(
+            "mlxserve_request_generation_tokens", "Generated tokens of a finished request."
+        )
+        # gRPC server metrics, named as go-grpc-prometheus and py-grpc-prometheus name them.
+        self.rpc_started = Counter(
+            "grpc_server_started", "RPCs started on the server.", GRPC_LABELS, registry=r
+        )
+        self.rpc_handled = Counter(
+            "grpc_server_handled",
+            "RPCs completed on the server, by status code.",
+            [*GRPC_LABELS, "grpc_code"],
+            registry=r,
+        )
+        self.rpc_seconds = Histogram(
+            "grpc_server_handling_seconds",
+            "Time from an RPC's start to its status.",
+            GRPC_LABELS,
+            buckets=RPC_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.rpc_received = Counter(
+            "grpc_server_msg_received", "Request messages received.", GRPC_LABELS, registry=r
+        )
+        self.rpc_sent = Counter(
+            "grpc_server_msg_sent", "Response messages sent.", GRPC_LABELS, registry=r
+        )
         self._server: Any = None
 
-    def watch_runtime(self, cache_stats: Callable[[], Any]) -> None:
-        self.registry.register(_CacheStatsCollector(cache_stats))
+    def set_model(self, model: str) -> None:
+        """The served model is known: export zeros for its finish reasons and rejections, so
+        that rate() works from the first request."""
+        self.model = model
+        for reason in FINISH_REASONS:
+            self.requests.labels(model, reason)
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(model, reason)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+            metric.labels(model)
+        for metric in (self.prefix_queries, self.prefix_hits):
+            metric.labels(model)
 
-    def serve(self, host: str, port: int) -> None:
-        """Serve /metrics over HTTP from a daemon thread."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(
+        self, host: str, port: int, cache_stats: Callable[[], Any], core_pid: int | None
+    ) -> None:
+        """Serve /metrics over HTTP from a daemon thread: this process's metrics (or every
+        front end's, in multiprocess mode), the core's gauges (`cache_stats()` at each
+        scrape), and both processes' resource use."""
+        registry = self.registry
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            registry.register(collector)
+        registry.register(_CacheStatsCollector(cache_stats, lambda: self.model))
+        if core_pid:
+            ProcessCollector(namespace="mlxserve_core", pid=lambda: core_pid, registry=registry)
+        self._server, _ = start_http_server(port, addr=host, registry=registry)
 
     def shutdown(self) -> None:
         if self._server is not None:

@@ -3,10 +3,10 @@
 Tracing is on when an OTLP endpoint is configured (OTEL_EXPORTER_OTLP_ENDPOINT or
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) or OTEL_TRACES_EXPORTER names `otlp`; it is off otherwise,
 and off whenever OTEL_TRACES_EXPORTER=none or OTEL_SDK_DISABLED=true. When it is off nothing of
-the SDK is imported and no interceptor is installed: the request path pays nothing.
+the SDK is imported and no span is made: the request path pays nothing for it.
 
-When on: one SERVER span per GenerationService RPC, created by opentelemetry-instrumentation-grpc's
-grpc.aio server interceptor, which continues the caller's W3C trace context (`traceparent`,
+When on: one SERVER span per GenerationService RPC, opened by the RpcObserver interceptor
+(service.telemetry.rpc), which continues the caller's W3C trace context (`traceparent`,
 `tracestate` in the invocation metadata, through the global propagator: tracecontext + baggage
 unless OTEL_PROPAGATORS says otherwise). Spans leave through a BatchSpanProcessor and the OTLP/gRPC
 exporter; the SDK reads everything else itself (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES,
@@ -52,28 +52,6 @@ def _package_version() -> str:
         return "unknown"
 
 
-class _StripLeadingSlash:
-    """A tracer whose spans are named `package.Service/Method` (the RPC semantic convention)
-    rather than the interceptor's `/package.Service/Method`."""
-
-    def __init__(self, tracer: Any) -> None:
-        self._tracer = tracer
-
-    def start_as_current_span(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self._tracer.start_as_current_span(name.lstrip("/"), *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tracer, name)
-
-
-class _RpcNamedProvider:
-    def __init__(self, provider: Any) -> None:
-        self._provider = provider
-
-    def get_tracer(self, *args: Any, **kwargs: Any) -> Any:
-        return _StripLeadingSlash(self._provider.get_tracer(*args, **kwargs))
-
-
 class Tracing:
     """The configured SDK TracerProvider (also installed as the global one)."""
 
@@ -93,18 +71,7 @@ class Tracing:
         trace.set_tracer_provider(self.provider)
         self.service_name = str(self.provider.resource.attributes.get(SERVICE_NAME))
         self.endpoint = trace_endpoint()
-
-    def server_interceptors(self, service_name: str) -> list[Any]:
-        """The grpc.aio interceptor that opens a span per RPC of `service_name` (health checks
-        and reflection are left untraced)."""
-        from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
-
-        return [
-            aio_server_interceptor(
-                tracer_provider=_RpcNamedProvider(self.provider),
-                filter_=filters.service_name(service_name),
-            )
-        ]
+        self.tracer = self.provider.get_tracer("mlxserve", _package_version())
 
     def shutdown(self, flush_timeout_s: float = 3.0) -> None:
         """Export what is still buffered, then stop the exporter."""
@@ -124,9 +91,3 @@ def span_ids(span: Any) -> tuple[str, str] | None:
     if not ctx.is_valid:
         return None
     return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
-
-
-def set_error(span: Any, description: str) -> None:
-    from opentelemetry.trace import Status, StatusCode
-
-    span.set_status(Status(StatusCode.ERROR, description))
