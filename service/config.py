@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ class ServerConfig:
     max_batch_size: int | None = None
     max_queue_depth: int = 32
     prefill_chunk_size: int | None = None
+    max_prefill_stall_ms: float | None = None  # None: 4 median decode steps; 0: off
     prefill_grant_interval: int = 16
     max_batch_prefill: int | None = None  # None: 16 with CUDA, 4 elsewhere
     max_batch_prefill_tokens: int | None = None
@@ -94,6 +96,21 @@ class ServerConfig:
             raise ConfigError("--max-queue-depth must be >= 0")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 0:
             raise ConfigError("--prefill-chunk-size must be >= 0")
+        stall = self.max_prefill_stall_ms
+        if stall is not None and not (math.isfinite(stall) and stall >= 0):
+            raise ConfigError(
+                f"--max-prefill-stall-ms {stall} must be auto or milliseconds >= 0 (0 = off)"
+            )
+        if stall and self.prefill_chunk_size is not None:
+            raise ConfigError(
+                "--max-prefill-stall-ms sizes adaptive chunks and --prefill-chunk-size fixes "
+                "every chunk: give one of them"
+            )
+        if stall and self.deterministic:
+            raise ConfigError(
+                "--max-prefill-stall-ms makes chunk sizes depend on load, which --deterministic "
+                "forbids: give one of them"
+            )
         if self.preemption_policy not in ("longest-first", "lowest-priority"):
             raise ConfigError("--preemption-policy must be longest-first or lowest-priority")
         if self.decode_storage_backend not in ("auto", "dense", "paged"):
@@ -178,6 +195,16 @@ def _optional_int(value: str | None) -> int | None:
     return None if value in (None, "") else int(value)
 
 
+def _stall_ms(value: str | None) -> float | None:
+    """--max-prefill-stall-ms: 'auto' (or unset) is None, else milliseconds."""
+    if value is None or value.strip().lower() in ("", "auto"):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not auto or a number") from None
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     a = parser.add_argument
@@ -223,7 +250,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "-b",
         type=int,
         default=_optional_int(_env("prefill_chunk", None) or _env("prefill_chunk_size", None)),
-        help="tokens per prefill chunk (default adaptive: 2048 idle, 512 while decoding; 0 = off)",
+        help="tokens of every prefill chunk (default adaptive: 2048 while nothing decodes, "
+        "sized by --max-prefill-stall-ms while rows decode); 0 = no chunking",
+    )
+    a(
+        "--max-prefill-stall-ms",
+        type=_stall_ms,
+        default=_env("max_prefill_stall_ms", None),  # a string default goes through `type`
+        help="while rows decode, size each prefill chunk by its measured cost so that their "
+        "inter-token gap stays within this many ms (default auto: 4x the running median decode "
+        "step); 0 = token-count chunks (512 while decoding); not with --prefill-chunk-size",
     )
     a(
         "--prefill-grant-interval",

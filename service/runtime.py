@@ -207,6 +207,7 @@ class Runtime:
                     if cfg.prefill_chunk_size is not None or not cfg.deterministic
                     else DETERMINISTIC_CHUNK
                 ),
+                max_prefill_stall_ms=cfg.max_prefill_stall_ms,
                 max_batch_prefill=1
                 if cfg.no_batch or cfg.deterministic or engine_config.single_row_prefill
                 else self._batch_prefill(),

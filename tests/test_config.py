@@ -43,6 +43,10 @@ def test_defaults_leave_device_dependent_choices_to_the_runtime():
         (("--tls-cert", "/no/such.pem", "--tls-key", __file__), "--tls-cert /no/such.pem"),
         (("--auth-token-file", "/no/tokens"), "--auth-token-file /no/tokens"),
         (("--reflection-requires-auth",), "--reflection-requires-auth"),
+        (("--max-prefill-stall-ms", "-1"), "--max-prefill-stall-ms"),
+        (("--max-prefill-stall-ms", "inf"), "--max-prefill-stall-ms"),
+        (("--max-prefill-stall-ms", "200", "--prefill-chunk-size", "512"), "--prefill-chunk-size"),
+        (("--max-prefill-stall-ms", "200", "--deterministic"), "--deterministic"),
     ],
 )
 def test_bad_values_name_their_flag(argv, flag):
@@ -90,6 +94,23 @@ def test_max_request_bytes_defaults_to_grpcs_limit_and_has_its_variable(monkeypa
     assert parse().max_request_bytes == 65536
 
 
+def test_max_prefill_stall_ms_default_auto_zero_off_and_its_variable(monkeypatch):
+    assert parse().max_prefill_stall_ms is None  # 4 running median decode steps
+    assert parse("--max-prefill-stall-ms", "auto").max_prefill_stall_ms is None
+    assert parse("--max-prefill-stall-ms", "250").max_prefill_stall_ms == 250.0
+    # 0 (off) goes with a fixed chunk size; so does the default bound, which a fixed size turns off.
+    assert parse("--max-prefill-stall-ms", "0", "-b", "512").prefill_chunk_size == 512
+    assert parse("-b", "512").max_prefill_stall_ms is None
+    monkeypatch.setenv("MLXSERVE_MAX_PREFILL_STALL_MS", "1500")
+    assert parse().max_prefill_stall_ms == 1500.0
+
+
+def test_a_max_prefill_stall_ms_that_is_no_number_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse("--max-prefill-stall-ms", "soon")
+    assert "--max-prefill-stall-ms: 'soon' is not auto or a number" in capsys.readouterr().err
+
+
 def test_runtime_resolves_the_cpu_path_on_this_machine():
     runtime = Runtime(ServerConfig(load_format="dummy:tiny", parallel=2))
     runtime.load()
@@ -101,6 +122,7 @@ def test_runtime_resolves_the_cpu_path_on_this_machine():
         assert runtime.engine.decode_graph is None
         assert config.decode_path == "native batched forward"
         assert runtime.scheduler.config.max_batch_prefill == 4
+        assert runtime.scheduler.config.max_prefill_stall_ms is None  # the bound, by default
     finally:
         runtime.shutdown()
 

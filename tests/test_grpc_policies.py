@@ -1,6 +1,7 @@
 """Scheduler policies through real gRPC on the embedded SmolLM2 (SPEC §3, §5; issue 4):
-chunked prefill interleaved with decode steps, priority preemption, the per-slot context
-budget, --no-batch, and deterministic CLI == server."""
+chunked prefill interleaved with decode steps, chunks sized by the prefill stall bound
+(issue 14), priority preemption, the per-slot context budget, --no-batch, and deterministic
+CLI == server."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from conftest import REPO_ROOT, chat_request, free_port, running_server, to_stre
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.scheduler.scheduler import MIN_PREFILL_CHUNK, STALL_BOUND_STEPS
 
 pytestmark = pytest.mark.model
 
@@ -37,6 +39,7 @@ STREAM_PROMPTS = [
     "Explain how a steam engine works.",
 ]
 ENDLESS = pb.StoppingCriteria(max_tokens=1000, ignore_eos=True)
+THREE = pb.StoppingCriteria(max_tokens=3, ignore_eos=True)
 SERVICE = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--log-format", "json"]
 
 
@@ -118,6 +121,84 @@ async def test_long_prefill_is_interleaved_with_decode_steps(chunked_server) -> 
         points = [sent, *inside, first_token]
         longest = max(b - a for a, b in itertools.pairwise(points))
         assert longest < 0.5 * window, f"{request_id} stalled {longest:.1f} of {window:.1f} s"
+
+
+# -- the prefill stall bound -----------------------------------------------------------------
+
+
+async def test_the_default_stall_bound_sizes_the_chunks_while_streams_decode() -> None:
+    """2 streams decode; a ~900-token prompt arrives. With the default bound (4 running median
+    decode steps) the scheduler sizes each prefill pass so that its predicted time fits the
+    bound less a step (its debug log says what it planned and measured); the prompt completes
+    with its tokens, and the streams never wait for a token anywhere near what one 512-token
+    chunk costs here. Wall-clock assertions are loose: the CPU is shared."""
+    streams: dict[str, list[float]] = {f"dec-{i}": [] for i in range(2)}
+    flags = ["--max-batch-size", "3", "--log-format", "json", "--log-level", "debug"]
+    with running_server(*flags) as server:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = _stub(channel)
+            long_request = chat_request(PARAGRAPH * 25, request_id="long", stopping=THREE)
+            tokenized = await stub.Tokenize(pb.TokenizeRequest(chat=long_request.chat), timeout=30)
+
+            async def decode(request_id: str, prompt: str) -> None:
+                request = chat_request(prompt, request_id=request_id, stopping=ENDLESS)
+                call = stub.StreamGenerate(to_stream(request), timeout=300)
+                try:
+                    async for message in call:
+                        if message.token_ids:
+                            streams[request_id].append(time.monotonic())
+                finally:
+                    call.cancel()
+
+            tasks = [
+                asyncio.ensure_future(decode(rid, prompt))
+                for rid, prompt in zip(streams, STREAM_PROMPTS)
+            ]
+            try:
+                # A few decode steps for the running median.
+                await _wait_until(
+                    lambda: all(len(a) >= 8 for a in streams.values()), 120, "2 decoding streams"
+                )
+                sent = time.monotonic()
+                final = await stub.Generate(long_request, timeout=300)
+                done = time.monotonic()
+                assert all(not t.done() for t in tasks), "a decoding stream ended early"
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        passes = [
+            r
+            for r in server.records()
+            if r.get("event") == "prefill pass" and "long" in r.get("request_ids", ())
+        ]
+
+    prompt_tokens = len(tokenized.token_ids)
+    assert 700 <= prompt_tokens <= 1100
+    assert final.usage.prompt_tokens == prompt_tokens
+    assert len(final.token_ids) == final.usage.completion_tokens == 3
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    # The whole prompt (less a prefix adopted from the cache) went through the passes, in
+    # chunks the budget sized.
+    chunks = [r["tokens"][r["request_ids"].index("long")] for r in passes]
+    assert sum(chunks) == prompt_tokens - final.usage.cached_tokens and len(chunks) > 5
+    for record in passes:
+        assert record["budget_ms"] is not None, "a pass not sized by the stall bound"
+        # The bound is 4 decode steps; the pass gets it less a step.
+        assert record["bound_ms"] == pytest.approx(STALL_BOUND_STEPS * record["step_ms"], rel=0.01)
+        assert 0 < record["budget_ms"] < record["bound_ms"]
+        assert (
+            record["predicted_ms"] <= record["budget_ms"]
+            or record["tokens"][0] == MIN_PREFILL_CHUNK
+        ), record
+    bound_s = max(r["bound_ms"] for r in passes) / 1000
+    worst = max(
+        b - a
+        for times in streams.values()
+        for a, b in itertools.pairwise(times)
+        if b > sent and a < done
+    )
+    assert worst < max(2.0, 8 * bound_s), f"a stream waited {worst:.2f} s (bound {bound_s:.2f} s)"
 
 
 # -- per-slot context, deterministic CLI == server -------------------------------------------

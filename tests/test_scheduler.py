@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -48,15 +49,38 @@ class Forward:
 
 
 @dataclass
+class FakeClock:
+    """Seconds that pass only when the fake engine runs a forward."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# Seconds of one forward from its rows: (tokens fed, or None for a decode row; tokens cached).
+ForwardCost = Callable[[list[tuple[int | None, int]]], float]
+
+
+def flat_cost(rows: list[tuple[int | None, int]]) -> float:
+    """The default: 10 ms a forward plus 10 us a prompt token, whatever the context."""
+    return 0.010 + 1e-5 * sum(n or 0 for n, _ in rows)
+
+
+@dataclass
 class FakeEngine:
-    """The Engine's interface, deterministic: the next token is (last input + 1) % VOCAB."""
+    """The Engine's interface, deterministic: the next token is (last input + 1) % VOCAB.
+    Each forward advances `clock` by `cost` of its rows (nothing by default)."""
 
     config: EngineConfig = field(default_factory=EngineConfig)
+    clock: FakeClock = field(default_factory=FakeClock)
+    cost: ForwardCost | None = None
     forwards: list[Forward] = field(default_factory=list)
     added: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     # Live engine sequences by object (two may share a request id: a reused one).
     live_seqs: dict[int, str] = field(default_factory=dict)
+    _seconds: dict[int, float] = field(default_factory=dict)  # of each unread forward
 
     @property
     def live(self) -> set[str]:
@@ -108,6 +132,10 @@ class FakeEngine:
         self.forwards.append(
             Forward([(r.seq.seq_id, None if r.tokens is None else list(r.tokens)) for r in rows])
         )
+        seconds = 0.0
+        if self.cost is not None:
+            shapes = [(None if r.tokens is None else len(r.tokens), r.seq.num_cached) for r in rows]
+            seconds = self.cost(shapes)
         sampled, tokens = [], []
         for i, r in enumerate(rows):
             assert id(r.seq) in self.live_seqs, f"{r.seq.seq_id} runs after its release"
@@ -119,9 +147,13 @@ class FakeEngine:
                 r.seq.next_input = token
                 sampled.append(i)
                 tokens.append(token)
-        return PendingStep(rows, sampled, tokens if sampled else None, None, None, None)
+        pending = PendingStep(rows, sampled, tokens if sampled else None, None, None, None)
+        self._seconds[id(pending)] = seconds
+        return pending
 
     def finish_rows(self, pending: PendingStep) -> list[RowResult]:
+        # The forward's time has passed once its tokens are read (as on a device).
+        self.clock.now += self._seconds.pop(id(pending), 0.0)
         if pending.tokens is None:
             return []
         return [
@@ -139,13 +171,18 @@ class FakeEngine:
 class Harness:
     """A scheduler on a fake engine, plus what each request received through its sink."""
 
-    def __init__(self, **config) -> None:
-        self.engine = FakeEngine()
+    def __init__(self, cost: ForwardCost | None = flat_cost, **config) -> None:
+        self.engine = FakeEngine(cost=cost)
         self.sched = Scheduler(
-            self.engine, SchedulerConfig(**config), eos_token_ids=frozenset({EOS})
+            self.engine,
+            SchedulerConfig(**config),
+            eos_token_ids=frozenset({EOS}),
+            clock=self.engine.clock,
         )
         self.received: dict[str, list[list[StepOutput]]] = {}
         self.seqs: dict[str, Request] = {}
+        # Per request, the engine clock's time of each delivery that carried tokens.
+        self.token_times: dict[str, list[float]] = {}
 
     def prefill_chunks(self, request_id: str) -> list[int]:
         """Token counts of the prefill rows the engine ran for request_id, in order."""
@@ -161,7 +198,8 @@ class Harness:
     ) -> Request:
         request = GenerationRequest(request_id, tuple(prompt), max_tokens=max_tokens, **kw)
         calls = self.received.setdefault(request_id, [])
-        seq = Request(request, ListSink(calls))
+        times = self.token_times.setdefault(request_id, [])
+        seq = Request(request, ListSink(calls, times, self.engine.clock))
         self.sched.submit(seq)
         self.seqs[request_id] = seq
         return seq
@@ -202,14 +240,25 @@ class Harness:
 
 
 class ListSink:
-    """A request's own sink: each tick's outputs appended as one call."""
+    """A request's own sink: each tick's outputs appended as one call (and, given a clock, the
+    time of each call that carried tokens)."""
 
-    def __init__(self, calls: list[list[StepOutput]]) -> None:
+    def __init__(
+        self,
+        calls: list[list[StepOutput]],
+        token_times: list[float] | None = None,
+        clock: FakeClock | None = None,
+    ) -> None:
         self.batch_key = id(self)
         self._calls = calls
+        self._token_times = token_times
+        self._clock = clock
 
     def deliver(self, outputs: list[StepOutput]) -> None:
         self._calls.append(outputs)
+        tokens = any(out.token_ids for out in outputs)
+        if tokens and self._token_times is not None and self._clock is not None:
+            self._token_times.append(self._clock.now)
 
 
 # -- admission ----------------------------------------------------------------------------
@@ -469,12 +518,22 @@ def test_each_decode_tick_runs_exactly_one_forward() -> None:
 
 
 def test_chunk_size_choice() -> None:
-    h = Harness()
+    h = Harness(max_prefill_stall_ms=0)
     assert h.sched.chunk_size() == ADAPTIVE_CHUNK_IDLE == 2048
     h.submit("a", max_tokens=50)
     h.tick()
     assert h.seqs["a"].status is SequenceStatus.DECODING
     assert h.sched.chunk_size() == ADAPTIVE_CHUNK_BUSY == 512
+    # With the stall bound (the default) 512 until a decode step is measured, then 2048 is
+    # only the cap: the budget sizes the chunk.
+    bounded = Harness()
+    bounded.submit("a", max_tokens=50)
+    bounded.tick()
+    assert bounded.sched.chunk_size() == ADAPTIVE_CHUNK_BUSY
+    bounded.tick()
+    bounded.tick()
+    assert bounded.sched.prefill_budget() is not None
+    assert bounded.sched.chunk_size() == ADAPTIVE_CHUNK_IDLE
     assert Harness(prefill_chunk_size=100).sched.chunk_size() == 100
     assert Harness(prefill_chunk_size=0).sched.chunk_size() is None  # whole prompt
 
@@ -487,8 +546,8 @@ def test_prefill_chunks_2048_when_idle() -> None:
     assert h.tokens("long") == [2, 3]
 
 
-def test_prefill_chunks_512_while_decoding() -> None:
-    h = Harness(max_batch_size=2)
+def test_prefill_chunks_512_while_decoding_with_the_stall_bound_off() -> None:
+    h = Harness(max_batch_size=2, max_prefill_stall_ms=0)
     h.submit("decoding", max_tokens=100)
     h.tick()
     h.submit("long", prompt=[1] * 1500, max_tokens=2)

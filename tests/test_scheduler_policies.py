@@ -1,19 +1,24 @@
 """Scheduler policies (SPEC §3, issue 4) on the fake engine of test_scheduler, tick by tick:
-adaptive / fixed / disabled chunking, decode steps between the chunks of a long prompt, the
-prefill grant interval, batched prefill and its token cap, priority order, and preemption
-(victim choice per policy; the victim keeps its tokens and is re-prefilled)."""
+adaptive / fixed / disabled chunking, chunks sized by the prefill stall bound on a fake clock
+(issue 14), decode steps between the chunks of a long prompt, the prefill grant interval,
+batched prefill and its token cap, priority order, and preemption (victim choice per policy;
+the victim keeps its tokens and is re-prefilled)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 from test_scheduler import Forward, Harness, ListSink
 
+from service.engine.config import EngineConfig
 from service.scheduler.request import (
     FinishReason,
     GenerationRequest,
     Request,
     SequenceStatus,
 )
+from service.scheduler.scheduler import MIN_PREFILL_CHUNK, PrefillPass
 
 
 def tick(h: Harness) -> list[Forward]:
@@ -50,9 +55,9 @@ def start_decoding(h: Harness, *request_ids: str, max_tokens: int = 200) -> None
 
 
 def test_adaptive_chunk_2048_idle_512_while_a_batch_decodes_aligned_from_zero() -> None:
-    """The chunk size is chosen each tick: 2048 while nothing decodes, 512 while a row decodes;
-    boundaries stay at multiples of the current size counted from position 0."""
-    h = Harness(max_batch_size=4)
+    """With the stall bound off, the chunk size is chosen each tick: 2048 while nothing decodes,
+    512 while a row decodes; boundaries stay at multiples of the current size from position 0."""
+    h = Harness(max_batch_size=4, max_prefill_stall_ms=0)
     h.submit("long", prompt=[1] * 5000, max_tokens=1)
     h.submit("short", prompt=[7, 8, 9], max_tokens=3)
     h.tick()  # nothing decodes yet: long [0, 2048) and short's whole prompt, batched
@@ -68,7 +73,7 @@ def test_adaptive_chunk_2048_idle_512_while_a_batch_decodes_aligned_from_zero() 
 
 
 def test_adaptive_chunk_is_512_for_a_prompt_arriving_while_streams_decode() -> None:
-    h = Harness(max_batch_size=3)
+    h = Harness(max_batch_size=3, max_prefill_stall_ms=0)
     start_decoding(h, "d0", "d1")
     h.submit("long", prompt=[1] * 2000, max_tokens=1)
     for _ in range(4):
@@ -95,6 +100,189 @@ def test_chunk_size_zero_prefills_the_whole_prompt_even_while_decoding() -> None
     assert h.prefill_chunks("long") == [5000]
     assert len(prefill_forwards(forwards)) == 1
     assert h.seqs["long"].status is SequenceStatus.DECODING
+
+
+# -- chunks sized by the prefill stall bound (--max-prefill-stall-ms) -------------------------
+
+DECODE_S = 0.075
+
+
+def cpu_like(rows: list[tuple[int | None, int]]) -> float:
+    """Seconds of a forward shaped like this CPU's: a decode step 75 ms; a prefill forward 70 ms
+    plus, per row of n tokens after c cached, 15 us per cached position and per token 3.5 ms
+    plus 4.5 us per position it attends to (a chunk gets slower as the context grows)."""
+    if all(n is None for n, _ in rows):
+        return DECODE_S
+    return 0.070 + sum(
+        15e-6 * c + n * (3.5e-3 + 4.5e-6 * (c + n / 2)) for n, c in rows if n is not None
+    )
+
+
+STREAMS = ("s0", "s1", "s2", "s3")
+
+
+def admit_long_while_streams_decode(
+    h: Harness, prompt_tokens: int, *longs: str
+) -> tuple[float, float]:
+    """4 streams decode; then the prompts arrive and are prefilled to their first token. Returns
+    the clock when they arrived and when the last of them got its first token."""
+    start_decoding(h, *STREAMS, max_tokens=100_000)
+    for _ in range(3):
+        h.tick()  # a few decode steps: the running median step time is known
+    for long in longs or ("long",):
+        h.submit(long, prompt=[5] * prompt_tokens, max_tokens=1)
+    sent = h.engine.clock.now
+    for _ in range(5000):
+        h.tick()
+        if all(h.tokens(long) for long in longs or ("long",)):
+            return sent, h.engine.clock.now
+    raise AssertionError("the prompt did not finish its prefill")
+
+
+def worst_stream_gap(h: Harness, sent: float, first: float) -> float:
+    """The longest wait of a stream for its next token between the two instants."""
+    gaps = []
+    for stream in STREAMS:
+        times = h.token_times[stream]
+        gaps += [b - a for a, b in itertools.pairwise(times) if b > sent and a < first]
+    return max(gaps)
+
+
+def long_passes(h: Harness, request_id: str = "long") -> list[PrefillPass]:
+    return [p for p in h.sched.costs.passes if request_id in p.request_ids]
+
+
+def test_a_growing_context_gets_smaller_chunks_within_the_stall_bound() -> None:
+    """The default bound is 4 median decode steps; each chunk of a 3000-token prompt is sized
+    so that its predicted time fits the bound less a step. The context grows, so the chunks
+    shrink; the prompt completes; no stream waits much longer than the bound."""
+    h = Harness(cost=cpu_like, max_batch_size=5)
+    sent, first = admit_long_while_streams_decode(h, 3000)
+    chunks = h.prefill_chunks("long")
+    assert sum(chunks) == 3000 and h.tokens("long") == [6]
+    bound = h.sched.stall_bound()
+    assert bound == pytest.approx(4 * DECODE_S)  # steps measured without the prefill passes
+    passes = long_passes(h)  # the most recent ones the scheduler keeps
+    assert [p.rows[0][0] for p in passes] == chunks[-len(passes) :]
+    for p in passes:
+        assert p.budget_s == pytest.approx(bound - DECODE_S)
+        assert p.predicted_s is not None
+        assert p.predicted_s <= p.budget_s or p.rows[0][0] == MIN_PREFILL_CHUNK
+    # Small probes first (no forward this large measured yet), then the budget decides.
+    body = chunks[4:-1]
+    quarter = len(body) // 4
+    assert sum(body[:quarter]) > 2 * sum(body[-quarter:])
+    assert body[-1] < body[0] < 512
+    assert worst_stream_gap(h, sent, first) <= 1.2 * bound
+    # Without the bound (512-token chunks) the same prompt stalls the streams several times as
+    # long per token.
+    off = Harness(cost=cpu_like, max_batch_size=5, max_prefill_stall_ms=0)
+    sent, first = admit_long_while_streams_decode(off, 3000)
+    assert off.prefill_chunks("long") == [512] * 5 + [440]
+    assert worst_stream_gap(off, sent, first) > 5 * bound
+
+
+def test_an_explicit_stall_bound_in_ms_sizes_the_chunks() -> None:
+    h = Harness(cost=cpu_like, max_batch_size=5, max_prefill_stall_ms=1000)
+    sent, first = admit_long_while_streams_decode(h, 3000)
+    assert h.sched.stall_bound() == 1.0
+    assert all(p.budget_s == pytest.approx(1.0 - DECODE_S) for p in long_passes(h))
+    assert worst_stream_gap(h, sent, first) <= 1.2
+    default = Harness(cost=cpu_like, max_batch_size=5)
+    admit_long_while_streams_decode(default, 3000)
+    assert len(h.prefill_chunks("long")) < len(default.prefill_chunks("long")) / 3
+
+
+def test_the_default_bound_follows_the_measured_decode_step() -> None:
+    slow = Harness(cost=lambda rows: 0.2 if rows[0][0] is None else 0.01, max_batch_size=2)
+    start_decoding(slow, "s0")
+    for _ in range(3):
+        slow.tick()
+    assert slow.sched.stall_bound() == pytest.approx(0.8)
+
+
+def test_the_default_bound_follows_the_decode_steps_as_they_slow_down() -> None:
+    """The streams' steps slow down while a long prompt prefills (their contexts grow, other
+    load arrives): the running median, and with it the bound and each pass's budget, follows."""
+    steps = iter(itertools.chain([0.1] * 40, itertools.repeat(0.2)))
+
+    def cost(rows: list[tuple[int | None, int]]) -> float:
+        return next(steps) if rows[0][0] is None else cpu_like(rows)
+
+    h = Harness(cost=cost, max_batch_size=5)
+    admit_long_while_streams_decode(h, 3000)
+    passes = long_passes(h)
+    assert passes[0].budget_s == pytest.approx(0.3)  # 4 x 100 ms, less a step
+    assert passes[-1].budget_s == pytest.approx(0.6)
+    assert h.sched.stall_bound() == pytest.approx(0.8)
+
+
+def test_with_nothing_decoding_the_chunk_is_not_limited_by_the_bound() -> None:
+    h = Harness(cost=cpu_like, max_prefill_stall_ms=50)
+    h.submit("long", prompt=[1] * 5000, max_tokens=1)
+    h.run()
+    assert h.prefill_chunks("long") == [2048, 2048, 904]  # each far over 50 ms
+    assert all(p.budget_s is None and p.predicted_s is None for p in long_passes(h))
+
+
+def test_a_prompt_still_completes_when_not_even_the_minimum_chunk_fits() -> None:
+    """Every prefill forward takes a second against a 40 ms bound: minimum chunks, one a tick,
+    until the prompt is done; the stream keeps getting a token every tick."""
+    h = Harness(cost=lambda rows: 0.01 if rows[0][0] is None else 1.0, max_batch_size=2)
+    start_decoding(h, "s0", max_tokens=1000)
+    h.tick()
+    h.tick()
+    before = len(h.tokens("s0"))
+    h.submit("long", prompt=[5] * 21, max_tokens=1)
+    ticks = 0
+    while not h.tokens("long"):
+        h.tick()
+        ticks += 1
+    assert h.prefill_chunks("long") == [MIN_PREFILL_CHUNK] * 10 + [1]
+    assert h.tokens("long") == [6]
+    assert len(h.tokens("s0")) - before == ticks
+    h.cancel("s0")
+    h.run()
+
+
+def test_prompts_prefilled_together_share_the_pass_budget() -> None:
+    h = Harness(cost=cpu_like, max_batch_size=6)
+    admit_long_while_streams_decode(h, 1500, "a", "b")
+    assert sum(h.prefill_chunks("a")) == sum(h.prefill_chunks("b")) == 1500
+    assert h.tokens("a") == h.tokens("b") == [6]
+    passes = [p for p in h.sched.costs.passes if p.budget_s]
+    assert any(len(p.rows) == 2 for p in passes)  # batched while both fit the budget
+    for p in passes:
+        # A second row joins only within the budget; the first gets at least the minimum.
+        assert p.predicted_s <= p.budget_s or p.rows == [(MIN_PREFILL_CHUNK, p.rows[0][1])]
+
+
+def test_on_the_per_row_path_the_rows_of_a_pass_share_its_budget_as_separate_forwards() -> None:
+    h = Harness(cost=cpu_like, max_batch_size=3)
+    h.engine.config = EngineConfig(batched=False)  # each row its own forward
+    start_decoding(h, "s0", max_tokens=100_000)
+    for _ in range(3):
+        h.tick()
+    for long in ("a", "b"):
+        h.submit(long, prompt=[5] * 600, max_tokens=1)
+    shared = 0
+    while not (h.tokens("a") and h.tokens("b")):
+        before = len(h.sched.costs.passes)
+        h.tick()
+        new = list(h.sched.costs.passes)[before:]
+        assert len(new) <= 2 and all(len(p.rows) == 1 for p in new)
+        if len(new) == 2:
+            shared += 1
+            assert new[0].predicted_s + new[1].predicted_s <= new[0].budget_s
+    assert shared > 0
+    assert sum(h.prefill_chunks("a")) == sum(h.prefill_chunks("b")) == 600
+
+
+def test_a_fixed_chunk_size_is_not_resized_by_the_stall_bound() -> None:
+    h = Harness(cost=cpu_like, max_batch_size=5, prefill_chunk_size=256)
+    admit_long_while_streams_decode(h, 1000)
+    assert h.prefill_chunks("long") == [256, 256, 256, 232]
+    assert h.sched.stall_bound() is None
 
 
 # -- decode steps between the chunks of a long prompt ----------------------------------------

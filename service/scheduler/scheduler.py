@@ -19,8 +19,9 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import structlog
@@ -33,6 +34,7 @@ from service.engine.engine import (
     RowResult,
     StepRow,
 )
+from service.scheduler.prefill_cost import PrefillCostModel, RowShape, RunningMedian
 from service.scheduler.prefill_plan import PrefillPlan
 from service.scheduler.prompt_lookup import NgramIndex
 from service.scheduler.request import (
@@ -48,7 +50,13 @@ from service.scheduler.request import (
 log = structlog.get_logger(__name__)
 
 ADAPTIVE_CHUNK_IDLE = 2048  # while nothing decodes: keeps a lone stream's TTFT low
-ADAPTIVE_CHUNK_BUSY = 512  # while a decode batch runs: bounds the stall of running streams
+ADAPTIVE_CHUNK_BUSY = 512  # while a decode batch runs, with the stall bound off (0)
+# --max-prefill-stall-ms by default: this many median decode steps.
+STALL_BOUND_STEPS = 4
+# A stall-bounded chunk is never smaller (unless the prompt's rest is): the prefill always
+# progresses. Two, not one: a one-token row would run as a decode-shaped step, which on the CPU
+# path drops the decode batch's contiguous K/V copy.
+MIN_PREFILL_CHUNK = 2
 
 
 class QueueFullError(RuntimeError):
@@ -61,6 +69,9 @@ class SchedulerConfig:
     max_queue_depth: int = 32
     slot_context: int = 8192
     prefill_chunk_size: int | None = None  # None = adaptive; 0 = no chunking
+    # While rows decode, adaptive chunks are sized so that a decoding stream's inter-token gap
+    # stays within this; None = STALL_BOUND_STEPS median decode steps; 0 = off (token counts).
+    max_prefill_stall_ms: float | None = None
     max_batch_prefill: int = 4
     max_batch_prefill_tokens: int | None = None  # None = derived; 0 = no cap
     prefill_grant_interval: int = 16  # ticks a parked prefill yields before a guaranteed turn
@@ -95,6 +106,41 @@ class SchedulerStats:
 UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
+@dataclass
+class PrefillPass:
+    """One prefill forward, as the stall bound planned and measured it."""
+
+    request_ids: list[str]
+    rows: list[RowShape]  # (new tokens, tokens already cached) per row
+    seconds: float  # measured
+    predicted_s: float | None = None  # None when the pass was not sized by the stall budget
+    budget_s: float | None = None
+
+
+@dataclass
+class PrefillCosts:
+    """The stall bound's bookkeeping: what prefill forwards and decode steps cost here."""
+
+    model: PrefillCostModel = field(default_factory=PrefillCostModel)
+    decode_step: RunningMedian = field(default_factory=RunningMedian)  # read to read, less passes
+    passes: deque[PrefillPass] = field(default_factory=lambda: deque(maxlen=256))
+    last_decode_read: float | None = None  # when the last decode step's tokens were read
+    prefill_since_read: float = 0.0  # prefill seconds since then
+
+    def decode_read(self, now: float) -> None:
+        """A decode step's tokens were read: the time since the last read, less the prefill
+        passes run in between, is one decode step as the streams see it. The median follows
+        the steps as they slow down (longer contexts, other load on the machine)."""
+        if self.last_decode_read is not None:
+            self.decode_step.add(max(0.0, now - self.last_decode_read - self.prefill_since_read))
+        self.last_decode_read = now
+        self.prefill_since_read = 0.0
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
 class _Cancel:
     """Cancel this sequence object, not "whatever now has its request_id": a client may reuse
     the id of a cancelled request before the scheduler has ended it."""
@@ -115,11 +161,14 @@ class Scheduler:
         on_health: Callable[[bool], None] | None = None,
         on_tick: Callable[[Scheduler], None] | None = None,
         fatal_errors: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """on_health: told (on the scheduler thread) when the engine turns unhealthy or
         healthy again; on_tick: called after each tick's outputs are delivered (and before
         the loop blocks when idle), on the scheduler thread: where stats are published."""
         self.engine = engine
+        self._clock = clock  # times forwards for the stall bound (a fake one in tests)
+        self.costs = PrefillCosts()
         self._on_health = on_health
         self.healthy = True
         self._failed_steps = 0  # consecutive engine steps in which every row failed
@@ -313,12 +362,39 @@ class Scheduler:
         return needed <= free and self.engine.reserve(engine_seq, num_tokens)
 
     def chunk_size(self) -> int | None:
-        """Tokens per prefill chunk now; None means the whole remainder at once."""
+        """Tokens per prefill chunk now (at most, while the stall bound sizes the chunks);
+        None means the whole remainder at once."""
         fixed = self.config.prefill_chunk_size
         if fixed is not None:
             return fixed or None
         decoding = any(s.status is SequenceStatus.DECODING for s in self._running)
-        return ADAPTIVE_CHUNK_BUSY if decoding else ADAPTIVE_CHUNK_IDLE
+        if not decoding or self.prefill_budget() is not None:
+            return ADAPTIVE_CHUNK_IDLE
+        return ADAPTIVE_CHUNK_BUSY
+
+    def stall_bound(self) -> float | None:
+        """Seconds a decoding stream may wait for its next token while prompts prefill; None
+        when chunks are sized by token count: a fixed --prefill-chunk-size,
+        --max-prefill-stall-ms 0, or no decode step measured yet for the default bound."""
+        ms = self.config.max_prefill_stall_ms
+        if self.config.prefill_chunk_size is not None or ms == 0:
+            return None
+        if ms is not None:
+            return ms / 1000
+        step = self.costs.decode_step.value
+        return None if step is None else STALL_BOUND_STEPS * step
+
+    def prefill_budget(self) -> float | None:
+        """Seconds this tick's prefill pass may take; None = not limited by the stall bound:
+        it is off, nothing decodes, or no decode step has been measured yet (the first tick
+        of a server's first decode batch: token-count chunks, as with the bound off). A stream
+        waits a decode step plus the pass, so the pass gets the bound less a decode step."""
+        if not any(s.status is SequenceStatus.DECODING for s in self._running):
+            return None
+        bound, step = self.stall_bound(), self.costs.decode_step.value
+        if bound is None or step is None:
+            return None
+        return max(0.0, bound - step)
 
     def _prefill_order(self, prefilling: list[Request]) -> list[Request]:
         """Priority order (FIFO within a priority), except that a request parked for
@@ -333,29 +409,46 @@ class Scheduler:
     def _prefill(self, prefilling: list[Request]) -> None:
         """One prefill pass: the next chunk of up to --max-batch-prefill sequences."""
         chunk = self.chunk_size()
+        budget = self.prefill_budget()
         cap = self.config.max_batch_prefill_tokens
         if cap is None:
             cap = 2 * self.config.max_batch_prefill * min(chunk or 512, 512)
         rows: list[StepRow] = []
         chosen: list[Request] = []
+        planned: list[RowShape] = []
         total = 0
         for seq in self._prefill_order(prefilling):
             if len(rows) >= max(1, self.config.max_batch_prefill):
                 break
             start, end = seq.plan.next_chunk(seq.num_computed, chunk)
+            if budget is not None:
+                # The most tokens whose predicted time, with the rows already in the pass,
+                # stays within the budget; the first row always gets a minimum chunk. On the
+                # per-row path each row is a forward of its own.
+                if self.engine.batched:
+                    fit = self.costs.model.max_tokens(planned, start, budget, end - start)
+                else:
+                    left = budget - sum(self.costs.model.predict([row]) for row in planned)
+                    fit = self.costs.model.max_tokens([], start, left, end - start)
+                if fit < min(MIN_PREFILL_CHUNK, end - start):
+                    if rows:
+                        continue  # parked this tick: the pass's time budget is spent
+                    fit = MIN_PREFILL_CHUNK
+                end = min(end, start + fit)
             if rows and cap and total + (end - start) > cap:
                 continue  # parked this tick: the batch's token budget is spent
             tokens = seq.all_token_ids[start:end]
             done = end >= seq.plan.total_tokens
             rows.append(StepRow(seq.engine_seq, tokens, sample=done))
             chosen.append(seq)
+            planned.append((len(tokens), start))
             total += len(tokens)
         for seq in prefilling:
             seq.parked_ticks = 0 if seq in chosen else seq.parked_ticks + 1
         if not rows:
             return
         self._touched = chosen
-        results = self._prefill_rows(rows)
+        results = self._prefill_rows(rows, budget)
         self._record_results(results)
         by_seq = {id(r.seq): r for r in results}
         for seq, row in zip(chosen, rows):
@@ -373,14 +466,43 @@ class Scheduler:
                 seq.status = SequenceStatus.DECODING
                 self._accept(seq, by_seq[id(seq.engine_seq)])
 
-    def _prefill_rows(self, rows: list[StepRow]) -> list[RowResult]:
-        if self.engine.batched or len(rows) == 1:
-            return self.engine.prefill(rows)
-        return [res for row in rows for res in self.engine.prefill([row])]
+    def _prefill_rows(self, rows: list[StepRow], budget: float | None) -> list[RowResult]:
+        """Run the pass (one forward, or one per row on the per-row path), timing each forward
+        for the cost model."""
+        forwards = [rows] if self.engine.batched or len(rows) == 1 else [[r] for r in rows]
+        bound = self.stall_bound() if budget is not None else None
+        results: list[RowResult] = []
+        for group in forwards:
+            shape = [(len(r.tokens or ()), r.seq.num_cached) for r in group]
+            predicted = self.costs.model.predict(shape) if budget is not None else None
+            started = self._clock()
+            out = self.engine.prefill(group)
+            seconds = self._clock() - started
+            results += out
+            self.costs.prefill_since_read += seconds
+            if any(r.error is not None for r in out):
+                continue  # a failed or retried forward says nothing about the cost
+            self.costs.model.observe(shape, seconds)
+            record = PrefillPass([r.seq.seq_id for r in group], shape, seconds, predicted, budget)
+            self.costs.passes.append(record)
+            log.debug(
+                "prefill pass",
+                request_ids=record.request_ids,
+                tokens=[n for n, _ in shape],
+                context=[c for _, c in shape],
+                ms=round(seconds * 1000, 1),
+                predicted_ms=_ms(predicted),
+                budget_ms=_ms(budget),
+                bound_ms=_ms(bound),
+                step_ms=_ms(self.costs.decode_step.value),
+            )
+        return results
 
     def _decode_step(self) -> None:
         self._reserve_decode_blocks()
         rows = [s for s in self._running if s.status is SequenceStatus.DECODING]
+        if not rows and self._inflight is None:
+            self.costs.last_decode_read = None  # the next read starts a new run of steps
         spec = self.config.speculation
         if spec is not None and 0 < len(rows) <= spec.max_batch:
             # Drafts depend on the last token: the lookahead pipeline pauses for small batches.
@@ -436,6 +558,7 @@ class Scheduler:
         results = self.engine.verify(
             [DraftRow(s.engine_seq, s.output_token_ids[-1], d) for s, d in zip(rows, drafts)]
         )
+        self.costs.decode_read(self._clock())  # a verify round is one step as the streams see it
         self._record_results([r for v in results for r in v.results])
         by_engine_seq = {id(s.engine_seq): s for s in rows}
         for verified in results:
@@ -481,6 +604,7 @@ class Scheduler:
             by_engine_seq[id(r.seq)] for r in pending.rows if id(r.seq) in by_engine_seq
         ]
         results = self.engine.finish_rows(pending)
+        self.costs.decode_read(self._clock())
         self._record_results(results)
         if then_dispatch is not None:
             self.engine.dispatch(then_dispatch)
