@@ -40,18 +40,17 @@ def queued_ids(server: ServerProcess) -> set[str]:
 
 
 def unavailable_rejections(metrics_port: int) -> float:
-    """mlxserve_rejections_total{reason="unavailable"} of one replica: calls it refused because
-    it was loading or draining."""
+    """mlxserve_rejections_total{reason="unavailable"} of one replica, over its model labels:
+    calls it refused because it was loading or draining."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if (
-                sample.name == "mlxserve_rejections_total"
-                and sample.labels.get("reason") == "unavailable"
-            ):
-                return sample.value
-    return 0.0
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "mlxserve_rejections_total"
+        and sample.labels.get("reason") == "unavailable"
+    )
 
 
 def call_all(client: GenerationClient, prefix: str) -> list[str]:
