@@ -2,7 +2,7 @@
 MLX's active and cached memory and the paged pool's reserved bytes, to tell the pool arrays,
 MLX's buffer cache and freed-but-kept heap memory apart (issue 14 item 4).
 
-    PYTHONPATH=. python bench/memory_soak.py [--requests 316] [--concurrency 8] [--trim]
+    env $(python -m service.blas --env) python bench/memory_soak.py [--requests 316] [--trim]
 
 --trim calls glibc's malloc_trim(0) before each reading: what it removes from RSS was freed
 memory the C library's heap still held.
@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlxserve.v1 import generation_pb2 as pb
 from service.config import ServerConfig
 from service.runtime import Runtime
-from service.scheduler.request import Sequence, StepOutput
+from service.scheduler.request import Request, StepOutput
 from service.validation import generation_request
 
 
@@ -30,6 +30,18 @@ def rss_mb() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
+
+
+class Sink:
+    """Puts the request's index on `done` when it finishes."""
+
+    def __init__(self, index: int, done: queue.SimpleQueue[int]) -> None:
+        self.batch_key = index
+        self.index, self.done = index, done
+
+    def deliver(self, outputs: list[StepOutput]) -> None:
+        if any(out.finished for out in outputs):
+            self.done.put(self.index)
 
 
 def main() -> None:
@@ -49,17 +61,13 @@ def main() -> None:
         message.chat.messages.add(role="user", content=f"Fact {i}?")
         request = generation_request(
             message,
-            runtime.tokenizer,
+            runtime.loaded.tokenizer,
             slot_context=runtime.slot_context,
             default_max_tokens=args.max_tokens,
             prompt_cache_enabled=True,
         )
 
-        def sink(outputs: list[StepOutput]) -> None:
-            if any(out.finished for out in outputs):
-                done.put(i)
-
-        runtime.scheduler.submit(Sequence(request, sink))
+        runtime.scheduler.submit(Request(request, Sink(i, done)))
 
     def report(n: int) -> None:
         if args.trim:

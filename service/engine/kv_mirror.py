@@ -1,8 +1,9 @@
 """A contiguous copy of the decoding rows' K/V that decode attention reads in place (CPU).
 
-A gathering decode step copies every row's K/V out of the paged pool for every layer: at B=8
-and ~140 positions that took 44–50 ms a step on the CPU against 20–22 ms for attention over
-views of one contiguous array (`bench/kv_mirror_micro.py`). The mirror keeps, per layer, one
+A gathering decode step copies every row's K/V out of the paged pool for every layer, which on
+the CPU costs about as much as the attention itself; attention over views of one contiguous
+array avoids it (`bench/cpu_mirror.py` measures the two through the scheduler). The mirror
+keeps, per layer, one
 `[B, kv_heads, capacity, head_dim]` array for the batch's rows, right-aligned like mlx-lm's
 batched cache: row i's positions end at the same column for every row, so a decode step
 appends all rows' new K/V with one slice update (in place) and attention reads

@@ -1,0 +1,67 @@
+"""Drive the engine core's runtime (scheduler + engine, no gRPC, no front end) from a script:
+what the in-process benchmarks share."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable, Sequence
+
+from service.engine.params import SamplingParams
+from service.runtime import Runtime
+from service.scheduler.request import GenerationRequest, Request, StepOutput
+
+
+class Collect:
+    """An output sink that counts tokens and notes when each request finished."""
+
+    def __init__(self, expected: int) -> None:
+        self.batch_key: Hashable = object()  # one deliver() per tick for all of them
+        self.tokens = 0
+        self.finals: dict[str, str] = {}
+        self._expected = expected
+        self._done = threading.Event()
+        self.first_token_at: dict[str, float] = {}
+
+    def deliver(self, outputs: list[StepOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            if out.token_ids:
+                self.tokens += len(out.token_ids)
+                self.first_token_at.setdefault(out.rid, now)
+            if out.final is not None:
+                self.finals[out.rid] = out.final.reason
+                if len(self.finals) == self._expected:
+                    self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+
+def run_batch(
+    runtime: Runtime,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    tag: str,
+    timeout: float = 600,
+) -> tuple[float, Collect]:
+    """Submit every prompt at once (greedy, EOS ignored, no prefix cache); return the wall
+    seconds until the last one finished, and the sink."""
+    sink = Collect(len(prompts))
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        request = GenerationRequest(
+            f"{tag}-{i}",
+            tuple(prompt),
+            SamplingParams(),
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            cache_prompt=False,
+        )
+        runtime.scheduler.submit(Request(request, sink))
+    if not sink.wait(timeout):
+        raise TimeoutError(f"{tag}: {len(sink.finals)} of {len(prompts)} requests finished")
+    bad = {rid: reason for rid, reason in sink.finals.items() if reason != "length"}
+    if bad:
+        raise RuntimeError(f"{tag}: requests did not run to max_tokens: {bad}")
+    return time.perf_counter() - started, sink
