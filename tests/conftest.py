@@ -379,6 +379,9 @@ def scrape_metrics(url: str) -> MetricSamples:
     }
 
 
+EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"  # the `model` label of its metrics
+
+
 def metric(samples: MetricSamples, name: str, **labels: str) -> float:
     """One sample's value (0 when absent)."""
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -17,12 +17,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import ServerProcess, chat_request, running_server, to_stream
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess, chat_request, running_server, to_stream
 
 pytestmark = pytest.mark.model
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import chat_request, to_stream, with_id
 
 from mlxserve.v1 import generation_pb2 as pb
+from tests.conftest import chat_request, to_stream, with_id
 
 pytestmark = pytest.mark.model
 

@@ -8,10 +8,10 @@ import time
 
 import grpc
 import pytest
-from conftest import chat_request, to_stream, with_id
 
 from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
+from tests.conftest import chat_request, to_stream, with_id
 
 pytestmark = pytest.mark.model
 

@@ -14,6 +14,7 @@ from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import (
+    EMBEDDED_MODEL_ID,
     ServerProcess,
     chat_request,
     free_port,
@@ -197,7 +198,7 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
 
         # The metrics saw the same: the preemptions, the refusal, the pool's size, all free.
         samples = scrape_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
-        model = {"model": "SmolLM2-135M-Instruct"}
+        model = {"model": EMBEDDED_MODEL_ID}
         assert metric(samples, "mlxserve_preemptions_total", **model) == idle.preemptions
         assert metric(samples, "mlxserve_rejections_total", **model, reason="kv_budget") == 1
         assert metric(samples, "mlxserve_requests_total", **model, finish_reason="length") == 12

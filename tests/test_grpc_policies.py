@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import REPO_ROOT, chat_request, free_port, running_server, to_stream, with_id
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.scheduler.scheduler import MIN_PREFILL_CHUNK, STALL_BOUND_STEPS
+from tests.conftest import REPO_ROOT, chat_request, free_port, running_server, to_stream, with_id
 
 pytestmark = pytest.mark.model
 

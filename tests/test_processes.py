@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import (
+    EMBEDDED_MODEL_ID,
     GENERATION_SERVICE,
     chat_request,
     free_port,
@@ -96,7 +97,7 @@ def test_front_ends_share_the_port() -> None:
         assert len(with_mlx) == 1  # one engine core for both
         samples = scrape_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
         sent = i + 1
-        model = {"model": "SmolLM2-135M-Instruct"}
+        model = {"model": EMBEDDED_MODEL_ID}
         assert metric(samples, "mlxserve_requests_total", **model, finish_reason="length") == sent
         assert metric(samples, "mlxserve_generation_tokens_total", **model) == sent
         rpc = {"grpc_service": GENERATION_SERVICE, "grpc_method": "Generate", "grpc_type": "unary"}

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import (
+
+from client.errors import error_details
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.config import ServerConfig
+from tests.conftest import (
     GENERATION_SERVICE,
     chat_request,
     in_process_server,
     running_server,
     to_stream,
 )
-
-from client.errors import error_details
-from mlxserve.v1 import generation_pb2 as pb
-from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service.config import ServerConfig
 
 pytestmark = pytest.mark.model
 

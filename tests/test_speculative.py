@@ -17,7 +17,15 @@ from service.engine.engine import DraftRow
 from service.engine.params import SamplingParams
 from service.engine.sampler import RowSamplerState, verify_draft
 from service.scheduler.prompt_lookup import NgramIndex
-from tests.conftest import chat_request, running_server, to_stream
+from tests.conftest import (
+    EMBEDDED_MODEL_ID,
+    chat_request,
+    free_port,
+    metric,
+    running_server,
+    scrape_metrics,
+    to_stream,
+)
 from tests.tiny import PROMPTS, make_engine, paged, prompt, tiny_llama
 
 # -- drafting ------------------------------------------------------------------------------------
@@ -134,7 +142,8 @@ def test_greedy_output_is_unchanged_by_speculation(stub) -> None:
         chat_request("Repeat: one two three, one two three, one two three", max_tokens=30),
     ]
     want = [stub.Generate(r, timeout=120) for r in requests]
-    flags = ("--draft-kind", "prompt-lookup", "--log-format", "json")
+    metrics = f"http://127.0.0.1:{(port := free_port())}/metrics"
+    flags = ("--draft-kind", "prompt-lookup", "--log-format", "json", "--metrics-port", str(port))
     with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
         spec = pb_grpc.GenerationServiceStub(channel)
         info = spec.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
@@ -145,8 +154,17 @@ def test_greedy_output_is_unchanged_by_speculation(stub) -> None:
         assert alone.usage.accepted_tokens > 0
         assert alone.usage.drafted_tokens >= alone.usage.accepted_tokens
         futures = [spec.Generate.future(r, timeout=120) for r in requests]
-        for future, w in zip(futures, want):
-            assert list(future.result().token_ids) == list(w.token_ids)
+        replies = [future.result() for future in futures]
+        for reply, w in zip(replies, want):
+            assert list(reply.token_ids) == list(w.token_ids)
+        # Prometheus counts what the requests' usage reports.
+        samples = scrape_metrics(metrics)
+        for name, field in (("draft", "drafted_tokens"), ("accepted", "accepted_tokens")):
+            total = getattr(alone.usage, field) + sum(getattr(r.usage, field) for r in replies)
+            counted = metric(
+                samples, f"mlxserve_spec_decode_{name}_tokens_total", model=EMBEDDED_MODEL_ID
+            )
+            assert counted == total, name
         stats = spec.CacheStats(pb.CacheStatsRequest(), timeout=10)
         assert stats.active_sequences == 0 and stats.active_blocks == 0
 

@@ -20,7 +20,15 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import (
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from client import GenerationClient
+from client.cli import main as cli_main
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.conftest import (
+    EMBEDDED_MODEL_ID,
     ServerProcess,
     chat_request,
     free_port,
@@ -29,13 +37,6 @@ from conftest import (
     start_server,
     to_stream,
 )
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.trace.v1 import trace_pb2
-
-from client import GenerationClient
-from client.cli import main as cli_main
-from mlxserve.v1 import generation_pb2 as pb
-from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.model
 
@@ -44,7 +45,7 @@ SERVICE = "mlxserve.v1.GenerationService"
 SECRET_PROMPT = "Name one colour. zebra-quartz-7731"
 FAULT_MARKER = "tel-fault"  # requests whose id contains it fail in the engine (test hook)
 LIFECYCLE = ("queued", "admitted", "prefill_chunk", "first_token", "finished")
-MODEL = "SmolLM2-135M-Instruct"  # the embedded model's id: the `model` label
+MODEL = EMBEDDED_MODEL_ID
 
 
 # -- the OTLP receiver ---------------------------------------------------------------------------

@@ -166,6 +166,18 @@ class Metrics:
             m,
             registry=r,
         )
+        self.draft_tokens = Counter(
+            "mlxserve_spec_decode_draft_tokens",
+            "Prompt-lookup tokens proposed for verification (--draft-kind prompt-lookup).",
+            m,
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "mlxserve_spec_decode_accepted_tokens",
+            "Proposed tokens the model accepted; over draft tokens, the acceptance rate.",
+            m,
+            registry=r,
+        )
         self.prefix_queries = Counter(
             "mlxserve_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache at admission (paged storage).",
@@ -252,7 +264,13 @@ class Metrics:
             self.requests.labels(model, reason)
         for reason in REJECTION_REASONS:
             self.rejections.labels(model, reason)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.preemptions,
+            self.draft_tokens,
+            self.accepted_tokens,
+        ):
             metric.labels(model)
         for metric in (self.prefix_queries, self.prefix_hits):
             metric.labels(model)

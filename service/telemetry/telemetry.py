@@ -237,6 +237,9 @@ class Telemetry:
                 "gen_ai.response.finish_reasons": [final.reason],
                 "mlxserve.preemptions": int(event.get("preemptions", 0)),
             }
+            if final.drafted_tokens:
+                attributes["mlxserve.spec_decode.draft_tokens"] = final.drafted_tokens
+                attributes["mlxserve.spec_decode.accepted_tokens"] = final.accepted_tokens
             if final.cached_tokens:
                 attributes["gen_ai.usage.cache_read.input_tokens"] = final.cached_tokens
             if state.streaming and final.completion_tokens:
@@ -246,6 +249,9 @@ class Telemetry:
         if m is None:
             return
         m.requests.labels(model, final.reason).inc()
+        if final.drafted_tokens:  # drafts were verified however the request ended
+            m.draft_tokens.labels(model).inc(final.drafted_tokens)
+            m.accepted_tokens.labels(model).inc(final.accepted_tokens)
         if final.reason not in COMPLETED:
             return
         m.e2e.labels(model).observe(time.monotonic() - state.received_at)
