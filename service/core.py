@@ -184,7 +184,7 @@ class CoreServer:
             tokenizer_dir=str(tokenizer_dir),
             eos_token_ids=sorted(rt.eos_token_ids),
             slot_context=rt.slot_context,
-            capacity_tokens=rt.engine.capacity_tokens(),
+            capacity_tokens=rt.capacity_tokens,
             pid=os.getpid(),
         )
 

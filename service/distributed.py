@@ -5,12 +5,14 @@ K/V heads and MLP columns split N ways; embedding and LM head replicated, so eve
 the same logits and samples the same tokens: no logits are gathered to one rank). Each rank
 keeps its own paged pool of its K/V heads.
 
-Rank 0 runs the scheduler and talks to the front ends (service.core). Its engine is a
-`ReplicatedEngine`: every call that changes engine state (sequences added, blocks reserved,
-adopted, committed, released, a step submitted, dispatched, read) is sent to the other ranks, in
-order, before it runs on rank 0; the followers (`follow`) replay the same calls on their own
-engines, so their block tables, step graphs and collectives match rank 0's exactly. Commands go
-over ZeroMQ (one socket per follower); the model's own collectives synchronize the forwards.
+Rank 0 runs the scheduler, and with it the one KV cache manager: it alone decides block ids.
+Its engine is a `ReplicatedEngine`: every call that changes engine state (sequences added,
+released, a step submitted, dispatched, read) is sent to the other ranks, in order, before it
+runs on rank 0, with the step's block tables and block update (growth, copies); the followers
+(`follow`) replay the same calls on their own engines, so every rank's pool of its K/V heads
+holds each sequence in the same blocks and the step graphs and collectives match rank 0's.
+Commands go over ZeroMQ (one socket per follower); the model's own collectives synchronize the
+forwards.
 
 Under tensor parallel an engine failure is fatal (the ranks could no longer be kept in step):
 the core exits and the front ends end every open request with UNAVAILABLE.
@@ -23,13 +25,19 @@ import random
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
 import zmq
 
 from service.engine.params import SamplingParams
+from service.kv.block_pool import BlockUpdate
+
+if TYPE_CHECKING:  # MLX is imported only once the launcher has set the group's environment
+    from service.engine.config import EngineConfig
+    from service.engine.engine import Engine
+    from service.engine.storage import KVStorage
 
 log = structlog.get_logger(__name__)
 
@@ -47,23 +55,15 @@ class Add(msgspec.Struct, tag=True):
     prompt: list[int]
     want_logprobs: bool
     top_logprobs: int
-    cache_prefix: bool
+    num_cached: int  # positions adopted from the prefix cache
     resume: bool  # re-admitted after a preemption: keeps its sampler state
 
 
-class Adopt(msgspec.Struct, tag=True):
-    seq_id: str
-    tokens: list[int]
+class Update(msgspec.Struct):
+    """A BlockUpdate (service.kv.block_pool) on the wire."""
 
-
-class Reserve(msgspec.Struct, tag=True):
-    seq_id: str
-    num_new_tokens: int
-
-
-class Commit(msgspec.Struct, tag=True):
-    seq_id: str
-    tokens: list[int]
+    capacity: int
+    copies: list[tuple[int, int]]
 
 
 class Release(msgspec.Struct, tag=True):
@@ -73,8 +73,10 @@ class Release(msgspec.Struct, tag=True):
 
 class Submit(msgspec.Struct, tag=True):
     step: int
-    rows: list[tuple[str, list[int] | None, bool]]  # (seq_id, tokens or None, sample)
+    # (seq_id, tokens or None, sample, block table)
+    rows: list[tuple[str, list[int] | None, bool, list[int]]]
     dispatch: bool
+    update: Update | None
 
 
 class Dispatch(msgspec.Struct, tag=True):
@@ -86,16 +88,28 @@ class Finish(msgspec.Struct, tag=True):
 
 
 class Verify(msgspec.Struct, tag=True):
-    rows: list[tuple[str, int, list[int]]]  # (seq_id, last token, drafted tokens)
+    # (seq_id, last token, drafted tokens, block table)
+    rows: list[tuple[str, int, list[int], list[int]]]
+    update: Update | None
 
 
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Command = Add | Adopt | Reserve | Commit | Release | Submit | Dispatch | Finish | Verify | Stop
+Command = Add | Release | Submit | Dispatch | Finish | Verify | Stop
 _decoder = msgspec.msgpack.Decoder(Command)
 _encoder = msgspec.msgpack.Encoder()
+
+
+def _wire(update: BlockUpdate | None) -> Update | None:
+    return None if update is None else Update(update.capacity, list(update.copies))
+
+
+def _unwire(update: Update | None) -> BlockUpdate | None:
+    if update is None:
+        return None
+    return BlockUpdate(update.capacity, tuple((src, dst) for src, dst in update.copies))
 
 
 def follower_address(run_dir: Path, rank: int) -> str:
@@ -143,7 +157,7 @@ class ReplicatedEngine:
     """Rank 0's engine: the local Engine, with every state-changing call sent to the
     followers first (service.engine.engine.Engine's interface, as the scheduler uses it)."""
 
-    def __init__(self, engine: Any, run_dir: Path, size: int) -> None:
+    def __init__(self, engine: Engine, run_dir: Path, size: int) -> None:
         self._engine = engine
         self._context = zmq.Context()
         self._sockets = []
@@ -155,9 +169,22 @@ class ReplicatedEngine:
         self._steps: dict[int, int] = {}  # id(PendingStep) -> step number
         self._step = 0
 
-    def __getattr__(self, name: str) -> Any:
-        # Read-only attributes and queries (config, storage, cache, free_blocks, ...).
-        return getattr(self._engine, name)
+    # What the scheduler and the runtime read (the same on every rank).
+    @property
+    def config(self) -> EngineConfig:
+        return self._engine.config
+
+    @property
+    def storage(self) -> KVStorage:
+        return self._engine.storage
+
+    @property
+    def batched(self) -> bool:
+        return self._engine.batched
+
+    @property
+    def decode_path(self) -> str:
+        return self._engine.decode_path
 
     def _send(self, command: Any) -> None:
         data = _encoder.encode(command)
@@ -173,7 +200,7 @@ class ReplicatedEngine:
         want_logprobs: bool = False,
         top_logprobs: int = 0,
         sampler: Any = None,
-        cache_prefix: bool = True,
+        num_cached: int = 0,
     ) -> Any:
         if sampler is None and not params.greedy and params.seed is None:
             # Every rank must draw the same tokens: give the row one seed for all of them.
@@ -185,7 +212,7 @@ class ReplicatedEngine:
                 list(prompt_token_ids),
                 want_logprobs,
                 top_logprobs,
-                cache_prefix,
+                num_cached,
                 sampler is not None,
             )
         )
@@ -196,38 +223,34 @@ class ReplicatedEngine:
             want_logprobs=want_logprobs,
             top_logprobs=top_logprobs,
             sampler=sampler,
-            cache_prefix=cache_prefix,
+            num_cached=num_cached,
         )
-
-    def adopt_prefix(self, seq: Any, token_ids: Sequence[int]) -> int:
-        self._send(Adopt(seq.seq_id, list(token_ids)))
-        return self._engine.adopt_prefix(seq, token_ids)
-
-    def reserve(self, seq: Any, num_new_tokens: int) -> bool:
-        self._send(Reserve(seq.seq_id, num_new_tokens))
-        return self._engine.reserve(seq, num_new_tokens)
-
-    def commit_tokens(self, seq: Any, token_ids: Sequence[int]) -> None:
-        self._send(Commit(seq.seq_id, list(token_ids)))
-        self._engine.commit_tokens(seq, token_ids)
 
     def release(self, seq: Any, final: bool = True) -> None:
         self._send(Release(seq.seq_id, final))
         self._engine.release(seq, final)
 
-    def submit(self, rows: list[Any], dispatch: bool = True) -> Any:
+    def submit(
+        self, rows: list[Any], dispatch: bool = True, update: BlockUpdate | None = None
+    ) -> Any:
         self._step += 1
         self._send(
             Submit(
                 self._step,
                 [
-                    (r.seq.seq_id, None if r.tokens is None else list(r.tokens), r.sample)
+                    (
+                        r.seq.seq_id,
+                        None if r.tokens is None else list(r.tokens),
+                        r.sample,
+                        list(r.block_ids),
+                    )
                     for r in rows
                 ],
                 dispatch,
+                _wire(update),
             )
         )
-        pending = self._engine.submit(rows, dispatch)
+        pending = self._engine.submit(rows, dispatch, update)
         self._steps[id(pending)] = self._step
         return pending
 
@@ -239,15 +262,20 @@ class ReplicatedEngine:
         self._send(Finish(self._steps.pop(id(pending))))
         return self._engine.finish_rows(pending)  # a failure raises (engine without containment)
 
-    def verify(self, rows: list[Any]) -> list[Any]:
-        self._send(Verify([(r.seq.seq_id, r.last_token, list(r.draft)) for r in rows]))
-        return self._engine.verify(rows)
+    def verify(self, rows: list[Any], update: BlockUpdate | None = None) -> list[Any]:
+        self._send(
+            Verify(
+                [(r.seq.seq_id, r.last_token, list(r.draft), list(r.block_ids)) for r in rows],
+                _wire(update),
+            )
+        )
+        return self._engine.verify(rows, update)
 
-    def prefill(self, rows: list[Any]) -> list[Any]:
-        return self.finish_rows(self.submit(rows))
+    def prefill(self, rows: list[Any], update: BlockUpdate | None = None) -> list[Any]:
+        return self.finish_rows(self.submit(rows, update=update))
 
-    def step(self, rows: list[Any]) -> list[Any]:
-        return self.finish_rows(self.submit(rows))
+    def step(self, rows: list[Any], update: BlockUpdate | None = None) -> list[Any]:
+        return self.finish_rows(self.submit(rows, update=update))
 
     def close(self) -> None:
         self._send(Stop())
@@ -287,28 +315,33 @@ def follow(engine: Any, run_dir: Path, rank: int) -> None:
                     want_logprobs=command.want_logprobs,
                     top_logprobs=command.top_logprobs,
                     sampler=samplers.get(command.seq_id) if command.resume else None,
-                    cache_prefix=command.cache_prefix,
+                    num_cached=command.num_cached,
                 )
                 seqs[command.seq_id] = seq
                 samplers[command.seq_id] = seq.sampler
-            elif isinstance(command, Adopt):
-                engine.adopt_prefix(seqs[command.seq_id], command.tokens)
-            elif isinstance(command, Reserve):
-                engine.reserve(seqs[command.seq_id], command.num_new_tokens)
-            elif isinstance(command, Commit):
-                engine.commit_tokens(seqs[command.seq_id], command.tokens)
             elif isinstance(command, Release):
                 engine.release(seqs[command.seq_id], command.final)
                 if command.final:
                     del seqs[command.seq_id]
                     samplers.pop(command.seq_id, None)
             elif isinstance(command, Submit):
-                rows = [StepRow(seqs[s], tokens, sample) for s, tokens, sample in command.rows]
-                pending[command.step] = engine.submit(rows, command.dispatch)
+                rows = [
+                    StepRow(seqs[s], tokens, sample, blocks)
+                    for s, tokens, sample, blocks in command.rows
+                ]
+                pending[command.step] = engine.submit(
+                    rows, command.dispatch, _unwire(command.update)
+                )
             elif isinstance(command, Dispatch):
                 engine.dispatch(pending[command.step])
             elif isinstance(command, Verify):
-                engine.verify([DraftRow(seqs[s], last, draft) for s, last, draft in command.rows])
+                engine.verify(
+                    [
+                        DraftRow(seqs[s], last, draft, blocks)
+                        for s, last, draft, blocks in command.rows
+                    ],
+                    _unwire(command.update),
+                )
             elif isinstance(command, Finish):
                 for result in engine.finish_rows(pending.pop(command.step)):
                     if result.error is not None:

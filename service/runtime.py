@@ -1,4 +1,5 @@
-"""The engine core's contents, wired once: model, KV storage, engine, scheduler.
+"""The engine core's contents, wired once: model, engine config, KV storage and manager, engine,
+scheduler.
 
 Lives in the engine-core process (service.core), or in-process for `python -m service
 generate`. Other threads read only what the scheduler thread publishes: the model's
@@ -26,15 +27,14 @@ from service.distributed import (
     init_group,
 )
 from service.engine import paged_attention
-from service.engine.config import resolve
+from service.engine.config import EngineConfig, resolve
 from service.engine.engine import Engine, EngineSequence, FaultInjector, StepRow
-from service.engine.kv_dense import DenseKVStorage
-from service.engine.kv_native import NativeCacheStorage
-from service.engine.kv_paged import PagedKVStorage
 from service.engine.sampler import SamplingParams
+from service.engine.storage import PoolShape, bytes_per_block, make_storage
+from service.kv.block_pool import KVCacheManager, KVManager, UnpagedKV
 from service.kv.budget import parse_budget
 from service.models import activations, rope
-from service.models.families import Family, family
+from service.models.families import family
 from service.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
 from service.scheduler.request import SequenceStatus
@@ -93,6 +93,10 @@ class Runtime:
         self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.engine: Engine | ReplicatedEngine | None = None
+        # The scheduler's KV manager; the same object typed as the paged pool's, or None.
+        self.kv: KVManager = UnpagedKV()
+        self.block_manager: KVCacheManager | None = None
+        self.bytes_per_block = 0
 
     # -- start-up --------------------------------------------------------------------
     def start(self) -> None:
@@ -165,12 +169,13 @@ class Runtime:
                 f" from {cfg.batch_size} to 1",
                 reason=layout.native_reason,
             )
-        storage = self._make_storage(lm, layout, fam)
-        paged = isinstance(storage, PagedKVStorage)
+        backend = cfg.decode_storage_backend
+        if backend == "auto":
+            backend = "paged" if fam.verified else "dense"
         engine_config = resolve(
             fam,
             layout,
-            paged=paged,
+            paged=backend == "paged",
             batched=not cfg.no_batch and fam.verified,
             head_dim_supported=paged_attention.kernel_supports(layout.head_dim),
             float32=lm.dtype == mx.float32,
@@ -178,6 +183,17 @@ class Runtime:
             compilable=not rope.reads_offsets_on_host(lm.model),
         )
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
+        pool = self._pool_shape(lm, layout) if engine_config.paged else None
+        storage = make_storage(engine_config, lm.model, layout, pool)
+        if pool is not None:
+            self.block_manager = KVCacheManager(
+                pool.num_blocks,
+                pool.block_size,
+                # A recurrent state cannot be rebuilt from shared K/V blocks.
+                enable_prefix_caching=not cfg.no_prompt_cache and not layout.stateful,
+                capacity=min(pool.num_blocks, pool.initial_blocks),
+            )
+            self.kv = self.block_manager
         self.engine = Engine(
             lm.model,
             storage,
@@ -216,15 +232,16 @@ class Runtime:
                 enable_preemption=cfg.enable_preemption,
                 preemption_policy=cfg.preemption_policy,
                 kv_admission_watermark=cfg.kv_admission_watermark,
-                speculation=self._speculation(layout, isinstance(storage, PagedKVStorage)),
+                speculation=self._speculation(layout, engine_config.paged),
             ),
             eos_token_ids=self.eos_token_ids,
+            kv=self.kv,
             on_health=self._engine_health,
             on_tick=self._publish_stats,
             # Tensor parallel: the other ranks cannot follow a step rank 0 gave up on.
             fatal_errors=self.group is not None,
         )
-        warm_up_seconds = self._warm_up()
+        warm_up_seconds = self._warm_up(engine_config)
         self._log_decode_path(lm, fam.verified)
         log.info(
             "model loaded",
@@ -321,21 +338,34 @@ class Runtime:
                 reason="family not verified against mlx-lm's batched output",
             )
 
-    def _warm_up(self) -> float:
+    @property
+    def capacity_tokens(self) -> int | None:
+        """The most tokens one sequence could ever hold (the paged pool); None: no budget."""
+        manager = self.block_manager
+        return manager.capacity_tokens if manager is not None else None
+
+    def _warm_up(self, config: EngineConfig) -> float:
         """With shape buckets or direct decode attention (CUDA), run the first prefill buckets
         (16 … 128 tokens) and a decode step on a throwaway sequence before serving: the
         attention plans and the decode kernel are compiled on first use (~0.6 s per bucket on a
         GPU), which the first requests would otherwise wait for."""
-        engine = self.engine
-        if not (engine.config.shape_buckets or engine.config.decode_attention == "direct"):
+        engine, kv = self.engine, self.kv
+        assert engine is not None
+        if not (config.shape_buckets or config.decode_attention == "direct"):
             return 0.0
         started = time.monotonic()
         for width in (16, 32, 64, 128):
-            seq = engine.add_sequence("warm-up", SamplingParams(), [0], cache_prefix=False)
+            blocks = kv.new_sequence(cache_prefix=False)
+            seq = engine.add_sequence("warm-up", SamplingParams(), [0])
             try:
-                engine.prefill([StepRow(seq, [0] * width)])
-                engine.step([StepRow(seq)])
+                if not kv.ensure_slots(blocks, width + 1):
+                    break  # a pool too small to warm up in: the first requests pay instead
+                engine.prefill(
+                    [StepRow(seq, [0] * width, True, blocks.block_ids)], kv.take_update()
+                )
+                engine.step([StepRow(seq, block_ids=blocks.block_ids)], kv.take_update())
             finally:
+                kv.free_sequence(blocks)
                 engine.release(seq)
         return round(time.monotonic() - started, 2)
 
@@ -346,29 +376,17 @@ class Runtime:
             return self.config.max_batch_prefill
         return 16 if mx.cuda.is_available() else 4
 
-    def _make_storage(
-        self, lm: LoadedModel, layout: CacheLayout, fam: Family
-    ) -> DenseKVStorage | PagedKVStorage | NativeCacheStorage:
-        """`auto` is paged for families verified against mlx-lm, dense for the rest; a model
-        whose caches the views cannot serve keeps mlx-lm's own."""
+    def _pool_shape(self, lm: LoadedModel, layout: CacheLayout) -> PoolShape:
+        """The paged pool's size: --kv-cache-budget, capped at what the slots could ever use
+        twice over (the rest is prefix cache); the arrays themselves grow only as blocks are
+        used."""
         cfg = self.config
-        if layout.native:
-            return NativeCacheStorage(lm.model)
-        backend = cfg.decode_storage_backend
-        if backend == "auto":
-            backend = "paged" if fam.verified else "dense"
-        kv_layers = max(1, layout.num_attention)
-        if backend == "dense":
-            return DenseKVStorage(kv_layers, layout.kv_heads, layout.head_dim, layout.kv_dtype)
-        bytes_per_block = PAGED_BLOCK_SIZE * 2 * kv_layers * layout.kv_heads * layout.head_dim
-        bytes_per_block *= layout.kv_dtype.size
+        per_block = bytes_per_block(layout, PAGED_BLOCK_SIZE)
         weights = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
         budget = parse_budget(cfg.kv_cache_budget, weights)
-        # Unlimited (or huge auto) budgets are capped at what the slots could ever use twice
-        # over (the rest is prefix cache); the arrays themselves grow only as blocks are used.
         slot_blocks = -(-self.slot_context // PAGED_BLOCK_SIZE)
         most = 2 * cfg.batch_size * slot_blocks
-        blocks = most if budget is None else min(most, budget // bytes_per_block)
+        blocks = most if budget is None else min(most, budget // per_block)
         if self.group is not None:
             # Every rank's pool must be the same size: rank 0's (it decides from its memory).
             blocks = agree(blocks, self.group)
@@ -378,21 +396,13 @@ class Runtime:
         log.info(
             "KV cache budget",
             budget=cfg.kv_cache_budget,
-            budget_bytes=blocks * bytes_per_block,
+            budget_bytes=blocks * per_block,
             blocks=blocks,
             block_size=PAGED_BLOCK_SIZE,
             tokens=blocks * PAGED_BLOCK_SIZE,
         )
-        return PagedKVStorage(
-            kv_layers,
-            layout.kv_heads,
-            layout.head_dim,
-            layout.kv_dtype,
-            num_blocks=blocks,
-            block_size=PAGED_BLOCK_SIZE,
-            # A recurrent state cannot be rebuilt from shared K/V blocks.
-            enable_prefix_caching=not cfg.no_prompt_cache and not layout.stateful,
-        )
+        self.bytes_per_block = per_block
+        return PoolShape(blocks, PAGED_BLOCK_SIZE)
 
     def cache_stats(self) -> pb.CacheStatsResponse:
         """The latest CacheStats snapshot (published by the scheduler thread; safe anywhere)."""
@@ -411,12 +421,14 @@ class Runtime:
         response = pb.CacheStatsResponse(
             slot_context_tokens=self.slot_context, max_batch_size=self.batch_size
         )
+        assert self.engine is not None
         storage = self.engine.storage
         response.storage_backend = storage.name
         response.reserved_bytes = storage.reserved_bytes
         running = sched.running
-        if isinstance(storage, PagedKVStorage):
-            stats = storage.stats()
+        manager = self.block_manager
+        if manager is not None:
+            stats = manager.stats()
             response.block_size = stats.block_size
             response.total_blocks = stats.num_total_blocks
             response.active_blocks = stats.num_active_blocks
@@ -424,16 +436,17 @@ class Runtime:
             response.cached_blocks = stats.num_cached_blocks
             # Allocated: holding data, in use or kept as an evictable cached prefix.
             response.allocated_blocks = (
-                stats.num_active_blocks + storage.manager.pool.num_free_cached_blocks
+                stats.num_active_blocks + manager.pool.num_free_cached_blocks
             )
-            response.used_bytes = storage.used_bytes
-            response.budget_bytes = 0 if self.kv_budget_unlimited else storage.budget_bytes
-            response.capacity_bytes = storage.budget_bytes
+            budget_bytes = stats.num_total_blocks * self.bytes_per_block
+            response.used_bytes = stats.num_active_blocks * self.bytes_per_block
+            response.budget_bytes = 0 if self.kv_budget_unlimited else budget_bytes
+            response.capacity_bytes = budget_bytes
             response.prefix_lookups = stats.prefix_lookups
             response.prefix_hits = stats.prefix_hits
             response.prefix_hit_tokens = stats.prefix_hit_tokens
             response.evictions = stats.evictions
-        elif isinstance(storage, NativeCacheStorage):
+        elif self.engine.config.native_caches:
             response.used_bytes = storage.reserved_bytes
         else:
             used = sum(s.engine_seq.num_cached for s in running if s.engine_seq is not None)

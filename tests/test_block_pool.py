@@ -7,13 +7,20 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from service.kv.block_pool import BlockPool, KVCacheManager, SequenceBlocks, hash_block_tokens
+from service.kv.block_pool import (
+    BlockPool,
+    BlockUpdate,
+    KVCacheManager,
+    SequenceBlocks,
+    UnpagedKV,
+    hash_block_tokens,
+)
 
 BLOCK = 4
 
 
 def _admit(manager: KVCacheManager, prompt: list[int]) -> SequenceBlocks | None:
-    """What the engine does for a new request: adopt the cached prefix, reserve the rest."""
+    """What the scheduler does for a new request: adopt the cached prefix, reserve the rest."""
     seq = manager.new_sequence()
     prefix = manager.match_prefix(prompt)
     if not manager.allocate_slots(seq, len(prompt) - len(prefix) * BLOCK, prefix):
@@ -225,24 +232,54 @@ def test_adopting_free_cached_blocks_counts_against_free_space() -> None:
     assert manager.allocate_slots(seq, 1, prefix)
 
 
-def test_fork_then_write_copies_the_shared_partial_block() -> None:
+def test_rewriting_a_shared_block_after_a_rollback_copies_it() -> None:
+    """A sequence rolled back into a full block that another adopted writes a copy of it; the
+    copy reaches the engine through take_update, once."""
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
-    parent = _admit(manager, list(range(6)))
-    assert parent is not None
-    child = manager.fork(parent)
-    assert manager.allocate_slots(child, 1)
-    assert child.block_ids[0] == parent.block_ids[0]
-    assert child.block_ids[1] != parent.block_ids[1]
-    assert child.take_pending_copies() == [(parent.block_ids[1], child.block_ids[1])]
-    assert manager.allocate_slots(parent, 1)  # now sole holder: no copy
-    assert parent.pending_copies == []
+    first = _admit(manager, list(range(9)))
+    assert first is not None
+    manager.register_full_blocks(first, list(range(9)))
+    second = _admit(manager, [*range(8), 42])
+    assert second is not None and second.block_ids[:2] == first.block_ids[:2]
+    shared = first.block_ids[1]
+    manager.take_update()
+    manager.truncate(first, 6)
+    assert manager.allocate_slots(first, 1)
+    assert first.block_ids[1] != shared and second.block_ids[1] == shared
+    assert manager.take_update().copies == ((shared, first.block_ids[1]),)
+    assert manager.take_update().copies == ()
+    assert manager.allocate_slots(first, 1)  # now its own block: no copy
+    assert manager.take_update().copies == ()
+
+
+def test_admit_adopts_reserves_and_keeps_blocks_free() -> None:
+    manager = KVCacheManager(num_blocks=6, block_size=BLOCK)
+    first = manager.new_sequence()
+    assert manager.admit(first, list(range(9)), True, 0) == 0  # nothing cached yet: 3 blocks
+    manager.register_full_blocks(first, list(range(9)))
+    second = manager.new_sequence()
+    # 8 tokens adopted (2 held blocks, free to adopt), 2 more blocks for the rest: 2 of 3 free.
+    assert manager.admit(second, [*range(8), 7, 7, 7, 7, 7], True, keep_free=2) is None
+    assert second.block_ids == [] and manager.pool.num_free_blocks == 3
+    assert manager.admit(second, [*range(8), 7, 7, 7, 7, 7], True, keep_free=1) == 8
+    assert second.num_tokens == 13 and manager.pool.num_free_blocks == 1
+    third = manager.new_sequence()
+    assert manager.admit(third, list(range(9)), False, 0) is None  # no prefix: 3 blocks
+
+
+def test_unpaged_kv_never_runs_short() -> None:
+    kv = UnpagedKV()
+    seq = kv.new_sequence()
+    assert kv.admit(seq, list(range(100)), True, 10) == 0
+    assert kv.ensure_slots(seq, 10**6) and kv.blocks_needed(seq, 10**6) == 0
+    assert kv.take_update() == BlockUpdate()
 
 
 # -- property test --------------------------------------------------------------------------
 
 
 class BlockPoolMachine(RuleBasedStateMachine):
-    """Random admit/decode/fork/truncate/free/evict against a shadow model of slot contents."""
+    """Random admit/decode/truncate/free/evict against a shadow model of slot contents."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -256,7 +293,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     def _write(self, seq: SequenceBlocks, tokens: list[int], start: int) -> None:
         size = BLOCK
-        for src, dst in seq.take_pending_copies():
+        for src, dst in self.manager.take_update().copies:
             for offset in range(size):
                 if src * size + offset in self.slots:
                     self.slots[dst * size + offset] = self.slots[src * size + offset]
@@ -277,15 +314,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def admit(self, prompt: list[int]) -> None:
         before = self.pool.stats()
         seq = self.manager.new_sequence()
-        prefix = self.manager.match_prefix(prompt)
-        assert len(prefix) * BLOCK < len(prompt)
-        for block_id in prefix:
-            assert self.pool.block(block_id).block_hash is not None
-        if not self.manager.allocate_slots(seq, len(prompt) - len(prefix) * BLOCK, prefix):
+        cached = self.manager.admit(seq, prompt, True, keep_free=0)
+        if cached is None:
             assert self.pool.stats().num_free_blocks == before.num_free_blocks
             assert seq.block_ids == []
             return
-        self._write(seq, prompt, len(prefix) * BLOCK)
+        assert cached < len(prompt) and cached % BLOCK == 0
+        self._write(seq, prompt, cached)
         self.seqs[self.next_name] = (seq, list(prompt))
         self.next_name += 1
 
@@ -299,13 +334,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
             tokens.append(token)
             self._write(seq, tokens, len(tokens) - 1)
         assert others == {n: s.block_ids for n, (s, _) in self.seqs.items() if n != name}
-
-    @precondition(lambda self: self.seqs)
-    @rule(index=st.integers(0, 50))
-    def fork(self, index: int) -> None:
-        seq, tokens = self.seqs[self._pick(index)]
-        self.seqs[self.next_name] = (self.manager.fork(seq), list(tokens))
-        self.next_name += 1
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 50), drop=st.integers(0, 6))

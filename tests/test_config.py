@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
 
 from service.config import ConfigError, ServerConfig, add_server_arguments, config_from_args
 from service.engine.config import DEBUG_REFERENCE_ENV, EngineConfig, resolve
+from service.engine.storage import PoolShape, make_storage
 from service.models.families import family
 from service.models.layout import probe_layout
 from service.runtime import Runtime
@@ -148,7 +150,7 @@ def test_cuda_path_narrowed_by_the_model():
     )
     # Dense storage: no pool to read directly.
     assert resolve(family("llama"), LLAMA, paged=False, batched=True, cuda=True) == (
-        EngineConfig(shape_buckets=True)
+        EngineConfig(storage="dense", shape_buckets=True)
     )
     # A head size the kernel does not take.
     config = resolve(
@@ -171,3 +173,16 @@ def test_the_reference_path_can_be_forced(monkeypatch):
 def test_unverified_families_run_each_row_alone():
     config = resolve(family("some_new_arch"), LLAMA, paged=False, batched=False, cuda=False)
     assert config.decode_path == "per-row fallback"
+
+
+def test_the_factory_builds_the_storage_the_config_names():
+    model = tiny_llama()
+    cpu = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=False)
+    paged = make_storage(cpu, model, LLAMA, PoolShape(num_blocks=8, block_size=4))
+    assert paged.name == "paged" and paged.mirror is not None and not paged.write_in_place
+    dense = make_storage(replace(cpu, storage="dense", decode_attention="gather"), model, LLAMA)
+    assert dense.name == "dense"
+    with pytest.raises(ValueError, match="pool shape"):
+        make_storage(cpu, model, LLAMA)
+    with pytest.raises(ValueError, match="needs paged storage"):
+        EngineConfig(storage="dense", decode_attention="mirror")

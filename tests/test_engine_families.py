@@ -23,14 +23,14 @@ from mlx_lm.utils import _get_classes
 
 from service.engine.config import resolve
 from service.engine.engine import Engine, StepRow
-from service.engine.kv_dense import DenseKVStorage
-from service.engine.kv_paged import PagedKVStorage
 from service.engine.paged_attention import kernel_available, kernel_supports
 from service.engine.sampler import SamplingParams
+from service.engine.storage import PoolShape, make_storage
 from service.models import rope
 from service.models.families import family
 from service.models.layout import probe_layout
 from service.models.loader import materialize, model_family
+from tests.tiny import Driven
 
 V = 512
 LLAMA3_ROPE = {
@@ -188,13 +188,6 @@ def serve(
     layout = probe_layout(model)
     fam = family(model_family(model))
     heads = getattr(model.args, "num_attention_heads", 0) or 0
-    layers = max(1, layout.num_attention)
-    if paged:
-        storage = PagedKVStorage(
-            layers, layout.kv_heads, layout.head_dim, layout.kv_dtype, num_blocks=256
-        )
-    else:
-        storage = DenseKVStorage(layers, layout.kv_heads, layout.head_dim, layout.kv_dtype)
     config = resolve(
         fam,
         layout,
@@ -206,7 +199,8 @@ def serve(
     )
     if direct:
         config = replace(config, decode_attention="direct")
-    engine = Engine(model, storage, layout, config, split_head=fam.split_head)
+    storage = make_storage(config, model, layout, PoolShape(num_blocks=256))
+    engine = Driven(Engine(model, storage, layout, config, split_head=fam.split_head))
     seqs = [
         engine.add_sequence(f"r{i}", SamplingParams(), p, want_logprobs=True)
         for i, p in enumerate(prompts)
@@ -257,7 +251,7 @@ def test_batched_rows_give_mlx_lm_alone(name):
     want = [alone(name, p, steps) for p in prompts]
     engine, got = serve(name, prompts, steps)
     assert_same(want, got)
-    assert engine.storage.stats().num_active_blocks == 0  # nothing left behind
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # nothing left behind
     if engine.states is not None:
         assert engine.states.live_sequences == 0
 

@@ -8,10 +8,11 @@ import mlx.core as mx
 import pytest
 
 from service.engine import kv_mirror
-from service.engine.batch_view import StepLayout, make_views
+from service.engine.batch_view import StepLayout
 from service.engine.config import EngineConfig
 from service.engine.engine import StepRow
 from service.engine.sampler import SamplingParams
+from service.kv.block_pool import KVCacheManager
 from tests.tiny import PROMPTS, generate, layout_of, make_engine, paged, prompt, tiny_llama
 
 MIRROR = EngineConfig(decode_attention="mirror")
@@ -24,7 +25,7 @@ def model():
 
 def mirrored(model, max_bytes: int = 1 << 30, **kw):
     """An engine whose decode steps attend over the mirror, and its storage."""
-    storage = paged(**kw)
+    storage = paged(decode_attention="mirror", **kw)
     engine = make_engine(model, storage, MIRROR)
     storage.mirror.max_bytes = max_bytes
     return engine, storage
@@ -45,27 +46,29 @@ def test_mirror_gives_the_gathered_tokens(model):
             assert storage.reserved_bytes > (storage._capacity_blocks + 1) * storage.bytes_per_block
         for s in seqs:
             engine.release(s)
-        assert storage.stats().num_active_blocks == 0
+        assert engine.manager is not None and engine.manager.stats().num_active_blocks == 0
     assert outs["mirror"] == outs["gather"]
 
 
 def test_mirror_logits_match_gathered_logits_step_by_step(model):
     stores = {"gather": paged(), "mirror": mirrored(model)[1]}
+    managers = {k: KVCacheManager(64, 8) for k in stores}
     handles = {k: [s.new_sequence() for _ in PROMPTS] for k, s in stores.items()}
+    tables = {k: [m.new_sequence() for _ in PROMPTS] for k, m in managers.items()}
     rows = [list(p) for p in PROMPTS]
     starts = [0, 0, 0]
     for step in range(6):
         logits = {}
         for kind, storage in stores.items():
-            for h, s, r in zip(handles[kind], starts, rows):
-                assert storage.ensure_reserved(h, s + len(r))
+            for t, s, r in zip(tables[kind], starts, rows):
+                assert managers[kind].ensure_slots(t, s + len(r))
+            storage.apply(managers[kind].take_update())
             width = max(len(r) for r in rows)
             tokens = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
-            layout = StepLayout(list(handles[kind]), list(starts), [len(r) for r in rows])
-            mirror = storage.begin_mirrored_step(layout) if width == 1 else None
-            mode = "mirror" if mirror is not None else "gather"
-            mask = mirror.mask if mirror is not None else None
-            views = make_views(storage, layout_of(model), layout, mode=mode, mirror_mask=mask)
+            lengths = [len(r) for r in rows]
+            block_tables = [t.block_ids for t in tables[kind]]
+            layout = StepLayout(list(handles[kind]), list(starts), lengths, block_tables)
+            views = storage.views(layout, layout_of(model), None, False)
             logits[kind] = model(tokens, cache=views)
             mx.eval(logits[kind])
         last = mx.array([len(r) - 1 for r in rows])

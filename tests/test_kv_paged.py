@@ -1,5 +1,6 @@
-"""PagedKVStorage on a tiny random-weight llama: parity with dense storage, prefix adoption,
-copy-on-write, out-of-blocks handling and in-place pool updates."""
+"""PagedKVStorage on a tiny random-weight llama, its block tables and updates coming from a
+KVCacheManager as the scheduler's do: parity with dense storage, prefix adoption, copy-on-write,
+refusing unreserved positions and in-place pool updates."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from mlx_lm.models import llama
 from service.engine.batch_view import StepLayout, make_views
 from service.engine.config import EngineConfig
 from service.engine.engine import StepRow, shape_bucket
-from service.engine.kv_paged import OutOfBlocksError
+from service.engine.kv_paged import SlotsNotReservedError
 from service.engine.sampler import SamplingParams
+from service.kv.block_pool import BlockUpdate, KVCacheManager
 from tests.tiny import (
     HEAD_DIM,
     KV_HEADS,
     LAYERS,
     PROMPTS,
+    OutOfBlocks,
     dense,
     generate,
     layout_of,
@@ -51,8 +54,8 @@ def test_paged_matches_dense_tokens_batched_and_alone(model):
             for s in seqs:
                 engine.release(s)
             assert storage.live_sequences == 0
-            if kind == "paged":
-                assert storage.stats().num_active_blocks == 0
+            if engine.manager is not None:
+                assert engine.manager.stats().num_active_blocks == 0
         assert outs["paged"] == outs["dense"], f"batched={batched}"
         assert all(len(o) == 21 for o in outs["paged"])
 
@@ -81,13 +84,10 @@ def test_shape_buckets_give_the_same_tokens(model, kind):
     assert outs[True] == outs[False]
 
 
-def _forward_logits(model, storage, handles, starts, rows):
-    if hasattr(storage, "ensure_reserved"):
-        for h, s, r in zip(handles, starts, rows):
-            assert storage.ensure_reserved(h, s + len(r))
+def _forward_logits(model, storage, handles, tables, starts, rows):
     width = max(len(r) for r in rows)
     tokens = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
-    layout = StepLayout(list(handles), list(starts), [len(r) for r in rows])
+    layout = StepLayout(list(handles), list(starts), [len(r) for r in rows], tables)
     logits = model(tokens, cache=make_views(storage, layout_of(model), layout))
     mx.eval(logits)
     return logits
@@ -95,11 +95,20 @@ def _forward_logits(model, storage, handles, starts, rows):
 
 def test_paged_matches_dense_logits(model):
     stores = {"dense": dense(), "paged": paged(block_size=4)}
+    manager = KVCacheManager(64, 4)
+    blocks = [manager.new_sequence() for _ in PROMPTS]
     handles = {k: [s.new_sequence() for _ in PROMPTS] for k, s in stores.items()}
     starts = [0, 0, 0]
     rows = [list(p) for p in PROMPTS]
     for step in range(4):
-        logits = {k: _forward_logits(model, s, handles[k], starts, rows) for k, s in stores.items()}
+        for b, s, r in zip(blocks, starts, rows):
+            assert manager.ensure_slots(b, s + len(r))
+        stores["paged"].apply(manager.take_update())
+        tables = {"dense": [], "paged": [b.block_ids for b in blocks]}
+        logits = {
+            k: _forward_logits(model, s, handles[k], tables[k], starts, rows)
+            for k, s in stores.items()
+        }
         for i, r in enumerate(rows):
             a, b = logits["dense"][i, : len(r)], logits["paged"][i, : len(r)]
             assert mx.abs(a - b).max().item() < 1e-5, f"step {step} row {i}"
@@ -109,7 +118,7 @@ def test_paged_matches_dense_logits(model):
     # Every row's stored K/V is the same in both storages.
     for i in range(3):
         for layer in range(LAYERS):
-            k_p, v_p = stores["paged"].gather(handles["paged"][i], layer, starts[i])
+            k_p, v_p = stores["paged"].gather(blocks[i].block_ids, layer, starts[i])
             seq = handles["dense"][i]
             k_d, v_d = seq.keys[layer][:, : starts[i]], seq.values[layer][:, : starts[i]]
             assert mx.array_equal(k_p, k_d) and mx.array_equal(v_p, v_d)
@@ -117,20 +126,26 @@ def test_paged_matches_dense_logits(model):
 
 def test_write_and_gather_shapes():
     storage = paged(num_blocks=16, block_size=4)
+    manager = KVCacheManager(16, 4)
     a, b = storage.new_sequence(), storage.new_sequence()
-    assert storage.reserve(a, 7) and storage.reserve(b, 3)
+    table_a, table_b = manager.new_sequence(), manager.new_sequence()
+    assert manager.ensure_slots(table_a, 7) and manager.ensure_slots(table_b, 3)
     keys = mx.random.normal((1, KV_HEADS, 7, HEAD_DIM))
-    k, _ = storage.write_and_gather(0, StepLayout([a], [0], [7]), keys, keys)
+    step = StepLayout([a], [0], [7], [table_a.block_ids])
+    k, _ = storage.write_and_gather(0, step, keys, keys)
     assert k.shape == (1, KV_HEADS, 7, HEAD_DIM) and mx.array_equal(k, keys)
-    assert storage.reserve(a, 1)
+    assert manager.ensure_slots(table_a, 8)
     new = mx.random.normal((2, KV_HEADS, 3, HEAD_DIM))
-    k, _ = storage.write_and_gather(0, StepLayout([a, b], [7, 0], [1, 3]), new, new)
+    step = StepLayout([a, b], [7, 0], [1, 3], [table_a.block_ids, table_b.block_ids])
+    k, _ = storage.write_and_gather(0, step, new, new)
     assert k.shape == (2, KV_HEADS, 8, HEAD_DIM)
     assert mx.array_equal(k[0, :, :7], keys[0]) and mx.array_equal(k[0, :, 7], new[0, :, 0])
     assert mx.array_equal(k[1, :, :3], new[1])
     assert mx.isfinite(k).all().item()
-    with pytest.raises(ValueError, match="reserved"):
-        storage.write_and_gather(0, StepLayout([b], [3], [2]), new[:1, :, :2], new[:1, :, :2])
+    # Positions past the row's block table are refused, not written anywhere.
+    with pytest.raises(SlotsNotReservedError):
+        step = StepLayout([b], [3], [2], [table_b.block_ids])
+        storage.write_and_gather(0, step, new[:1, :, :2], new[:1, :, :2])
 
 
 def test_prefix_adoption_matches_cold_split_run(model):
@@ -141,13 +156,15 @@ def test_prefix_adoption_matches_cold_split_run(model):
     engine = make_engine(model, storage)
     (seq_a,), (out_a,) = generate(engine, [prompt_a], steps=5, tag="a")
     # K/V is stored for the prompt and every generated token but the last.
-    assert storage.commit_tokens(seq_a.kv, prompt_a + out_a[:-1]) == 5
+    assert engine.commit(seq_a, prompt_a + out_a[:-1]) == 5
     engine.release(seq_a)
-    assert storage.stats().num_active_blocks == 0
-    assert storage.stats().num_cached_blocks == 5
+    manager = engine.manager
+    assert manager is not None
+    assert manager.stats().num_active_blocks == 0
+    assert manager.stats().num_cached_blocks == 5
 
     seq_b, out_b = run_split(engine, prompt_b, 32, steps=20, adopt=True)
-    stats = storage.stats()
+    stats = manager.stats()
     assert (stats.prefix_hits, stats.prefix_hit_tokens) == (1, 32)
     engine.release(seq_b)
 
@@ -163,93 +180,105 @@ def test_shared_prefix_blocks_stored_once(model):
     storage = paged(num_blocks=64, block_size=size)
     engine = make_engine(model, storage)
     (seq_a,), _ = generate(engine, [prompt_a], steps=0, tag="a")
-    storage.commit_tokens(seq_a.kv, prompt_a)
-    blocks_a = storage.stats().num_active_blocks
+    engine.commit(seq_a, prompt_a)
+    manager = engine.manager
+    assert manager is not None
+    blocks_a = manager.stats().num_active_blocks
     assert blocks_a == 5
     seq_b, _ = run_split(engine, prompt_b, 32, steps=2, adopt=True)
     # B holds ceil(47 / 8) = 6 blocks, of which the first 4 are A's.
-    assert seq_b.kv.block_ids[:4] == seq_a.kv.block_ids[:4]
-    assert storage.stats().num_active_blocks == blocks_a + 6 - 4
-    assert storage.used_bytes == (blocks_a + 2) * storage.bytes_per_block
+    assert engine.blocks(seq_b).block_ids[:4] == engine.blocks(seq_a).block_ids[:4]
+    assert manager.stats().num_active_blocks == blocks_a + 6 - 4
     engine.release(seq_a)
-    assert storage.stats().num_active_blocks == 6
+    assert manager.stats().num_active_blocks == 6
     engine.release(seq_b)
-    assert storage.stats().num_active_blocks == 0
+    assert manager.stats().num_active_blocks == 0
 
 
 def test_dense_engine_adopts_nothing(model):
     engine = make_engine(model, dense())
-    seq = engine.add_sequence("d", SamplingParams(), prompt(1, 20))
-    assert engine.adopt_prefix(seq, prompt(1, 20)) == 0 and seq.num_cached == 0
+    seq = engine.add_sequence("d", SamplingParams(), prompt(1, 20), adopt=True)
+    assert seq.num_cached == 0
 
 
-def _write(storage, handle, start, n, seed):
+def _write(storage, manager, handle, table, start, n, seed):
     """Write n random positions at start into every layer; returns what was written."""
-    assert storage.ensure_reserved(handle, start + n)
+    assert manager.ensure_slots(table, start + n)
+    storage.apply(manager.take_update())
     kv = mx.random.normal((1, KV_HEADS, n, HEAD_DIM), key=mx.random.key(seed))
-    layout = StepLayout([handle], [start], [n])
+    layout = StepLayout([handle], [start], [n], [table.block_ids])
     for layer in range(LAYERS):
         storage.write_and_gather(layer, layout, kv, -kv)
     return kv[0]
 
 
 def test_copy_on_write_keeps_other_sequence_intact():
+    """A rolls back into a full block B adopted from the prefix cache, then writes there: A
+    gets a copy of the block (the manager's BlockUpdate), B's K/V stay as they were."""
     storage = paged(num_blocks=8, block_size=4)
-    a = storage.new_sequence()
-    written_a = _write(storage, a, 0, 6, seed=1)  # blocks: [full, half]
-    b = storage.fork(a)
-    assert b.block_ids == a.block_ids and storage.stats().num_active_blocks == 2
-    written_b = _write(storage, b, 6, 1, seed=2)  # lands in the shared half block -> copy
-    assert b.block_ids[0] == a.block_ids[0] and b.block_ids[1] != a.block_ids[1]
-    assert storage.stats().num_active_blocks == 3
+    manager = KVCacheManager(8, 4)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    a, table_a = storage.new_sequence(), manager.new_sequence()
+    written_a = _write(storage, manager, a, table_a, 0, 8, seed=1)  # two full blocks
+    assert manager.register_full_blocks(table_a, tokens[:8]) == 2
+    b, table_b = storage.new_sequence(), manager.new_sequence()
+    assert manager.admit(table_b, tokens, True, 0) == 8  # adopts both blocks
+    assert table_b.block_ids[:2] == table_a.block_ids
+    storage.apply(manager.take_update())
+    manager.truncate(table_a, 6)  # a rejected draft: positions 6 and 7 are A's to rewrite
+    written_a2 = _write(storage, manager, a, table_a, 6, 1, seed=2)  # shared block: copied
+    assert table_a.block_ids[0] == table_b.block_ids[0]
+    assert table_a.block_ids[1] != table_b.block_ids[1]
     for layer in range(LAYERS):
-        k_a, v_a = storage.gather(a, layer, 6)
-        assert mx.array_equal(k_a, written_a) and mx.array_equal(v_a, -written_a)
-        k_b, _ = storage.gather(b, layer, 7)
-        assert mx.array_equal(k_b[:, :6], written_a) and mx.array_equal(k_b[:, 6], written_b[:, 0])
-    # A now holds its half block alone: it writes in place and B keeps its own position 6.
-    written_a2 = _write(storage, a, 6, 1, seed=3)
-    assert storage.stats().num_active_blocks == 3
-    for layer in range(LAYERS):
-        k_a, _ = storage.gather(a, layer, 7)
-        k_b, _ = storage.gather(b, layer, 7)
+        k_a, v_a = storage.gather(table_a.block_ids, layer, 7)
+        assert mx.array_equal(k_a[:, :6], written_a[:, :6])
+        assert mx.array_equal(v_a[:, :6], -written_a[:, :6])
         assert mx.array_equal(k_a[:, 6], written_a2[:, 0])
-        assert mx.array_equal(k_b[:, 6], written_b[:, 0])
+        k_b, v_b = storage.gather(table_b.block_ids, layer, 8)
+        assert mx.array_equal(k_b, written_a) and mx.array_equal(v_b, -written_a)
+    manager.free_sequence(table_a)
+    manager.free_sequence(table_b)
     storage.release(a)
     storage.release(b)
-    assert storage.stats().num_active_blocks == 0 and storage.live_sequences == 0
+    assert manager.stats().num_active_blocks == 0 and storage.live_sequences == 0
 
 
-def test_out_of_blocks_is_all_or_nothing_and_nothing_leaks(model):
+def test_unreserved_positions_are_refused_before_any_forward(model):
+    """A row whose block table does not cover its positions is the scheduler's bug: the
+    engine raises instead of containing it as a row failure, and writes nothing."""
     storage = paged(num_blocks=4, block_size=4)
-    a, b = storage.new_sequence(), storage.new_sequence()
-    assert storage.reserve(a, 10)  # 3 blocks
-    assert not storage.can_reserve(b, 8)
-    assert not storage.reserve(b, 8)
-    assert b.block_ids == [] and b.num_reserved == 0
-    assert storage.stats().num_free_blocks == 1
-    assert storage.reserve(b, 4)
-    storage.release(a)
-    assert storage.stats().num_free_blocks == 3
-    assert storage.reserve(b, 8)
-    storage.release(b)
-    assert storage.stats().num_active_blocks == 0
-
-    # Through the engine: a prompt the pool cannot hold fails before any forward.
     engine = make_engine(model, storage)
+    seq = engine.engine.add_sequence("bare", SamplingParams(), prompt(1, 6))
+    with pytest.raises(SlotsNotReservedError):
+        engine.engine.prefill([StepRow(seq, prompt(1, 6), block_ids=[0])])
+    assert seq.num_cached == 0
+    engine.engine.release(seq)
+    # Through the manager a prompt the pool cannot hold fails before any forward too.
     big = engine.add_sequence("big", SamplingParams(), prompt(1, 17))
-    with pytest.raises(OutOfBlocksError):
+    with pytest.raises(OutOfBlocks):
         engine.prefill([StepRow(big, prompt(1, 17))])
     assert big.num_cached == 0
     engine.release(big)
     seqs, _ = generate(engine, [prompt(2, 5), prompt(3, 4)], steps=3)
-    assert storage.stats().num_active_blocks == 4  # 2 blocks each (8 and 7 positions)
-    extra = engine.add_sequence("extra", SamplingParams(), prompt(4, 3))
-    with pytest.raises(OutOfBlocksError):
-        engine.prefill([StepRow(extra, prompt(4, 3))])
-    for s in [*seqs, extra]:
+    assert engine.manager is not None
+    assert engine.manager.stats().num_active_blocks == 4  # 2 blocks each (8 and 7 positions)
+    for s in seqs:
         engine.release(s)
-    assert storage.stats().num_active_blocks == 0 and storage.live_sequences == 0
+    assert engine.manager.stats().num_active_blocks == 0 and storage.live_sequences == 0
+
+
+def test_block_update_grows_the_arrays_and_keeps_data():
+    storage = paged(num_blocks=64, block_size=4, initial_blocks=2)
+    manager = KVCacheManager(64, 4, capacity=2)
+    a, table = storage.new_sequence(), manager.new_sequence()
+    written = _write(storage, manager, a, table, 0, 8, seed=3)
+    assert storage.capacity_blocks == 2
+    _write(storage, manager, a, table, 8, 9, seed=4)  # needs blocks 2..4: capacity doubles
+    assert storage.capacity_blocks == manager.pool.capacity >= 5
+    k, _ = storage.gather(table.block_ids, 0, 8)
+    assert mx.array_equal(k, written)
+    storage.apply(BlockUpdate(capacity=1000))  # never past the pool's blocks
+    assert storage.capacity_blocks == 64
 
 
 def test_decode_step_updates_pool_in_place(model):
@@ -273,6 +302,7 @@ def test_physical_pool_grows_on_demand_and_keeps_data(model):
     engine = make_engine(model, storage)
     _, tokens = generate(engine, PROMPTS, steps=6)
     assert storage.reserved_bytes > 3 * storage.bytes_per_block
+    assert engine.manager is not None and storage.capacity_blocks == engine.manager.pool.capacity
     reference = make_engine(model, dense())
     _, expected = generate(reference, PROMPTS, steps=6)
     assert tokens == expected

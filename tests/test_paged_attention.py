@@ -95,9 +95,9 @@ def test_cuda_kernel_matches_reference(dtype, head_dim, heads, kv_heads, window)
 def test_direct_decode_gives_the_same_tokens_as_gathering(model):
     outs = {}
     for direct in (False, True):
-        storage = paged()
-        config = EngineConfig(decode_attention="direct" if direct else "gather")
-        engine = make_engine(model, storage, config)
+        attention = "direct" if direct else "gather"
+        storage = paged(decode_attention=attention)
+        engine = make_engine(model, storage, EngineConfig(decode_attention=attention))
         seqs, out = generate(engine, PROMPTS, tag=f"d{direct}")
         outs[direct] = out
         for s in seqs:
@@ -145,7 +145,16 @@ def test_overlapped_steps_with_in_place_writes_give_the_gathered_tokens(compiled
     model = tiny_llama(hidden_size=128, heads=2, kv_heads=1, seed=11)  # head_dim 64
     outs = {}
     for overlap in (False, True):
-        storage = PagedKVStorage(LAYERS, 1, 64, mx.float32, num_blocks=64, block_size=8)
+        storage = PagedKVStorage(
+            LAYERS,
+            1,
+            64,
+            mx.float32,
+            num_blocks=64,
+            block_size=8,
+            decode_attention="direct" if overlap else "gather",
+            in_place=overlap,
+        )
         config = EngineConfig(
             decode_attention="direct" if overlap else "gather",
             in_place_writes=overlap,

@@ -1,4 +1,5 @@
-"""Scheduler decisions on a fake engine, one tick at a time (no model, no threads)."""
+"""Scheduler decisions on a fake engine, one tick at a time (no model, no threads). The KV
+bookkeeping is the scheduler's own and real: UnpagedKV by default, or a KVCacheManager."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ from dataclasses import dataclass, field
 import pytest
 
 from service.engine.config import EngineConfig
-from service.engine.engine import EngineSequence, PendingStep, RowResult, StepRow
+from service.engine.engine import (
+    DraftRow,
+    EngineSequence,
+    PendingStep,
+    RowResult,
+    StepRow,
+    Verified,
+)
 from service.engine.sampler import SamplingParams
+from service.kv.block_pool import BlockUpdate, KVCacheManager, KVManager, UnpagedKV
 from service.scheduler.request import (
     Final,
     FinishReason,
@@ -27,6 +36,7 @@ from service.scheduler.scheduler import (
     QueueFullError,
     Scheduler,
     SchedulerConfig,
+    SpeculationConfig,
 )
 
 VOCAB = 1000
@@ -70,7 +80,9 @@ def flat_cost(rows: list[tuple[int | None, int]]) -> float:
 @dataclass
 class FakeEngine:
     """The Engine's interface, deterministic: the next token is (last input + 1) % VOCAB.
-    Each forward advances `clock` by `cost` of its rows (nothing by default)."""
+    Each forward advances `clock` by `cost` of its rows (nothing by default). `block_tables`:
+    the block table each row of each forward came with (checked against its positions when
+    `block_size` is set: the paged pool's contract)."""
 
     config: EngineConfig = field(default_factory=EngineConfig)
     clock: FakeClock = field(default_factory=FakeClock)
@@ -81,6 +93,8 @@ class FakeEngine:
     # Live engine sequences by object (two may share a request id: a reused one).
     live_seqs: dict[int, str] = field(default_factory=dict)
     _seconds: dict[int, float] = field(default_factory=dict)  # of each unread forward
+    block_size: int | None = None
+    updates: list[BlockUpdate] = field(default_factory=list)
 
     @property
     def live(self) -> set[str]:
@@ -91,10 +105,16 @@ class FakeEngine:
         return self.config.batched
 
     def add_sequence(
-        self, seq_id: str, params: SamplingParams, prompt_token_ids: Seq[int], **kwargs
+        self,
+        seq_id: str,
+        params: SamplingParams,
+        prompt_token_ids: Seq[int],
+        num_cached: int = 0,
+        **kwargs,
     ) -> EngineSequence:
         self.added.append(seq_id)
         seq = EngineSequence(seq_id, kv=object(), sampler=kwargs.get("sampler"))
+        seq.num_cached = num_cached
         self.live_seqs[id(seq)] = seq_id
         return seq
 
@@ -104,31 +124,17 @@ class FakeEngine:
         seq.next_input = None
         seq.num_cached = 0
 
-    # Dense-like KV bookkeeping: no prefix cache, no block budget.
-    prefix_caching = False
-
-    def adopt_prefix(self, seq: EngineSequence, token_ids: Seq[int]) -> int:
-        return 0
-
-    def free_blocks(self) -> int | None:
-        return None
-
-    def blocks_needed(self, seq: EngineSequence, num_new_tokens: int) -> int:
-        return 0
-
-    def reserve(self, seq: EngineSequence, num_new_tokens: int) -> bool:
-        return True
-
-    def commit_tokens(self, seq: EngineSequence, token_ids: Seq[int]) -> None:
-        pass
-
     @staticmethod
     def dispatch(pending: PendingStep) -> PendingStep:
         return pending
 
-    def submit(self, rows: list[StepRow], dispatch: bool = True) -> PendingStep:
+    def submit(
+        self, rows: list[StepRow], dispatch: bool = True, update: BlockUpdate | None = None
+    ) -> PendingStep:
         if not self.batched:
             assert len(rows) == 1
+        if update is not None:
+            self.updates.append(update)
         self.forwards.append(
             Forward([(r.seq.seq_id, None if r.tokens is None else list(r.tokens)) for r in rows])
         )
@@ -141,6 +147,9 @@ class FakeEngine:
             assert id(r.seq) in self.live_seqs, f"{r.seq.seq_id} runs after its release"
             inputs = list(r.tokens) if r.tokens is not None else [r.seq.next_input]
             assert inputs and None not in inputs
+            if self.block_size is not None:
+                end = r.seq.num_cached + len(inputs)
+                assert end <= len(r.block_ids) * self.block_size, f"{r.seq.seq_id}: no slots"
             r.seq.num_cached += len(inputs)
             if r.sample:
                 token = (inputs[-1] + 1) % VOCAB
@@ -161,22 +170,52 @@ class FakeEngine:
             for i, t in zip(pending.sampled_rows, pending.tokens)
         ]
 
-    def prefill(self, rows: list[StepRow]) -> list[RowResult]:
-        return self.finish_rows(self.submit(rows))
+    def verify(self, rows: list[DraftRow], update: BlockUpdate | None = None) -> list[Verified]:
+        """Drafts are kept while they are the fake model's next token, plus one of its own."""
+        if update is not None:
+            self.updates.append(update)
+        self.forwards.append(Forward([(r.seq.seq_id, [r.last_token, *r.draft]) for r in rows]))
+        out = []
+        for r in rows:
+            if self.block_size is not None:
+                end = r.seq.num_cached + 1 + len(r.draft)
+                assert end <= len(r.block_ids) * self.block_size, f"{r.seq.seq_id}: no slots"
+            emitted, last = [], r.last_token
+            for token in r.draft:
+                if token != (last + 1) % VOCAB:
+                    break
+                emitted.append(token)
+                last = token
+            emitted.append((last + 1) % VOCAB)
+            r.seq.num_cached += len(emitted)  # the last token and the accepted drafts
+            r.seq.next_input = emitted[-1]
+            results = [RowResult(r.seq, token_id=t) for t in emitted]
+            out.append(Verified(r.seq, results, len(r.draft), len(emitted) - 1))
+        return out
 
-    def step(self, rows: list[StepRow]) -> list[RowResult]:
-        return self.finish_rows(self.submit(rows))
+    def prefill(self, rows: list[StepRow], update: BlockUpdate | None = None) -> list[RowResult]:
+        return self.finish_rows(self.submit(rows, update=update))
+
+    def step(self, rows: list[StepRow], update: BlockUpdate | None = None) -> list[RowResult]:
+        return self.finish_rows(self.submit(rows, update=update))
 
 
 class Harness:
-    """A scheduler on a fake engine, plus what each request received through its sink."""
+    """A scheduler on a fake engine, plus what each request received through its sink.
+    `kv`: the scheduler's KV manager (UnpagedKV: storage without blocks)."""
 
-    def __init__(self, cost: ForwardCost | None = flat_cost, **config) -> None:
+    def __init__(
+        self, cost: ForwardCost | None = flat_cost, kv: KVManager | None = None, **config
+    ) -> None:
         self.engine = FakeEngine(cost=cost)
+        self.kv = kv or UnpagedKV()
+        if isinstance(self.kv, KVCacheManager):
+            self.engine.block_size = self.kv.block_size
         self.sched = Scheduler(
             self.engine,
             SchedulerConfig(**config),
             eos_token_ids=frozenset({EOS}),
+            kv=self.kv,
             clock=self.engine.clock,
         )
         self.received: dict[str, list[list[StepOutput]]] = {}
@@ -623,3 +662,63 @@ def test_the_loop_blocks_when_idle_and_wakes_for_a_request() -> None:
     finally:
         h.sched.stop(timeout=5)
     assert h.sched._thread is not None and not h.sched._thread.is_alive()
+
+
+# -- the scheduler's KV cache manager -------------------------------------------------------
+
+
+def test_the_scheduler_adopts_cached_prefixes_and_frees_every_block() -> None:
+    """The second request adopts the first one's cached prompt blocks and prefills only its
+    own suffix; every forward's rows came with block tables covering their positions (the fake
+    engine checks), and once both end every block is free again (the prefix stays cached)."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    h = Harness(kv=kv, max_batch_size=2)
+    system = list(range(100, 112))  # three full blocks
+    h.submit("a", prompt=[*system, 1], max_tokens=3)
+    h.run()
+    h.submit("b", prompt=[*system, 2, 3], max_tokens=3)
+    h.run()
+    assert h.final("b").cached_tokens == 12
+    assert h.prefill_chunks("b") == [2]
+    assert h.tokens("b") == [4, 5, 6]
+    assert kv.num_free_blocks == 32 and kv.pool.num_cached_blocks >= 3
+    assert kv.stats().prefix_hits == 1
+
+
+def test_blocks_running_short_preempt_and_the_request_resumes_with_its_tokens() -> None:
+    """Two requests that together outgrow a six-block pool: the scheduler preempts one,
+    frees its blocks, resumes it once the other has finished, and both get every token."""
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    h = Harness(kv=kv, max_batch_size=2, kv_admission_watermark=0.0)
+    h.submit("a", prompt=[10, 11, 12, 13, 14, 15], max_tokens=10)
+    h.submit("b", prompt=[50, 51, 52, 53, 54, 55], max_tokens=10)
+    h.run()
+    assert h.tokens("a") == list(range(16, 26))
+    assert h.tokens("b") == list(range(56, 66))
+    assert h.sched.stats.preemptions >= 1
+    assert sum(h.final(r).finish_reason is FinishReason.LENGTH for r in "ab") == 2
+    assert kv.num_free_blocks == 6
+    assert max(u.capacity for u in h.engine.updates) <= 6
+
+
+def test_rejected_drafts_give_their_slots_back() -> None:
+    """Speculation on the fake model: drafts from the prompt are partly wrong; after every
+    tick a decoding row holds exactly the slots of its cached positions."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    spec = SpeculationConfig(num_draft_tokens=4, max_batch=2, min_ngram=1, max_ngram=2)
+    h = Harness(kv=kv, max_batch_size=2, speculation=spec)
+    h.submit("a", prompt=[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], max_tokens=12)
+    for _ in range(40):
+        h.tick()
+        seq = h.seqs["a"]
+        if seq.is_finished:
+            break
+        if seq.status is SequenceStatus.DECODING:
+            assert seq.blocks is not None
+            assert seq.blocks.num_tokens == seq.engine_seq.num_cached
+    else:
+        raise AssertionError("a never finished")
+    assert h.tokens("a") == list(range(3, 15))
+    final = h.final("a")
+    assert final.drafted_tokens > final.accepted_tokens > 0
+    assert kv.num_free_blocks == 32

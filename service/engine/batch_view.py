@@ -17,7 +17,8 @@ Nothing of another row is copied or touched when a row joins or leaves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -34,6 +35,8 @@ class StepLayout:
     handles: list[Any]  # storage-specific per-sequence handles
     starts: list[int]
     lengths: list[int]
+    # Paged storage: each row's block table (from the scheduler's KVCacheManager).
+    block_tables: list[Sequence[int]] = field(default_factory=list)
     # Shape buckets: pad the step to at least this many new tokens per row (width) and this
     # many key positions (span); the padding is masked out. See Engine's shape_buckets.
     pad_width: int = 0
@@ -59,19 +62,6 @@ class StepLayout:
     @property
     def padded(self) -> bool:
         return self.width > max(self.lengths) or self.span > max(self.total_lengths)
-
-
-class KVStorage(Protocol):
-    """Where sequences' K/V live (dense per-sequence arrays, or a paged block pool)."""
-
-    name: str
-    bytes_per_token: int
-
-    def new_sequence(self, cache_prefix: bool = True) -> Any: ...
-    def release(self, handle: Any) -> None: ...
-    def write_and_gather(
-        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
-    ) -> tuple[mx.array, mx.array]: ...
 
 
 class DirectAttention(Protocol):

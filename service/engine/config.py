@@ -31,8 +31,15 @@ from service.models.layout import CacheLayout
 DEBUG_REFERENCE_ENV = "MLXSERVE_DEBUG_REFERENCE_PATH"
 
 
+STORAGES = ("paged", "dense", "native")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    # Where K/V live (service.engine.storage.make_storage builds it): "paged" (the block pool
+    # the scheduler's KVCacheManager keeps), "dense" (arrays per sequence) or "native" (mlx-lm's
+    # own caches, one sequence at a time).
+    storage: str = "paged"
     batched: bool = True  # one forward for all rows; False: each row alone
     decode_attention: str = "gather"  # "gather", "mirror" (CPU) or "direct" (CUDA kernel)
     in_place_writes: bool = False  # decode K/V written in place by the CUDA kernel
@@ -42,7 +49,15 @@ class EngineConfig:
     single_row_prefill: bool = False  # multi-token forwards carry one row (recurrent state)
     fast_swiglu: bool = False
     grouped_query_mask: bool = False  # batched masks as [B, 1, 1, N, T] (families.grouped_mask)
-    native_caches: bool = False  # one sequence at a time on mlx-lm's own caches (kv_native)
+
+    @property
+    def paged(self) -> bool:
+        return self.storage == "paged"
+
+    @property
+    def native_caches(self) -> bool:
+        """One sequence at a time on mlx-lm's own caches: no batching, no rollback, no redo."""
+        return self.storage == "native"
 
     @property
     def decode_path(self) -> str:
@@ -51,8 +66,14 @@ class EngineConfig:
         return "native batched forward" if self.batched else "per-row fallback"
 
     def __post_init__(self) -> None:
+        if self.storage not in STORAGES:
+            raise ValueError(f"unknown KV storage {self.storage!r}")
         if self.decode_attention not in ("gather", "mirror", "direct"):
             raise ValueError(f"unknown decode attention {self.decode_attention!r}")
+        if self.decode_attention != "gather" and not self.paged:
+            raise ValueError(f"{self.decode_attention} decode attention needs paged storage")
+        if self.native_caches and self.batched:
+            raise ValueError("mlx-lm's own caches run one sequence per forward")
         if self.in_place_writes and self.decode_attention != "direct":
             raise ValueError("in-place K/V writes come with direct decode attention")
         if self.overlap_steps and not self.in_place_writes:
@@ -78,12 +99,14 @@ def resolve(
     compilable: bool = True,
 ) -> EngineConfig:
     """The engine configuration for a model on this platform. `paged`: the storage is the
-    paged pool; `batched`: rows may share a forward (not --no-batch, and a verified family);
+    paged pool, else dense (a model whose caches the views cannot serve keeps mlx-lm's own);
+    `batched`: rows may share a forward (not --no-batch, and a verified family);
     `grouped_heads`: several query heads share each K/V head; `compilable`: the forward can
     be traced (not when a layer reads array values on the host, service.models.rope)."""
     grouped_query_mask = family.grouped_mask and grouped_heads
+    storage = "paged" if paged else "dense"
     if layout.native:
-        return EngineConfig(batched=False, single_row_prefill=True, native_caches=True)
+        return EngineConfig(storage="native", batched=False, single_row_prefill=True)
     if cuda is None:
         cuda = mx.cuda.is_available()
     if reference_path_forced():
@@ -91,6 +114,7 @@ def resolve(
     if cuda:
         direct = paged and family.direct_decode and head_dim_supported
         return EngineConfig(
+            storage=storage,
             batched=batched,
             decode_attention="direct" if direct else "gather",
             in_place_writes=direct,
@@ -102,6 +126,7 @@ def resolve(
         )
     mirror = paged and batched and not layout.sliding
     return EngineConfig(
+        storage=storage,
         batched=batched,
         decode_attention="mirror" if mirror else "gather",
         single_row_prefill=layout.stateful,

@@ -20,13 +20,14 @@ import mlx.core as mx
 import structlog
 
 from service.engine import paged_attention
-from service.engine.batch_view import KVStorage, StepLayout, make_views
+from service.engine.batch_view import StepLayout
 from service.engine.compiled_decode import DecodeGraph
 from service.engine.config import EngineConfig
-from service.engine.kv_native import NativeCacheStorage
-from service.engine.kv_paged import OutOfBlocksError, PagedKVStorage
+from service.engine.kv_paged import SlotsNotReservedError
 from service.engine.sampler import RowSamplerState, SamplingParams, sample, verify_draft
 from service.engine.state_store import SequenceState, StateStore, StateUndo
+from service.engine.storage import KVStorage
+from service.kv.block_pool import BlockUpdate
 from service.models import rope
 from service.models.layout import CacheLayout
 
@@ -57,11 +58,14 @@ class EngineSequence:
 
 @dataclass
 class StepRow:
-    """One row of a forward: new tokens to feed (None = the last sampled token)."""
+    """One row of a forward: new tokens to feed (None = the last sampled token). `block_ids`:
+    paged storage, the row's block table, covering every position up to this step's last
+    (the scheduler's KVCacheManager reserved them)."""
 
     seq: EngineSequence
     tokens: Sequence[int] | None = None
     sample: bool = True
+    block_ids: Sequence[int] = ()
     inputs: list[int] | tuple[mx.array, int] | None = None  # resolved at submit; for a replay
 
 
@@ -82,6 +86,7 @@ class DraftRow:
     seq: EngineSequence
     last_token: int
     draft: list[int] = field(default_factory=list)
+    block_ids: Sequence[int] = ()  # as StepRow's, covering the last token and the draft
 
 
 @dataclass
@@ -137,15 +142,10 @@ class Engine:
         self.cache = cache
         self.config = config = config or EngineConfig()
         self.states = StateStore(cache.states) if cache.stateful else None
-        if config.decode_attention != "gather" and not isinstance(storage, PagedKVStorage):
-            raise ValueError(f"{config.decode_attention} decode attention needs paged storage")
+        if storage.name != config.storage:
+            raise ValueError(f"the config runs {config.storage} storage, not {storage.name}")
         if config.decode_attention == "direct" and not paged_attention.install(model):
             raise ValueError("direct decode attention needs the model's attention function")
-        if isinstance(storage, PagedKVStorage):
-            storage.configure(
-                in_place=config.in_place_writes,
-                mirror=config.decode_attention == "mirror",
-            )
         self._fault_injector = fault_injector
         # Redo a failed step row by row, so only the failing rows end. Off under tensor
         # parallel, where the other ranks could not follow the redo (service.distributed).
@@ -173,103 +173,59 @@ class Engine:
         want_logprobs: bool = False,
         top_logprobs: int = 0,
         sampler: RowSamplerState | None = None,
-        cache_prefix: bool = True,
+        num_cached: int = 0,
     ) -> EngineSequence:
+        """A sequence for the forwards. `num_cached`: its first positions are stored already
+        (a prompt prefix the scheduler adopted from the prefix cache): prefill starts there."""
         state = sampler or RowSamplerState(params, prompt_token_ids=list(prompt_token_ids))
-        # A recurrent state cannot be adopted from a prefix of another sequence's tokens.
-        cache_prefix = cache_prefix and self.states is None
+        if num_cached and self.states is not None:
+            raise ValueError("a recurrent state cannot be adopted from a cached prefix")
         return EngineSequence(
             seq_id,
-            self.storage.new_sequence(cache_prefix),
+            self.storage.new_sequence(),
             state,
+            num_cached=num_cached,
             want_logprobs=want_logprobs,
             top_logprobs=top_logprobs,
             state=self.states.new_sequence() if self.states is not None else None,
         )
 
     def release(self, seq: EngineSequence, final: bool = True) -> None:
-        """Free the sequence's KV and state. `final`: it will not be re-added (False when it is
-        preempted: it comes back with its sampler state)."""
+        """Free the sequence's storage handle and state (its KV blocks are the scheduler's).
+        `final`: it will not be re-added (False when it is preempted: it comes back with its
+        sampler state)."""
         self.storage.release(seq.kv)
         if seq.state is not None and self.states is not None:
             self.states.release(seq.state)
         seq.next_input = None
         seq.num_cached = 0
 
-    def adopt_prefix(self, seq: EngineSequence, token_ids: Sequence[int]) -> int:
-        """Adopt cached prompt-prefix blocks (paged storage; 0 for dense and for recurrent
-        models) into a fresh sequence; prefill then starts at the returned position."""
-        if seq.num_cached or self.states is not None:
-            return 0
-        seq.num_cached = self.storage.adopt_prefix(seq.kv, token_ids)
-        return seq.num_cached
-
-    # -- KV bookkeeping (no-ops for dense storage) --------------------------------------
-    @property
-    def paged(self) -> bool:
-        return isinstance(self.storage, PagedKVStorage)
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether adopt_prefix can find anything: paged storage with its prefix cache on, and
-        no recurrent state (which shared K/V blocks cannot rebuild)."""
-        storage = self.storage
-        return (
-            isinstance(storage, PagedKVStorage)
-            and storage.manager.enable_prefix_caching
-            and self.states is None
-        )
-
-    def commit_tokens(self, seq: EngineSequence, token_ids: Sequence[int]) -> None:
-        """Offer the sequence's computed full blocks to the prefix cache."""
-        if self.states is None:
-            self.storage.commit_tokens(seq.kv, token_ids[: seq.num_cached])
-
-    def blocks_needed(self, seq: EngineSequence, num_new_tokens: int) -> int:
-        """New blocks `num_new_tokens` more positions would take (0 for dense storage)."""
-        return self.storage.blocks_needed(seq.kv, seq.num_cached + num_new_tokens)
-
-    def reserve(self, seq: EngineSequence, num_new_tokens: int) -> bool:
-        """Reserve KV slots for `num_new_tokens` positions past the cached ones, all or nothing.
-        Always True for dense storage (it grows without a budget)."""
-        return self.storage.ensure_reserved(seq.kv, seq.num_cached + num_new_tokens)
-
-    def free_blocks(self) -> int | None:
-        """Blocks that can be handed out now (cached-but-free ones included); None = dense."""
-        return self.storage.free_blocks()
-
-    def capacity_tokens(self) -> int | None:
-        """The most tokens one sequence could ever hold (the whole pool); None = dense."""
-        return self.storage.capacity_tokens()
-
-    def _reserve_blocks(self, rows: list[StepRow], lengths: list[int]) -> None:
-        """Paged storage: every row's new positions need slots before the forward. Idempotent,
-        so blocks a scheduler reserved ahead are not reserved twice."""
-        for r, n in zip(rows, lengths):
-            if not self.reserve(r.seq, n):
-                raise OutOfBlocksError(f"no free KV block for {r.seq.seq_id}")
-
     # -- forwards --------------------------------------------------------------------
-    def submit(self, rows: list[StepRow], dispatch: bool = True) -> PendingStep:
+    def submit(
+        self, rows: list[StepRow], dispatch: bool = True, update: BlockUpdate | None = None
+    ) -> PendingStep:
         """Build one forward for `rows` and (unless dispatch=False) queue it on the device,
-        returning without waiting. A step built with dispatch=False is queued by `dispatch`:
-        the scheduler builds step N+1 while step N runs and dispatches it once N's tokens are
-        read, so the KV pool is not still referenced by N when N+1's in-place writes run.
+        returning without waiting. `update`: what the KV manager changed since the last
+        forward (applied to the storage first). A step built with dispatch=False is queued by
+        `dispatch`: the scheduler builds step N+1 while step N runs and dispatches it once N's
+        tokens are read, so the KV pool is not still referenced by N when N+1's in-place writes
+        run.
 
         If building the batched forward raises, each row is run alone, so the error ends only
         the rows it comes from (their results carry it)."""
         if not self.batched and len(rows) > 1:
             raise ValueError("this engine runs one row per forward (per-row path)")
+        if update is not None:
+            self.storage.apply(update)
         for r in rows:
             r.inputs = self._row_input(r)
         lengths = [len(r.inputs) if isinstance(r.inputs, list) else 1 for r in rows]
         if self.config.single_row_prefill and len(rows) > 1 and max(lengths) > 1:
             raise ValueError("a recurrent model's multi-token forward carries one row")
-        self._reserve_blocks(rows, lengths)
         try:
             return self._submit(rows, lengths, dispatch)
-        except OutOfBlocksError:
-            raise
+        except SlotsNotReservedError:
+            raise  # the scheduler's bug, not the rows': nothing to contain
         except Exception as exc:
             if not self._contain:
                 raise
@@ -293,7 +249,7 @@ class Engine:
 
     def _submit(self, rows: list[StepRow], lengths: list[int], dispatch: bool) -> PendingStep:
         starts = [r.seq.num_cached for r in rows]
-        layout = StepLayout([r.seq.kv for r in rows], starts, lengths)
+        layout = StepLayout([r.seq.kv for r in rows], starts, lengths, [r.block_ids for r in rows])
         if self.config.shape_buckets and max(lengths) > 1:
             layout.pad_width = shape_bucket(max(lengths))
             layout.pad_span = shape_bucket(max(layout.total_lengths))
@@ -305,19 +261,7 @@ class Engine:
         if decode and self.decode_graph is not None and len(sampled) == len(rows):
             last_logits = self.decode_graph.logits(tokens, layout)  # [B, V]
         else:
-            if isinstance(self.storage, NativeCacheStorage):
-                views = self.storage.views(layout)
-            else:
-                mode, mirror_mask = self._attention_mode(layout)
-                views = make_views(
-                    self.storage,
-                    self.cache,
-                    layout,
-                    states,
-                    mode,
-                    mirror_mask,
-                    self.config.grouped_query_mask,
-                )
+            views = self.storage.views(layout, self.cache, states, self.config.grouped_query_mask)
             self._check_faults(rows, "build")
             row_lengths = rope.ROW_LENGTHS.set(lengths)
             try:
@@ -358,25 +302,12 @@ class Engine:
         pending = PendingStep(rows, sampled, drawn, logprobs, top, None, state_undo=undo)
         return self.dispatch(pending) if dispatch else pending
 
-    def _attention_mode(self, layout: StepLayout) -> tuple[str, mx.array | None]:
-        """How this step's attention reads K/V: "direct" and "mirror" serve decode steps
-        (one token per row, unpadded) only; everything else gathers."""
-        mode = self.config.decode_attention
-        if mode == "gather" or layout.width != 1 or layout.padded:
-            return "gather", None
-        if mode == "mirror":
-            assert isinstance(self.storage, PagedKVStorage)
-            step = self.storage.begin_mirrored_step(layout)
-            return ("mirror", step.mask) if step is not None else ("gather", None)
-        return "direct", None
-
     def _run_rows_alone(self, rows: list[StepRow]) -> PendingStep:
         """Run each row as its own forward and read it now (after a batched forward failed)."""
         results: list[RowResult] = []
         for row in rows:
-            single = StepRow(
-                row.seq, row.inputs if isinstance(row.inputs, list) else None, row.sample
-            )
+            tokens = row.inputs if isinstance(row.inputs, list) else None
+            single = StepRow(row.seq, tokens, row.sample, row.block_ids)
             if single.tokens is None:
                 row.seq.next_input = row.inputs  # type: ignore[assignment]
             results.extend(self.finish_rows(self.submit([single])))
@@ -385,29 +316,26 @@ class Engine:
                 res.seq.next_input = (mx.array([res.token_id], dtype=mx.int32), 0)
         return PendingStep(rows, [], None, None, None, None, results=results)
 
-    def verify(self, rows: list[DraftRow]) -> list[Verified]:
+    def verify(self, rows: list[DraftRow], update: BlockUpdate | None = None) -> list[Verified]:
         """Speculative decoding: one forward over each row's last token and drafted tokens
         (rows with no draft take a plain decode step in the same forward); each row keeps the
-        drafts the model agrees with plus one token of its own (sampler.verify_draft), and the
-        K/V of rejected positions is rolled back (their slots are given back). Read at once:
-        the next step depends on how much was accepted. Not for recurrent models (a state
-        cannot be rolled back) nor native caches."""
-        if self.states is not None or isinstance(self.storage, NativeCacheStorage):
+        drafts the model agrees with plus one token of its own (sampler.verify_draft); the
+        rejected positions' K/V is left behind (each row's num_cached stops before it: the
+        scheduler gives their slots back). Read at once: the next step depends on how much was
+        accepted. Not for recurrent models (a state cannot be rolled back) nor native caches."""
+        if self.states is not None or self.config.native_caches:
             raise ValueError("speculative decoding needs attention caches that can roll back")
+        if update is not None:
+            self.storage.apply(update)
         lengths = [1 + len(r.draft) for r in rows]
         step_rows = [StepRow(r.seq, [r.last_token, *r.draft]) for r in rows]
         for row in step_rows:
             row.inputs = list(row.tokens or ())
-        self._reserve_blocks(step_rows, lengths)
         starts = [r.seq.num_cached for r in rows]
-        layout = StepLayout([r.seq.kv for r in rows], starts, lengths)
+        layout = StepLayout([r.seq.kv for r in rows], starts, lengths, [r.block_ids for r in rows])
         tokens = self._input_tokens(step_rows, layout.width)
-        views = make_views(
-            self.storage,
-            self.cache,
-            layout,
-            mode="gather",
-            grouped_mask=self.config.grouped_query_mask,
+        views = self.storage.views(
+            layout, self.cache, None, self.config.grouped_query_mask, gather=True
         )
         hidden = self._head.hidden(tokens, views)  # [B, N, H]
         row_idx = mx.array([i for i, n in enumerate(lengths) for _ in range(n)])
@@ -424,7 +352,6 @@ class Engine:
             # Valid K/V: the last token and the accepted drafts; the last emitted token is the
             # next step's input.
             seq.num_cached = start + accepted + 1
-            self.storage.truncate(seq.kv, seq.num_cached)
             seq.next_input = (mx.array([emitted[-1]], dtype=mx.int32), 0)
             results = []
             lp = None
@@ -486,13 +413,15 @@ class Engine:
             results.append(result)
         return results
 
-    def prefill(self, rows: list[StepRow]) -> list[RowResult]:
-        return self.finish_rows(self.submit(rows))
+    def prefill(self, rows: list[StepRow], update: BlockUpdate | None = None) -> list[RowResult]:
+        return self.finish_rows(self.submit(rows, update=update))
 
-    def step(self, rows: list[StepRow]) -> list[RowResult]:
+    def step(self, rows: list[StepRow], update: BlockUpdate | None = None) -> list[RowResult]:
         """One forward for any number of rows; a single request is a batch of one."""
         if self.batched or len(rows) <= 1:
-            return self.finish_rows(self.submit(rows))
+            return self.finish_rows(self.submit(rows, update=update))
+        if update is not None:
+            self.storage.apply(update)
         return [res for row in rows for res in self.finish_rows(self.submit([row]))]
 
     # -- helpers ---------------------------------------------------------------------
@@ -538,7 +467,7 @@ class Engine:
     def _finish_rows_one_by_one(self, pending: PendingStep) -> list[RowResult]:
         """Redo the failed step per row, so a failure ends only the rows that really fail.
         The step's K/V writes are redone by the retries; its recurrent states are put back."""
-        if isinstance(self.storage, NativeCacheStorage):
+        if self.config.native_caches:
             # mlx-lm's caches appended the step already: a redo would append it twice.
             return [RowResult(row.seq, error=BACKEND_ERROR) for row in pending.rows]
         if pending.state_undo is not None and self.states is not None:
@@ -553,7 +482,8 @@ class Engine:
                     raise EngineError(f"injected evaluate fault for {seq.seq_id}")
                 seq.next_input = row.inputs if not isinstance(row.inputs, list) else None
                 tokens = row.inputs if isinstance(row.inputs, list) else None
-                results.extend(self.finish_rows(self.submit([StepRow(seq, tokens, row.sample)])))
+                single = StepRow(seq, tokens, row.sample, row.block_ids)
+                results.extend(self.finish_rows(self.submit([single])))
             except Exception as exc:
                 log.warning("row evaluation failed", request_id=seq.seq_id, error=str(exc))
                 results.append(RowResult(seq, error=BACKEND_ERROR))

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
-from service.engine.batch_view import StepLayout
+from service.engine.batch_view import StepLayout, make_views
+from service.engine.state_store import StepStates
+from service.kv.block_pool import BlockUpdate
+from service.models.layout import CacheLayout
 
 _GROW_STEP = 256  # tokens; capacity grows in steps so writes are in-place slice updates
 
@@ -35,13 +40,10 @@ class DenseKVStorage:
         self._live: set[int] = set()
         self._reserved_bytes = 0
 
-    def new_sequence(self, cache_prefix: bool = True) -> DenseSequenceKV:
+    def new_sequence(self) -> DenseSequenceKV:
         seq = DenseSequenceKV(self.num_layers)
         self._live.add(id(seq))
         return seq
-
-    def truncate(self, seq: DenseSequenceKV, num_tokens: int) -> None:
-        pass  # positions past num_tokens are overwritten before they are read
 
     def release(self, seq: DenseSequenceKV) -> None:
         self._live.discard(id(seq))
@@ -50,24 +52,19 @@ class DenseKVStorage:
         seq.values = [None] * self.num_layers
         seq.capacity = 0
 
-    # The paged pool's bookkeeping, for a storage that has none: no prefix cache, no budget.
-    def adopt_prefix(self, seq: DenseSequenceKV, token_ids: object) -> int:
-        return 0
+    def apply(self, update: BlockUpdate) -> None:
+        pass  # no blocks: each sequence's arrays grow as they are written
 
-    def commit_tokens(self, seq: DenseSequenceKV, token_ids: object) -> int:
-        return 0
-
-    def blocks_needed(self, seq: DenseSequenceKV, num_tokens: int) -> int:
-        return 0
-
-    def ensure_reserved(self, seq: DenseSequenceKV, num_tokens: int) -> bool:
-        return True
-
-    def free_blocks(self) -> None:
-        return None
-
-    def capacity_tokens(self) -> None:
-        return None
+    def views(
+        self,
+        layout: StepLayout,
+        cache: CacheLayout,
+        states: StepStates | None,
+        grouped_mask: bool,
+        gather: bool = False,
+    ) -> list[Any]:
+        """Every step gathers (rows' arrays sliced and padded to the longest)."""
+        return make_views(self, cache, layout, states, "gather", None, grouped_mask)
 
     @property
     def live_sequences(self) -> int:

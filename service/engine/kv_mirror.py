@@ -51,7 +51,7 @@ class MirrorSource(Protocol):
     scratch_slot: int
 
     def pool_rows(self, layer: int) -> tuple[mx.array, mx.array]: ...
-    def slots_of(self, handle: Any, num_tokens: int) -> np.ndarray: ...
+    def slots_of(self, handle: Any, block_ids: Sequence[int], num_tokens: int) -> np.ndarray: ...
 
 
 @dataclass
@@ -136,7 +136,7 @@ class DecodeMirror:
         lefts = column - np.asarray(starts, dtype=np.int64)
         table = np.full((b, capacity), source.scratch_slot, dtype=np.int32)
         for i, handle in enumerate(layout.handles):
-            table[i, lefts[i] : column] = source.slots_of(handle, starts[i])
+            table[i, lefts[i] : column] = source.slots_of(handle, layout.block_tables[i], starts[i])
         read = slot_head_rows(table, source.kv_heads)  # [B, kv_heads, capacity]
         keys, values = [], []
         for layer in range(source.num_layers):

@@ -13,6 +13,9 @@ from typing import Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from service.engine.batch_view import StepLayout
+from service.engine.state_store import StepStates
+from service.kv.block_pool import BlockUpdate
+from service.models.layout import CacheLayout
 
 
 class NativeCacheStorage:
@@ -23,7 +26,7 @@ class NativeCacheStorage:
         self._model = model
         self._live: dict[int, list[Any]] = {}
 
-    def new_sequence(self, cache_prefix: bool = True) -> list[Any]:
+    def new_sequence(self) -> list[Any]:
         caches = make_prompt_cache(self._model)
         self._live[id(caches)] = caches
         return caches
@@ -31,14 +34,21 @@ class NativeCacheStorage:
     def release(self, caches: list[Any]) -> None:
         self._live.pop(id(caches), None)
 
-    def views(self, batch: StepLayout) -> list[Any]:
-        """The one row's own caches (they hold every position written so far)."""
-        if batch.batch_size != 1 or batch.padded:
-            raise ValueError("mlx-lm's own caches serve one unpadded row per forward")
-        return batch.handles[0]
+    def apply(self, update: BlockUpdate) -> None:
+        pass  # no blocks: mlx-lm's caches grow as they are written
 
-    def write_and_gather(self, layer: int, batch: StepLayout, keys: Any, values: Any):
-        raise NotImplementedError("native caches are written by the model itself")
+    def views(
+        self,
+        layout: StepLayout,
+        cache: CacheLayout,
+        states: StepStates | None,
+        grouped_mask: bool,
+        gather: bool = False,
+    ) -> list[Any]:
+        """The one row's own caches (they hold every position written so far)."""
+        if layout.batch_size != 1 or layout.padded:
+            raise ValueError("mlx-lm's own caches serve one unpadded row per forward")
+        return layout.handles[0]
 
     @property
     def live_sequences(self) -> int:
@@ -47,22 +57,3 @@ class NativeCacheStorage:
     @property
     def reserved_bytes(self) -> int:
         return sum(c.nbytes for caches in self._live.values() for c in caches if not c.empty())
-
-    # The paged pool's bookkeeping, for a storage that has none.
-    def adopt_prefix(self, caches: list[Any], token_ids: object) -> int:
-        return 0
-
-    def commit_tokens(self, caches: list[Any], token_ids: object) -> int:
-        return 0
-
-    def blocks_needed(self, caches: list[Any], num_tokens: int) -> int:
-        return 0
-
-    def ensure_reserved(self, caches: list[Any], num_tokens: int) -> bool:
-        return True
-
-    def free_blocks(self) -> None:
-        return None
-
-    def capacity_tokens(self) -> None:
-        return None

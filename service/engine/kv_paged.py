@@ -1,22 +1,24 @@
 """Paged KV storage: every sequence's K/V lives in one block pool shared by all sequences.
 
-Per layer there is ONE K and ONE V array of flat slots, `[(num_blocks + 1) * block_size,
+Per layer there is ONE K and ONE V array of flat slots, `[(capacity + 1) * block_size,
 kv_heads, head_dim]`; slot `block_id * block_size + offset` holds one token position. The
-bookkeeping (block tables, ref counts, prefix cache, copy-on-write) is `KVCacheManager`'s; this
-module moves the bytes. The last physical block is a scratch block the pool never hands out:
-padding positions of a ragged step are written there and padding reads come from there.
+bookkeeping (block tables, ref counts, prefix cache, copy-on-write) is the scheduler's
+`KVCacheManager` (service.kv.block_pool); this module moves the bytes: each step brings the
+rows' block tables (in its StepLayout) and a `BlockUpdate` (`apply`: grow the arrays to the
+manager's capacity, copy blocks). The last physical block is a scratch block the pool never
+hands out: padding positions of a ragged step are written there and padding reads come from
+there.
 
 A step costs, per layer, one scatter of the new tokens' K/V into the pool and one take of every
 row's positions 0..end into a `[B, kv_heads, T, head_dim]` array (right-padded; the BatchView
 mask hides the padding). Slot indices are computed once per step on the CPU and reused by all
 layers. The scatter updates the pool in place only while nothing else references the pool's
 buffer when the step is dispatched: see `write_and_gather`. A decode step can instead attend
-over the storage's decode mirror (`configure`, service.engine.kv_mirror), a contiguous copy
+over the storage's decode mirror (`decode_attention`, service.engine.kv_mirror), a contiguous copy
 of the batch that it appends to, or read the pool directly (`attend`, the CUDA kernel).
 
-Block reservation is not done while the model runs: the engine (or the scheduler, ahead of
-time) calls `reserve` / `ensure_reserved` before building a forward, and a sequence whose prompt
-starts with cached full blocks adopts them with `adopt_prefix` and prefills only the rest.
+Slots are reserved before a forward is built, never while the model runs: a step whose
+positions run past its rows' block tables is refused (`SlotsNotReservedError`).
 """
 
 from __future__ import annotations
@@ -25,38 +27,33 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from service.engine.batch_view import StepLayout
-from service.engine.kv_mirror import DecodeMirror, MirrorStep, slot_head_rows
+from service.engine.batch_view import StepLayout, make_views
+from service.engine.kv_mirror import DecodeMirror, slot_head_rows
 from service.engine.memory import release_freed_memory
 from service.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
-from service.kv.block_pool import KVCacheManager, KVCacheStats, SequenceBlocks
+from service.engine.state_store import StepStates
+from service.kv.block_pool import BlockUpdate
+from service.models.layout import CacheLayout
 
 MIRROR_MAX_BYTES = 1 << 30  # past this (big batch x long rows), decode steps gather instead
 
 
-class OutOfBlocksError(RuntimeError):
-    """The pool has no free block for a reservation (after evicting cold cached prefixes)."""
+class SlotsNotReservedError(RuntimeError):
+    """A step writes positions its row's block table does not cover (a scheduler bug: slots
+    are reserved before the forward is built)."""
 
 
 @dataclass(eq=False)
 class PagedSequenceKV:
-    """One sequence's handle: its block table in the shared pool."""
+    """One sequence's handle: the slots of its latest block table (the table itself comes with
+    each step, from the scheduler's KVCacheManager)."""
 
-    blocks: SequenceBlocks
     slot_cache: tuple[tuple[int, ...], np.ndarray] | None = None  # (block table, its slots)
-
-    @property
-    def num_reserved(self) -> int:
-        """Token positions that have a slot (written or reserved ahead)."""
-        return self.blocks.num_tokens
-
-    @property
-    def block_ids(self) -> list[int]:
-        return self.blocks.block_ids
 
 
 @dataclass
@@ -102,121 +99,81 @@ class PagedKVStorage:
         dtype: mx.Dtype,
         num_blocks: int,
         block_size: int = 16,
-        enable_prefix_caching: bool = True,
         initial_blocks: int = 64,
+        *,
+        decode_attention: str = "gather",
+        in_place: bool = False,
     ) -> None:
+        """decode_attention: how decode steps read K/V ("gather" from the pool, "mirror": a
+        contiguous copy of the batch, service.engine.kv_mirror, "direct": the CUDA kernel reads
+        the pool); in_place: direct decode steps write their K/V with the in-place CUDA kernel
+        (`store_decode_kv`), so steps can overlap. The engine config decides both."""
         if num_blocks < 1:
             raise ValueError(f"a paged pool needs at least one block, got {num_blocks}")
+        if decode_attention not in ("gather", "mirror", "direct"):
+            raise ValueError(f"unknown decode attention {decode_attention!r}")
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.manager = KVCacheManager(
-            num_blocks, block_size, enable_prefix_caching, capacity=min(num_blocks, initial_blocks)
-        )
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * dtype.size
         self.bytes_per_block = block_size * self.bytes_per_token
-        # The budget fixes the logical pool; the physical arrays cover the pool's `capacity`,
-        # which it raises only when every block below it is in use, so an `auto` budget of
-        # many GiB costs nothing until that many blocks are live at once. The physical block
-        # after the last one is the scratch block.
+        # The budget fixes the logical pool; the physical arrays cover the manager's `capacity`
+        # (BlockUpdate), which it raises only when every block below it is in use, so an `auto`
+        # budget of many GiB costs nothing until that many blocks are live at once. The
+        # physical block after the last one is the scratch block.
         self._capacity_blocks = 0
         self._keys: list[mx.array] = []
         self._values: list[mx.array] = []
-        self._ensure_physical()
+        self._grow(min(num_blocks, initial_blocks))
         self._live: set[int] = set()
         self._plan_layout: weakref.ref[StepLayout] | None = None
         self._plan: _StepPlan | None = None
         self._plan_layer = 0  # the last layer that asked for the plan
-        # Set once by the engine that owns the storage (`configure`), from its EngineConfig.
-        self.mirror: DecodeMirror | None = None
-        self.write_in_place = False
-
-    def configure(self, in_place: bool, mirror: bool) -> None:
-        """in_place: decode steps write their K/V with the in-place CUDA kernel
-        (`store_decode_kv`), so steps can overlap; mirror: decode steps attend over a
-        contiguous copy of the batch (service.engine.kv_mirror)."""
+        self.decode_attention = decode_attention
+        self.mirror = DecodeMirror(MIRROR_MAX_BYTES) if decode_attention == "mirror" else None
         self.write_in_place = in_place
-        self.mirror = DecodeMirror(MIRROR_MAX_BYTES) if mirror else None
 
     # -- sequences -------------------------------------------------------------------
-    def new_sequence(self, cache_prefix: bool = True) -> PagedSequenceKV:
-        handle = PagedSequenceKV(self.manager.new_sequence(cache_prefix=cache_prefix))
+    def new_sequence(self) -> PagedSequenceKV:
+        handle = PagedSequenceKV()
         self._live.add(id(handle))
         return handle
 
-    def truncate(self, handle: PagedSequenceKV, num_tokens: int) -> None:
-        """Keep slots for the first num_tokens positions only (rejected draft tokens): the
-        blocks past them go back to the pool."""
-        if num_tokens < handle.blocks.num_tokens:
-            self.manager.truncate(handle.blocks, num_tokens)
-
     def release(self, handle: PagedSequenceKV) -> None:
-        """Free the sequence's blocks; registered full blocks stay cached (evictable, LRU)."""
-        self.manager.free_sequence(handle.blocks)
+        """Forget the sequence (its blocks are the scheduler's to free)."""
         self._live.discard(id(handle))
         if self.mirror is not None and any(h is handle for h in self.mirror.handles):
             self.mirror.clear()  # the batch changed: free the copy now, rebuild when needed
 
-    def fork(self, handle: PagedSequenceKV) -> PagedSequenceKV:
-        """A child sharing all of handle's blocks; whichever writes a shared block copies it."""
-        child = PagedSequenceKV(self.manager.fork(handle.blocks))
-        self._live.add(id(child))
-        return child
+    def apply(self, update: BlockUpdate) -> None:
+        """Before a forward: grow the arrays to the manager's capacity, then copy blocks."""
+        if update.capacity > self._capacity_blocks:
+            self._grow(min(update.capacity, self.num_blocks))
+        self._apply_copies(update.copies)
 
-    def reserve(self, handle: PagedSequenceKV, num_new_tokens: int) -> bool:
-        """Reserve slots for num_new_tokens positions past those already reserved. All or
-        nothing: False (out of blocks, after evicting cold prefixes) changes nothing. Shared
-        blocks in the range are copied on write here, for every layer."""
-        blocks = handle.blocks
-        held = len(blocks.block_ids)
-        if not self.manager.allocate_slots(blocks, num_new_tokens):
-            return False
-        if len(blocks.block_ids) != held or blocks.pending_copies:  # new or copied blocks
-            self._ensure_physical()
-            self._apply_copies(blocks.take_pending_copies())
-        return True
-
-    def ensure_reserved(self, handle: PagedSequenceKV, num_tokens: int) -> bool:
-        """Idempotent form of reserve: make positions 0..num_tokens-1 have slots. The engine
-        calls this before each forward, so a scheduler that reserved ahead costs nothing."""
-        missing = num_tokens - handle.blocks.num_tokens
-        return True if missing <= 0 else self.reserve(handle, missing)
-
-    def blocks_needed(self, handle: PagedSequenceKV, num_tokens: int) -> int:
-        """New blocks positions 0..num_tokens-1 would take beyond those reserved."""
-        missing = num_tokens - handle.blocks.num_tokens
-        return handle.blocks.blocks_needed(missing) if missing > 0 else 0
-
-    def free_blocks(self) -> int:
-        """Blocks that can be handed out now (cached-but-free ones included)."""
-        return self.manager.pool.num_free_blocks
-
-    def capacity_tokens(self) -> int:
-        """The most tokens one sequence could ever hold: the whole pool."""
-        return self.num_blocks * self.block_size
-
-    def can_reserve(self, handle: PagedSequenceKV, num_new_tokens: int) -> bool:
-        needed = self.manager.blocks_required(handle.blocks, num_new_tokens)
-        return self.manager.pool.can_allocate(needed)
-
-    def adopt_prefix(self, handle: PagedSequenceKV, token_ids: Sequence[int]) -> int:
-        """Adopt the cached full blocks that start token_ids (an empty sequence only); returns
-        how many tokens they cover: prefill starts at that position. Never fails for lack of
-        blocks: adopted blocks are held or free already, and nothing new is allocated."""
-        if handle.blocks.block_ids or handle.blocks.num_tokens:
-            raise ValueError("only an empty sequence can adopt a cached prefix")
-        prefix = self.manager.match_prefix(token_ids)
-        if not prefix or not self.manager.allocate_slots(handle.blocks, 0, prefix):
-            return 0
-        return len(prefix) * self.block_size
-
-    def commit_tokens(self, handle: PagedSequenceKV, token_ids: Sequence[int]) -> int:
-        """Register the sequence's full blocks in the prefix cache; token_ids are the tokens
-        whose K/V has been computed (prompt + generated so far). Returns new cache entries."""
-        return self.manager.register_full_blocks(handle.blocks, token_ids)
+    def views(
+        self,
+        layout: StepLayout,
+        cache: CacheLayout,
+        states: StepStates | None,
+        grouped_mask: bool,
+        gather: bool = False,
+    ) -> list[Any]:
+        """The model's cache views for one forward. A decode step (one token per row,
+        unpadded) attends as `decode_attention` says, unless `gather`; everything else
+        gathers."""
+        mode, mirror_mask = "gather", None
+        if not gather and layout.width == 1 and not layout.padded:
+            if self.decode_attention == "direct":
+                mode = "direct"
+            elif self.mirror is not None:
+                step = self.mirror.begin_step(self, layout)
+                if step is not None:
+                    mode, mirror_mask = "mirror", step.mask
+        return make_views(self, cache, layout, states, mode, mirror_mask, grouped_mask)
 
     # -- stats -----------------------------------------------------------------------
     @property
@@ -234,19 +191,17 @@ class PagedKVStorage:
         return self.num_blocks * self.bytes_per_block
 
     @property
+    def capacity_blocks(self) -> int:
+        """Blocks the physical arrays cover now (the scratch block aside)."""
+        return self._capacity_blocks
+
+    @property
     def scratch_slot(self) -> int:
         return self._capacity_blocks * self.block_size
 
     @property
     def num_slots(self) -> int:
         return (self._capacity_blocks + 1) * self.block_size
-
-    @property
-    def used_bytes(self) -> int:
-        return self.manager.pool.num_active_blocks * self.bytes_per_block
-
-    def stats(self) -> KVCacheStats:
-        return self.manager.stats()
 
     # -- the forward -----------------------------------------------------------------
     def write(
@@ -299,11 +254,6 @@ class PagedKVStorage:
         # slower in the CPU attention (a strided K/V view).
         k_rows, v_rows = self.pool_rows(layer)
         return mx.take(k_rows, plan.read, axis=0), mx.take(v_rows, plan.read, axis=0)
-
-    def begin_mirrored_step(self, batch: StepLayout) -> MirrorStep | None:
-        """For a decode step: bring the mirror up to date; None when there is no mirror or
-        the batch would not fit its byte limit (the step gathers instead)."""
-        return self.mirror.begin_step(self, batch) if self.mirror is not None else None
 
     def write_mirrored(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
@@ -364,10 +314,10 @@ class PagedKVStorage:
         """Every layer's K pool, then every layer's V pool."""
         return [*self._keys, *self._values]
 
-    def gather(self, handle: PagedSequenceKV, layer: int, num_tokens: int) -> tuple[mx.array, ...]:
-        """A sequence's first num_tokens K and V of one layer, [kv_heads, num_tokens, head_dim]
-        (for tests and debugging)."""
-        slots = mx.array(self.slots_of(handle, num_tokens))
+    def gather(self, block_ids: Sequence[int], layer: int, num_tokens: int) -> tuple[mx.array, ...]:
+        """The first num_tokens K and V of one layer of the sequence with this block table,
+        [kv_heads, num_tokens, head_dim] (for tests and debugging)."""
+        slots = mx.array(self.slots_of(PagedSequenceKV(), block_ids, num_tokens))
         k = mx.take(self._keys[layer], slots, axis=0).transpose(1, 0, 2)
         v = mx.take(self._values[layer], slots, axis=0).transpose(1, 0, 2)
         return k, v
@@ -382,7 +332,6 @@ class PagedKVStorage:
         self._plan_layer = layer
         if cached is batch and self._plan is not None and not fresh_pass:
             return self._plan
-        self._ensure_physical()  # blocks reserved through the manager directly; moves scratch
         b, n = batch.batch_size, batch.width
         totals = batch.total_lengths
         t = batch.span
@@ -390,24 +339,12 @@ class PagedKVStorage:
         read = np.full((b, t), self.scratch_slot, dtype=np.int32)  # slots, expanded below
         for i, handle in enumerate(batch.handles):
             start, count, end = batch.starts[i], batch.lengths[i], totals[i]
-            if end > handle.blocks.num_tokens:
-                raise ValueError(
-                    f"positions up to {end} written but only {handle.blocks.num_tokens}"
-                    " reserved: call reserve()/ensure_reserved() before the forward"
-                )
-            if handle.blocks.pending_copies:  # reserved through the manager directly
-                self._apply_copies(handle.blocks.take_pending_copies())
-            slots = self.slots_of(handle, end)
+            slots = self.slots_of(handle, batch.block_tables[i], end)
             read[i, :end] = slots
             write[i, :count] = slots[start:end]
         self._plan = _StepPlan(mx.array(write.reshape(-1)), read, totals, self.kv_heads)
         self._plan_layout = weakref.ref(batch)
         return self._plan
-
-    def _ensure_physical(self) -> None:
-        """Grow the arrays to the pool's capacity (raised by an allocation that needed it)."""
-        if self.manager.pool.capacity > self._capacity_blocks:
-            self._grow(self.manager.pool.capacity)
 
     def _grow(self, capacity_blocks: int) -> None:
         """Reallocate the per-layer arrays for `capacity_blocks` (+ scratch), keeping data.
@@ -429,10 +366,17 @@ class PagedKVStorage:
         self._capacity_blocks = capacity_blocks
         release_freed_memory()  # the old arrays: else the process keeps their pages
 
-    def slots_of(self, handle: PagedSequenceKV, num_tokens: int) -> np.ndarray:
-        """Slot of each of the sequence's first num_tokens positions (cached per block table:
-        a decode step reuses it until the table changes)."""
-        key = tuple(handle.blocks.block_ids)
+    def slots_of(
+        self, handle: PagedSequenceKV, block_ids: Sequence[int], num_tokens: int
+    ) -> np.ndarray:
+        """Slot of each of the sequence's first num_tokens positions under its block table
+        (cached in its handle: a decode step reuses it until the table changes)."""
+        if num_tokens > len(block_ids) * self.block_size:
+            raise SlotsNotReservedError(
+                f"positions up to {num_tokens} used but only {len(block_ids)} blocks reserved:"
+                " reserve slots before the forward"
+            )
+        key = tuple(block_ids)
         if handle.slot_cache is None or handle.slot_cache[0] != key:
             size = self.block_size
             table = np.asarray(key, dtype=np.int32)

@@ -1,8 +1,10 @@
 """Paged KV cache bookkeeping: a ref-counted block pool with a chained-hash prefix cache.
 
-Pure Python on purpose (no mlx, no numpy): the engine owns the K/V arrays and asks this module
-which block ids to read, write and copy. The design follows vLLM v1's BlockPool/KVCacheManager
-and nano-vllm's BlockManager:
+Pure Python on purpose (no mlx, no numpy). The scheduler owns the `KVCacheManager`, as vLLM v1's
+scheduler owns its KVCacheManager and nano-vllm's its BlockManager: it admits, adopts prefixes,
+reserves slots, commits, truncates and frees here, and hands the engine each step's block tables
+and a `BlockUpdate` (blocks to copy, how many blocks the K/V arrays must cover). The engine's
+storage owns the K/V arrays and never decides a block id.
 
 - A block is free when its ref_count is 0. A free block that still carries a hash is a cached
   prefix: lookup() finds it and touch() adopts it until allocate() reuses it.
@@ -26,6 +28,7 @@ import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 _HASH_BYTES = 16
 
@@ -147,7 +150,7 @@ class BlockPool:
         return block_ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Adopt blocks by reference: another holder for each (a prefix hit or a fork)."""
+        """Adopt blocks by reference: another holder for each (a prefix hit)."""
         blocks = [self.block(block_id) for block_id in block_ids]
         for block in blocks:  # validate before mutating, so a bad call changes nothing
             if block.ref_count == 0 and block.block_hash is None:
@@ -265,8 +268,6 @@ class SequenceBlocks:
     # Chained hashes of the leading full blocks already registered (or adopted).
     block_hashes: list[int] = field(default_factory=list)
     cache_prefix: bool = True  # register this sequence's full blocks in the prefix cache
-    # (src, dst) block copies the engine must perform before the next forward writes K/V.
-    pending_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         """New blocks to hold num_tokens + num_new_tokens positions."""
@@ -280,13 +281,44 @@ class SequenceBlocks:
             raise IndexError(f"positions [{start}, {start + count}) are not allocated")
         return [self.block_ids[p // size] * size + p % size for p in range(start, start + count)]
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
+
+@dataclass(frozen=True)
+class BlockUpdate:
+    """What the engine's storage must do before a step's forward: grow its K/V arrays to cover
+    `capacity` blocks, then copy whole blocks (src, dst) in order (copy-on-write)."""
+
+    capacity: int = 0
+    copies: tuple[tuple[int, int], ...] = ()
+
+
+class KVManager(Protocol):
+    """The scheduler's KV bookkeeping (one per engine, chosen once): `KVCacheManager` for the
+    paged pool, `UnpagedKV` for storage that grows per sequence without blocks."""
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether `admit` can find cached prompt prefixes."""
+        ...
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    def new_sequence(self, cache_prefix: bool = True) -> SequenceBlocks: ...
+    def admit(
+        self, seq: SequenceBlocks, token_ids: Sequence[int], use_prefix: bool, keep_free: int
+    ) -> int | None: ...
+    def blocks_needed(self, seq: SequenceBlocks, num_tokens: int) -> int: ...
+    def ensure_slots(self, seq: SequenceBlocks, num_tokens: int) -> bool: ...
+    def register_full_blocks(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> int: ...
+    def truncate(self, seq: SequenceBlocks, num_tokens: int) -> None: ...
+    def free_sequence(self, seq: SequenceBlocks) -> None: ...
+    def take_update(self) -> BlockUpdate: ...
 
 
 class KVCacheManager:
-    """The engine's view: sequences grow, share prompt prefixes, fork and get freed."""
+    """The scheduler's view of the pool: sequences grow, share prompt prefixes, roll back and
+    get freed. Block copies and capacity growth accumulate until `take_update`."""
 
     def __init__(
         self,
@@ -301,9 +333,61 @@ class KVCacheManager:
         self.prefix_lookups = 0
         self.prefix_hits = 0
         self.prefix_hit_tokens = 0
+        # (src, dst) copies the engine must perform before the next forward writes K/V.
+        self._pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.enable_prefix_caching
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_total_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached-but-free ones included)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence could ever hold: the whole pool."""
+        return self.num_blocks * self.block_size
 
     def new_sequence(self, cache_prefix: bool = True) -> SequenceBlocks:
         return SequenceBlocks(self.block_size, cache_prefix=cache_prefix)
+
+    def admit(
+        self, seq: SequenceBlocks, token_ids: Sequence[int], use_prefix: bool, keep_free: int
+    ) -> int | None:
+        """Give an empty sequence slots for all of token_ids: adopt the cached full blocks that
+        start them (when use_prefix) and reserve the rest, leaving at least keep_free blocks
+        free. Returns how many tokens the adopted blocks cover (prefill starts there), or None
+        (nothing changed) when the blocks are short."""
+        if seq.block_ids or seq.num_tokens:
+            raise ValueError("only an empty sequence can be admitted")
+        prefix = self.match_prefix(token_ids) if use_prefix else []
+        cached = len(prefix) * self.block_size
+        needed = self.blocks_required(seq, len(token_ids) - cached, prefix)
+        if needed > self.pool.num_free_blocks - keep_free:
+            return None
+        assert self.allocate_slots(seq, len(token_ids) - cached, prefix)
+        return cached
+
+    def blocks_needed(self, seq: SequenceBlocks, num_tokens: int) -> int:
+        """New blocks positions 0..num_tokens-1 would take beyond those reserved."""
+        missing = num_tokens - seq.num_tokens
+        return seq.blocks_needed(missing) if missing > 0 else 0
+
+    def ensure_slots(self, seq: SequenceBlocks, num_tokens: int) -> bool:
+        """Make positions 0..num_tokens-1 have slots (idempotent; all or nothing)."""
+        missing = num_tokens - seq.num_tokens
+        return True if missing <= 0 else self.allocate_slots(seq, missing)
+
+    def take_update(self) -> BlockUpdate:
+        """What the storage must do before the next forward (and forget it here)."""
+        copies, self._pending_copies = self._pending_copies, []
+        return BlockUpdate(self.pool.capacity, tuple(copies))
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Blocks of the longest cached run of full blocks that starts token_ids. At most
@@ -347,7 +431,7 @@ class KVCacheManager:
     ) -> bool:
         """Reserve slots for num_new_tokens more positions (after adopting prefix_blocks, from
         match_prefix, into an empty seq). All or nothing: False leaves everything unchanged.
-        Shared blocks in the written range are copied on write; see seq.pending_copies."""
+        Shared blocks in the written range are copied on write (see take_update)."""
         if num_new_tokens < 0:
             raise ValueError(f"cannot reserve {num_new_tokens} tokens")
         if not prefix_blocks and seq.num_tokens + num_new_tokens <= len(seq.block_ids) * (
@@ -380,7 +464,7 @@ class KVCacheManager:
             assert result is not None, "copies were reserved above"
             new_id, copied = result
             if copied:
-                seq.pending_copies.append((seq.block_ids[index], new_id))
+                self._pending_copies.append((seq.block_ids[index], new_id))
                 seq.block_ids[index] = new_id
         new_ids = self.pool.allocate(seq.blocks_needed(num_new_tokens))
         assert new_ids is not None, "growth was reserved above"
@@ -402,16 +486,6 @@ class KVCacheManager:
             registered += self.pool.cache_full_block(seq.block_ids[index], block_hash)
         return registered
 
-    def fork(self, seq: SequenceBlocks) -> SequenceBlocks:
-        """A child sharing all of seq's blocks (e.g. parallel sampling); writes copy on write."""
-        self.pool.touch(seq.block_ids)
-        return replace(
-            seq,
-            block_ids=list(seq.block_ids),
-            block_hashes=list(seq.block_hashes),
-            pending_copies=[],
-        )
-
     def truncate(self, seq: SequenceBlocks, num_tokens: int) -> None:
         """Roll seq back to num_tokens positions (e.g. rejected draft tokens)."""
         if not 0 <= num_tokens <= seq.num_tokens:
@@ -428,7 +502,6 @@ class KVCacheManager:
         self.pool.free(reversed(seq.block_ids))
         seq.block_ids.clear()
         seq.block_hashes.clear()
-        seq.pending_copies.clear()
         seq.num_tokens = 0
 
     def stats(self) -> KVCacheStats:
@@ -450,3 +523,39 @@ class KVCacheManager:
         block_hash = self.pool.block(block_id).block_hash
         assert block_hash is not None
         return block_hash
+
+
+class UnpagedKV:
+    """The KVManager of storage without blocks (dense arrays per sequence, mlx-lm's own caches):
+    each sequence's storage grows as it is written, with no pool to share, budget or copy, so
+    every reservation succeeds and no block is ever needed, free or cached."""
+
+    prefix_caching = False
+    num_blocks = 0
+    num_free_blocks = 0
+
+    def new_sequence(self, cache_prefix: bool = True) -> SequenceBlocks:
+        return SequenceBlocks(block_size=1, cache_prefix=False)
+
+    def admit(
+        self, seq: SequenceBlocks, token_ids: Sequence[int], use_prefix: bool, keep_free: int
+    ) -> int | None:
+        return 0
+
+    def blocks_needed(self, seq: SequenceBlocks, num_tokens: int) -> int:
+        return 0
+
+    def ensure_slots(self, seq: SequenceBlocks, num_tokens: int) -> bool:
+        return True
+
+    def register_full_blocks(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> int:
+        return 0
+
+    def truncate(self, seq: SequenceBlocks, num_tokens: int) -> None:
+        pass
+
+    def free_sequence(self, seq: SequenceBlocks) -> None:
+        pass
+
+    def take_update(self) -> BlockUpdate:
+        return BlockUpdate()

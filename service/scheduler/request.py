@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import msgspec
 
 from service.engine.params import SamplingParams
+from service.kv.block_pool import SequenceBlocks
 
 
 class SequenceStatus(enum.Enum):
@@ -110,6 +111,7 @@ class Request:
     num_computed: int = 0  # tokens (prompt + generated) whose K/V are in the cache
     cached_tokens: int = 0  # prompt tokens adopted from the prefix cache
     engine_seq: Any = None
+    blocks: SequenceBlocks | None = None  # its KV block table (the scheduler's KVManager)
     admitted_at: float | None = None
     first_token_at: float | None = None
     finish_reason: FinishReason | None = None

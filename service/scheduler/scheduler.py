@@ -10,6 +10,13 @@ Decode is pipelined: when a tick only decodes, step N+1 is built while step N ru
 and dispatched as soon as N's tokens are read, or before they are read where the
 engine's overlap_steps allows it (in-place pool writes on CUDA), so Python
 bookkeeping overlaps device work.
+
+The scheduler owns the KV cache manager (service.kv.block_pool), as vLLM v1's and nano-vllm's
+schedulers do: it adopts cached prefixes and reserves a prompt's slots at admission, reserves
+each decode step's slot (preempting when blocks run short), registers computed full blocks in
+the prefix cache, gives back the slots of rejected draft tokens, and frees a sequence's blocks
+when it finishes or is preempted. Each forward gets its rows' block tables and the manager's
+pending `BlockUpdate`; the engine only runs forwards.
 """
 
 from __future__ import annotations
@@ -29,11 +36,11 @@ import structlog
 from service.engine.engine import (
     DraftRow,
     Engine,
-    EngineSequence,
     PendingStep,
     RowResult,
     StepRow,
 )
+from service.kv.block_pool import KVManager
 from service.scheduler.prefill_cost import PrefillCostModel, RowShape, RunningMedian
 from service.scheduler.prefill_plan import PrefillPlan
 from service.scheduler.prompt_lookup import NgramIndex
@@ -158,15 +165,20 @@ class Scheduler:
         engine: Engine,
         config: SchedulerConfig,
         eos_token_ids: frozenset[int],
+        *,
+        kv: KVManager,
         on_health: Callable[[bool], None] | None = None,
         on_tick: Callable[[Scheduler], None] | None = None,
         fatal_errors: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """on_health: told (on the scheduler thread) when the engine turns unhealthy or
-        healthy again; on_tick: called after each tick's outputs are delivered (and before
-        the loop blocks when idle), on the scheduler thread: where stats are published."""
+        """kv: the KV manager of the engine's storage (a KVCacheManager for the paged pool,
+        UnpagedKV for storage without blocks); on_health: told (on the scheduler thread) when
+        the engine turns unhealthy or healthy again; on_tick: called after each tick's outputs
+        are delivered (and before the loop blocks when idle), on the scheduler thread: where
+        stats are published."""
         self.engine = engine
+        self.kv = kv
         self._clock = clock  # times forwards for the stall bound (a fake one in tests)
         self.costs = PrefillCosts()
         self._on_health = on_health
@@ -308,7 +320,7 @@ class Scheduler:
             self._running.append(seq)
             admitted.append(seq)
             # The prefix-cache lookup of this admission, in tokens (what the metrics count).
-            looked_up = seq.request.cache_prompt and self.engine.prefix_caching
+            looked_up = seq.request.cache_prompt and self.kv.prefix_caching
             self._event(
                 seq,
                 "admitted" if first else "resumed",
@@ -324,9 +336,19 @@ class Scheduler:
         return seq
 
     def _start_sequence(self, seq: Request) -> bool:
-        """Give a waiting sequence its engine state: adopt a cached prefix, reserve KV blocks
-        for the rest of its prompt, plan its prefill. False (nothing held) if blocks are short."""
+        """Give a waiting sequence its KV blocks and engine state: adopt a cached prefix,
+        reserve the rest of its prompt's slots now (prefill chunks then never run out), plan its
+        prefill. While a batch decodes, --kv-admission-watermark of the pool stays free for the
+        running rows. False (nothing held) if blocks are short."""
         req = seq.request
+        tokens = seq.all_token_ids
+        blocks = self.kv.new_sequence(cache_prefix=req.cache_prompt)
+        keep_free = 0
+        if any(s.status is SequenceStatus.DECODING for s in self._running):
+            keep_free = int(self.config.kv_admission_watermark * self.kv.num_blocks)
+        cached = self.kv.admit(blocks, tokens, req.cache_prompt, keep_free)
+        if cached is None:
+            return False
         engine_seq = self.engine.add_sequence(
             req.request_id,
             req.sampling,
@@ -334,14 +356,10 @@ class Scheduler:
             want_logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
             sampler=seq.sampler_state,
-            cache_prefix=req.cache_prompt,
+            num_cached=cached,
         )
-        tokens = seq.all_token_ids
-        cached = self.engine.adopt_prefix(engine_seq, tokens) if req.cache_prompt else 0
-        if not self._reserve_prompt_blocks(engine_seq, len(tokens) - cached):
-            self.engine.release(engine_seq)
-            return False
         seq.engine_seq = engine_seq
+        seq.blocks = blocks
         seq.sampler_state = engine_seq.sampler  # survives a preemption
         if seq.admitted_at is None:
             seq.cached_tokens = cached
@@ -349,17 +367,12 @@ class Scheduler:
         seq.num_computed = cached
         return True
 
-    def _reserve_prompt_blocks(self, engine_seq: EngineSequence, num_tokens: int) -> bool:
-        """Reserve the prompt's blocks now (prefill chunks then never run out); while a batch
-        decodes, keep --kv-admission-watermark of the pool free for the running rows."""
-        free = self.engine.free_blocks()
-        if free is None:
-            return True
-        needed = self.engine.blocks_needed(engine_seq, num_tokens)
-        if any(s.status is SequenceStatus.DECODING for s in self._running):
-            total = self.engine.storage.num_blocks
-            free -= int(self.config.kv_admission_watermark * total)
-        return needed <= free and self.engine.reserve(engine_seq, num_tokens)
+    def _commit(self, seq: Request) -> None:
+        """Offer the sequence's computed full blocks to the prefix cache."""
+        if seq.request.cache_prompt:
+            assert seq.blocks is not None
+            computed = seq.all_token_ids[: seq.engine_seq.num_cached]
+            self.kv.register_full_blocks(seq.blocks, computed)
 
     def chunk_size(self) -> int | None:
         """Tokens per prefill chunk now (at most, while the stall bound sizes the chunks);
@@ -439,7 +452,8 @@ class Scheduler:
                 continue  # parked this tick: the batch's token budget is spent
             tokens = seq.all_token_ids[start:end]
             done = end >= seq.plan.total_tokens
-            rows.append(StepRow(seq.engine_seq, tokens, sample=done))
+            assert seq.blocks is not None  # the whole prompt was reserved at admission
+            rows.append(StepRow(seq.engine_seq, tokens, done, seq.blocks.block_ids))
             chosen.append(seq)
             planned.append((len(tokens), start))
             total += len(tokens)
@@ -457,8 +471,7 @@ class Scheduler:
                 self._finish(seq, FinishReason.ERROR, error=result.error)
                 continue
             seq.num_computed += len(row.tokens or ())
-            if seq.request.cache_prompt:
-                self.engine.commit_tokens(seq.engine_seq, seq.all_token_ids)
+            self._commit(seq)
             self._event(
                 seq, "prefill_chunk", tokens=len(row.tokens or ()), context=seq.num_computed
             )
@@ -476,7 +489,7 @@ class Scheduler:
             shape = [(len(r.tokens or ()), r.seq.num_cached) for r in group]
             predicted = self.costs.model.predict(shape) if budget is not None else None
             started = self._clock()
-            out = self.engine.prefill(group)
+            out = self.engine.prefill(group, self.kv.take_update())
             seconds = self._clock() - started
             results += out
             self.costs.prefill_since_read += seconds
@@ -515,7 +528,9 @@ class Scheduler:
         if self._inflight is None:
             if rows:
                 self._touched = rows
-                self._inflight = self.engine.submit([StepRow(s.engine_seq) for s in rows])
+                self._inflight = self.engine.submit(
+                    [self._decode_row(s) for s in rows], update=self.kv.take_update()
+                )
             return
         # Queue the next step for rows that will surely need one, then read the current step.
         inflight_ids = {id(r.seq) for r in self._inflight.rows}
@@ -526,12 +541,19 @@ class Scheduler:
             and s.num_generated + 1 < s.request.max_tokens
             and s.prompt_len + s.num_generated + 1 < self.config.slot_context
         ]
-        rows_next = [StepRow(s.engine_seq) for s in continuing]
+        rows_next = [self._decode_row(s) for s in continuing]
         self._touched = rows
         overlap = self.engine.config.overlap_steps
-        nxt = self.engine.submit(rows_next, dispatch=overlap) if continuing else None
+        nxt = None
+        if continuing:
+            nxt = self.engine.submit(rows_next, dispatch=overlap, update=self.kv.take_update())
         self._complete_inflight(then_dispatch=None if overlap else nxt)
         self._inflight = nxt
+
+    @staticmethod
+    def _decode_row(seq: Request) -> StepRow:
+        assert seq.blocks is not None
+        return StepRow(seq.engine_seq, block_ids=seq.blocks.block_ids)
 
     def _draft(self, seq: Request, spec: SpeculationConfig) -> list[int]:
         """Prompt-lookup draft tokens for a decoding row (none when it may not speculate)."""
@@ -553,14 +575,26 @@ class Scheduler:
         return seq.lookup.propose(room)
 
     def _verify(self, rows: list[Request], drafts: list[list[int]]) -> None:
-        """One forward checks every row's draft (rows without one take a plain step in it)."""
+        """One forward checks every row's draft (rows without one take a plain step in it).
+        A draft gets slots if the pool has them (else the row takes a plain step); the slots
+        of the drafts the model rejects go back to the pool."""
         self._touched = rows
-        results = self.engine.verify(
-            [DraftRow(s.engine_seq, s.output_token_ids[-1], d) for s, d in zip(rows, drafts)]
-        )
+        draft_rows = []
+        for s, draft in zip(rows, drafts):
+            assert s.blocks is not None
+            if not self.kv.ensure_slots(s.blocks, s.engine_seq.num_cached + 1 + len(draft)):
+                draft = []  # the next token's slot is reserved already
+            draft_rows.append(
+                DraftRow(s.engine_seq, s.output_token_ids[-1], draft, s.blocks.block_ids)
+            )
+        results = self.engine.verify(draft_rows, self.kv.take_update())
         self.costs.decode_read(self._clock())  # a verify round is one step as the streams see it
         self._record_results([r for v in results for r in v.results])
         by_engine_seq = {id(s.engine_seq): s for s in rows}
+        for verified in results:
+            seq = by_engine_seq[id(verified.seq)]
+            assert seq.blocks is not None
+            self.kv.truncate(seq.blocks, verified.seq.num_cached)
         for verified in results:
             seq = by_engine_seq[id(verified.seq)]
             seq.drafted_tokens += verified.drafted
@@ -576,11 +610,10 @@ class Scheduler:
         running sequence with the least progress until the rest fit."""
         while True:
             decoding = [s for s in self._running if s.status is SequenceStatus.DECODING]
-            free = self.engine.free_blocks()
-            if free is None or not decoding:
+            if not decoding:
                 return
-            needed = sum(self.engine.blocks_needed(s.engine_seq, 1) for s in decoding)
-            if needed <= free or len(self._running) <= 1:
+            needed = sum(self._blocks_for_next_token(s) for s in decoding)
+            if needed <= self.kv.num_free_blocks or len(self._running) <= 1:
                 break
             victim = min(
                 self._running,
@@ -589,8 +622,15 @@ class Scheduler:
             log.info("KV blocks short: preempting", request_id=victim.request_id)
             self.preempt(victim)
         for seq in decoding:
-            if not self.engine.reserve(seq.engine_seq, 1):
+            assert seq.blocks is not None
+            if not self.kv.ensure_slots(seq.blocks, seq.engine_seq.num_cached + 1):
                 self._finish(seq, FinishReason.ERROR, error="KV cache exhausted")
+
+    def _blocks_for_next_token(self, seq: Request) -> int:
+        """New blocks a decoding row's next step needs: a slot for the position after those
+        already fed (the step in flight included)."""
+        assert seq.blocks is not None
+        return self.kv.blocks_needed(seq.blocks, seq.engine_seq.num_cached + 1)
 
     def _complete_inflight(self, then_dispatch: PendingStep | None = None) -> None:
         """Read the in-flight step's tokens; queue `then_dispatch` as soon as they are read."""
@@ -698,6 +738,9 @@ class Scheduler:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if seq.blocks is not None:
+            self.kv.free_sequence(seq.blocks)
+            seq.blocks = None
         if seq.engine_seq is not None:
             self.engine.release(seq.engine_seq)
         if seq in self._running:
@@ -737,11 +780,13 @@ class Scheduler:
             error=error,
         )
 
-    def _release_kv(self, seq: Request, keep_prefix: bool = True) -> None:
-        """Free a sequence's KV; its computed full blocks stay in the prefix cache (evictable)
-        so a resumed or follow-up request can adopt them."""
-        if keep_prefix and seq.request.cache_prompt:
-            self.engine.commit_tokens(seq.engine_seq, seq.all_token_ids)
+    def _release_kv(self, seq: Request) -> None:
+        """Free a preempted sequence's KV; its computed full blocks stay in the prefix cache
+        (evictable) so the resumed request (or a follow-up) can adopt them."""
+        assert seq.blocks is not None
+        self._commit(seq)
+        self.kv.free_sequence(seq.blocks)
+        seq.blocks = None
         self.engine.release(seq.engine_seq, final=False)
         seq.engine_seq = None
 
