@@ -52,8 +52,12 @@ def tp_model(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_tp2_batched_greedy_equals_one_rank(tp_model) -> None:
-    prompts = {k: v for k, v in model_zoo.prompts(TP_LLAMA).items() if k != "prefix_b"}
-    want = model_zoo.reference(tp_model, prompts, max_tokens=12)
+    """Concurrent requests give one rank's tokens; then a prompt sharing prefix_a's first two
+    blocks adopts them on every rank (rank 0's block tables travel with each step) and still
+    gives one rank's tokens."""
+    everything = model_zoo.prompts(TP_LLAMA)
+    want = model_zoo.reference(tp_model, everything, max_tokens=12)
+    prompts = {k: v for k, v in everything.items() if k != "prefix_b"}
     with running_server(
         "--model", str(tp_model), "--tensor-parallel", "2", "--parallel", "4",
         "--log-format", "json",
@@ -77,6 +81,11 @@ def test_tp2_batched_greedy_equals_one_rank(tp_model) -> None:
                 )
             print(f"TP=2 vs one rank: tokens equal, largest logprob difference {margin:.2e}")
             assert margin < 1e-4
+            adopting = stub.Generate(
+                model_zoo.request(everything["prefix_b"], "prefix_b", 12), timeout=120
+            )
+            assert adopting.usage.cached_tokens == 32
+            assert list(adopting.token_ids) == want["prefix_b"].token_ids
             stats = stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
             assert stats.active_sequences == 0 and stats.active_blocks == 0
 
