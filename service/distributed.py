@@ -155,7 +155,7 @@ def agree(value: int, group: Any) -> int:
 
 class ReplicatedEngine:
     """Rank 0's engine: the local Engine, with every state-changing call sent to the
-    followers first (service.engine.engine.Engine's interface, as the scheduler uses it)."""
+    followers first (service.engine.engine.ForwardEngine, what the scheduler calls)."""
 
     def __init__(self, engine: Engine, run_dir: Path, size: int) -> None:
         self._engine = engine

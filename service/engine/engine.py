@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import structlog
@@ -113,6 +113,41 @@ class PendingStep:
 
 # Test hook: (sequence, "build" | "evaluate") -> whether that stage fails for it.
 FaultInjector = Callable[[EngineSequence, str], bool]
+
+
+class ForwardEngine(Protocol):
+    """What the scheduler calls on an engine (`Engine`, or service.distributed's
+    `ReplicatedEngine` under tensor parallel): forwards, and the per-sequence state they run
+    on. KV block bookkeeping is not here: the scheduler's KVManager does it and hands each
+    forward its rows' block tables and a BlockUpdate."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def batched(self) -> bool: ...
+
+    def add_sequence(
+        self,
+        seq_id: str,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        *,
+        want_logprobs: bool = False,
+        top_logprobs: int = 0,
+        sampler: RowSamplerState | None = None,
+        num_cached: int = 0,
+    ) -> EngineSequence: ...
+    def release(self, seq: EngineSequence, final: bool = True) -> None: ...
+    def submit(
+        self, rows: list[StepRow], dispatch: bool = True, update: BlockUpdate | None = None
+    ) -> PendingStep: ...
+    def dispatch(self, pending: PendingStep) -> PendingStep: ...
+    def finish_rows(self, pending: PendingStep) -> list[RowResult]: ...
+    def verify(self, rows: list[DraftRow], update: BlockUpdate | None = None) -> list[Verified]: ...
+    def prefill(
+        self, rows: list[StepRow], update: BlockUpdate | None = None
+    ) -> list[RowResult]: ...
 
 
 def shape_bucket(n: int) -> int:

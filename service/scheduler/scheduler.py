@@ -35,7 +35,7 @@ import structlog
 
 from service.engine.engine import (
     DraftRow,
-    Engine,
+    ForwardEngine,
     PendingStep,
     RowResult,
     StepRow,
@@ -162,7 +162,7 @@ _STOP = object()
 class Scheduler:
     def __init__(
         self,
-        engine: Engine,
+        engine: ForwardEngine,
         config: SchedulerConfig,
         eos_token_ids: frozenset[int],
         *,
