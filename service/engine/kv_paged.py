@@ -187,10 +187,6 @@ class PagedKVStorage:
         return (self._capacity_blocks + 1) * self.bytes_per_block + mirror
 
     @property
-    def budget_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
-
-    @property
     def capacity_blocks(self) -> int:
         """Blocks the physical arrays cover now (the scratch block aside)."""
         return self._capacity_blocks
