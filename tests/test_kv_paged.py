@@ -279,6 +279,12 @@ def test_block_update_grows_the_arrays_and_keeps_data():
     assert mx.array_equal(k, written)
     storage.apply(BlockUpdate(capacity=1000))  # never past the pool's blocks
     assert storage.capacity_blocks == 64
+    # A table naming blocks the arrays do not cover yet (its update not applied) is refused.
+    small = paged(num_blocks=64, block_size=4, initial_blocks=2)
+    step = StepLayout([small.new_sequence()], [0], [1], [[5]])
+    one = mx.zeros((1, KV_HEADS, 1, HEAD_DIM))
+    with pytest.raises(SlotsNotReservedError, match="update"):
+        small.write_and_gather(0, step, one, one)
 
 
 def test_decode_step_updates_pool_in_place(model):

@@ -374,6 +374,11 @@ class PagedKVStorage:
             )
         key = tuple(block_ids)
         if handle.slot_cache is None or handle.slot_cache[0] != key:
+            if key and max(key) >= self._capacity_blocks:
+                raise SlotsNotReservedError(
+                    f"block {max(key)} is past the arrays' {self._capacity_blocks} blocks:"
+                    " apply the KV manager's update before the forward"
+                )
             size = self.block_size
             table = np.asarray(key, dtype=np.int32)
             slots = (table[:, None] * size + np.arange(size, dtype=np.int32)).reshape(-1)
