@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 50051
 PROTO_SRC := protos/mlxserve/v1/generation.proto
 
-# MLX's CPU backend is fast only with OpenBLAS preloaded (SPEC §8); service/blas.py holds the logic.
+# MLX's CPU backend is fast only with OpenBLAS preloaded (docs/cpu-backend.md); service/blas.py holds the logic.
 BLAS_ENV = $$($(PY) -m service.blas --env)
 
 BUF := .tools/node_modules/.bin/buf

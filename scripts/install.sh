@@ -11,7 +11,7 @@ if [ -z "${MLX_EXTRA:-}" ]; then
 fi
 extras="dev${MLX_EXTRA:+,$MLX_EXTRA}"
 
-# OpenBLAS makes MLX's Linux CPU backend ~50x faster than the bundled reference BLAS (SPEC §8).
+# OpenBLAS makes MLX's Linux CPU backend ~50x faster than the bundled reference BLAS (docs/cpu-backend.md).
 if [ "$(uname -s)" = "Linux" ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] \
    && [ ! -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

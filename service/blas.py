@@ -1,7 +1,7 @@
 """OpenBLAS for MLX's Linux CPU backend.
 
-The PyPI CPU wheel of MLX links the netlib reference BLAS (~4 GFLOP/s on these
-machines). Preloading Debian's OpenBLAS gives ~230 GFLOP/s (SPEC §8). The
+The PyPI CPU wheel of MLX links the netlib reference BLAS, far too slow to serve a
+model; preloading Debian's OpenBLAS fixes that (docs/cpu-backend.md). The
 dynamic loader reads LD_PRELOAD only at process start, so the server re-executes
 itself once with the variables set; `python -m service.blas --env` prints them
 for the Makefile.

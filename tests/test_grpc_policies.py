@@ -1,4 +1,4 @@
-"""Scheduler policies through real gRPC on the embedded SmolLM2 (SPEC §3, §5; issue 4):
+"""Scheduler policies through real gRPC on the embedded SmolLM2 (docs/scheduler.md):
 chunked prefill interleaved with decode steps, chunks sized by the prefill stall bound
 (issue 14), priority preemption, the per-slot context budget, --no-batch, and deterministic
 CLI == server."""

@@ -1,6 +1,6 @@
 """PrefillPlan: which tokens a prefill still has to compute, cut into chunks aligned to multiples
 of the chunk size counted from position 0 (so an adopted prefix that ends on a boundary leaves
-exactly the chunks a cold run would run after it; SPEC §5)."""
+exactly the chunks a cold run would run after it; docs/scheduler.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduler policies (SPEC §3, issue 4) on the fake engine of test_scheduler, tick by tick:
+"""Scheduler policies (docs/scheduler.md) on the fake engine of test_scheduler, tick by tick:
 adaptive / fixed / disabled chunking, chunks sized by the prefill stall bound on a fake clock
 (issue 14), decode steps between the chunks of a long prompt, the prefill grant interval,
 batched prefill and its token cap, priority order, and preemption (victim choice per policy;

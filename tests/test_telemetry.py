@@ -1,4 +1,4 @@
-"""Observability end to end (SPEC §6): a real server exports spans over OTLP/gRPC to a receiver
+"""Observability end to end (README, "Observability"): a real server exports spans over OTLP/gRPC to a receiver
 in this process, serves Prometheus metrics over HTTP (scraped by a real Prometheus too), and
 logs JSON lines carrying trace ids."""
 

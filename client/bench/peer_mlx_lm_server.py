@@ -8,7 +8,7 @@ before calling `mlx_lm.server.main()`:
   builds (`make_stop_sequences`), so every request runs to max_tokens like ours (stop words would
   still apply; the plan sends none). Without it the harness still counts tokens from `usage`.
 - `--backlog N`: `http.server` listens with a backlog of 5, so 32-64 clients connecting at once
-  get connection resets (SPEC §9); the launcher raises the listen backlog. Nothing in the request
+  get connection resets; the launcher raises the listen backlog. Nothing in the request
   path changes.
 
 Requests are OpenAI-style streaming chat completions (`stream: true`, `stream_options:

@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 def mlx_env() -> dict[str, str]:
-    """This environment plus OpenBLAS preloaded for MLX's CPU backend (SPEC §8)."""
+    """This environment plus OpenBLAS preloaded for MLX's CPU backend (docs/cpu-backend.md)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     try:

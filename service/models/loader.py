@@ -56,7 +56,7 @@ class LoadedModel:
 
 
 def default_dtype() -> mx.Dtype:
-    # On CPU only float32 is fast (SPEC §8); on a GPU bfloat16.
+    # On CPU only float32 is fast (docs/cpu-backend.md); on a GPU bfloat16.
     return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
 
 
