@@ -1,6 +1,6 @@
-"""Observability end to end (README, "Observability"): a real server exports spans over OTLP/gRPC to a receiver
-in this process, serves Prometheus metrics over HTTP (scraped by a real Prometheus too), and
-logs JSON lines carrying trace ids."""
+"""Observability end to end (README, "Observability"): a real server exports spans over
+OTLP/gRPC to a receiver in this process, serves Prometheus metrics over HTTP (scraped by a real
+Prometheus too), and logs JSON lines carrying trace ids."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Chunk boundaries are aligned to multiples of the chunk size counted from the start of the
 sequence, not from the end of an adopted prefix. A request that adopts a cached prefix ending
 on a chunk boundary therefore runs exactly the chunks a cold run would run after it, which is
-what makes its output identical to the cold run (docs/scheduler.md, Parity). The CLI and the server both plan
-through this module.
+what makes its output identical to the cold run (docs/scheduler.md, Parity). The CLI and
+the server both plan through this module.
 """
 
 from __future__ import annotations
