@@ -379,6 +379,29 @@ def scrape_metrics(url: str) -> MetricSamples:
     }
 
 
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    """Poll `predicate` until it returns something truthy (returned); fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return result
+
+
+def wait_idle(
+    stub: pb_grpc.GenerationServiceStub, timeout: float = 20.0, *, free_blocks: bool = False
+) -> pb.CacheStatsResponse:
+    """CacheStats once nothing runs or waits (and, with `free_blocks`, no block is held by a
+    running request); fails after `timeout`."""
+
+    def idle() -> pb.CacheStatsResponse | None:
+        stats = stub.CacheStats(pb.CacheStatsRequest(), timeout=5)
+        busy = stats.active_sequences or stats.queued_requests
+        return None if busy or (free_blocks and stats.active_blocks) else stats
+
+    return wait_until(idle, "the server to be idle", timeout)
+
+
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"  # the `model` label of its metrics
 
 

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +37,7 @@ from tests.conftest import (
     free_port,
     running_replicas,
     to_stream,
+    wait_until,
 )
 
 NGINX_CONF = REPO_ROOT / "deploy" / "nginx" / "mlxserve.conf"
@@ -146,13 +147,6 @@ def queued_ids(server: ServerProcess) -> set[str]:
     return {r["request_id"] for r in server.records() if r.get("event") == "request queued"}
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_nginx_fails_over_when_a_replica_is_killed(tmp_path: Path) -> None:
     # One sequence per replica at a time, so each replica has one call running and one queued.
     flags = ("--parallel", "1", "--log-format", "json")
@@ -168,7 +162,9 @@ def test_nginx_fails_over_when_a_replica_is_killed(tmp_path: Path) -> None:
         for t in threads:
             t.start()
         # nginx alternates: two calls per replica, one running and one queued behind it.
-        wait_until(lambda: len(queued_ids(victim) | queued_ids(survivor)) == 4, "4 queued")
+        wait_until(
+            lambda: len(queued_ids(victim) | queued_ids(survivor)) == 4, "4 queued", DEADLINE_S
+        )
         on_victim = [c for c in calls if c.request_id in queued_ids(victim)]
         assert len(on_victim) == 2, "nginx did not alternate between the replicas"
         # And one straight to the victim, without nginx: queued third there.
@@ -179,8 +175,8 @@ def test_nginx_fails_over_when_a_replica_is_killed(tmp_path: Path) -> None:
             )
         )
         threads[-1].start()
-        wait_until(lambda: "direct" in queued_ids(victim), "the direct call queued")
-        wait_until(lambda: any(c.tokens for c in on_victim), "a token from the victim")
+        wait_until(lambda: "direct" in queued_ids(victim), "the direct call queued", DEADLINE_S)
+        wait_until(lambda: any(c.tokens for c in on_victim), "a token from the victim", DEADLINE_S)
 
         killed_at = time.monotonic()
         victim.kill_process_group()
@@ -193,7 +189,11 @@ def test_nginx_fails_over_when_a_replica_is_killed(tmp_path: Path) -> None:
                 chat_request("Say hi.", max_tokens=2, request_id=request_id), timeout=DEADLINE_S
             )
             if routed_after is None:
-                wait_until(lambda: "new-0" in queued_ids(survivor), "the survivor queued a call")
+                wait_until(
+                    lambda: "new-0" in queued_ids(survivor),
+                    "the survivor queued a call",
+                    DEADLINE_S,
+                )
                 routed_after = time.monotonic() - killed_at
             reply = future.result()
             assert reply.request_id == request_id and reply.token_ids

@@ -4,7 +4,6 @@ and a tight budget under which every request still completes without leaking blo
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -22,6 +21,7 @@ from tests.conftest import (
     running_server,
     scrape_metrics,
     to_stream,
+    wait_idle,
     with_id,
 )
 
@@ -46,16 +46,6 @@ QUESTIONS = [
 
 def _stats(stub: pb_grpc.GenerationServiceStub) -> pb.CacheStatsResponse:
     return stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
-
-
-def _wait_idle(stub: pb_grpc.GenerationServiceStub, timeout: float = 20.0) -> pb.CacheStatsResponse:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = _stats(stub)
-        if stats.active_sequences == 0 and stats.queued_requests == 0:
-            return stats
-        assert time.monotonic() < deadline, f"server not idle: {stats}"
-        time.sleep(0.05)
 
 
 def _active_bytes_with(
@@ -83,7 +73,7 @@ def _active_bytes_with(
     assert stats.active_sequences == len(requests)
     for call in calls:
         call.cancel()
-    _wait_idle(stub)
+    wait_idle(stub)
     return stats.used_bytes
 
 
@@ -181,7 +171,7 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
         for r in results.values():
             assert r.finish_reason == pb.FINISH_REASON_LENGTH
             assert r.usage.completion_tokens == 72
-        idle = _wait_idle(stub)
+        idle = wait_idle(stub)
         assert idle.active_blocks == 0
         assert idle.free_blocks == idle.total_blocks
         assert idle.preemptions >= 1  # the budget really was tight

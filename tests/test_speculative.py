@@ -4,7 +4,6 @@ real server the same greedy tokens as without it."""
 from __future__ import annotations
 
 import collections
-import time
 
 import grpc
 import mlx.core as mx
@@ -25,6 +24,7 @@ from tests.conftest import (
     running_server,
     scrape_metrics,
     to_stream,
+    wait_idle,
 )
 from tests.tiny import PROMPTS, make_engine, paged, prompt, tiny_llama
 
@@ -208,8 +208,5 @@ def test_speculation_through_preemption_and_cancellation(stub) -> None:
         cancelled = spec.StreamGenerate(to_stream(low), timeout=120)
         next(cancelled)
         cancelled.cancel()
-        deadline = time.monotonic() + 10
-        while (stats := spec.CacheStats(pb.CacheStatsRequest(), timeout=10)).active_sequences:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        stats = wait_idle(spec, 10)
         assert stats.active_blocks == 0

@@ -35,7 +35,14 @@ from hypothesis.strategies import SearchStrategy
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import REPO_ROOT, ServerProcess, chat_request, running_server, to_stream
+from tests.conftest import (
+    REPO_ROOT,
+    ServerProcess,
+    chat_request,
+    running_server,
+    to_stream,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.model
 
@@ -70,19 +77,6 @@ def stress_stub(stress_server: ServerProcess) -> Iterator[pb_grpc.GenerationServ
 
 def _idle(stats: pb.CacheStatsResponse) -> bool:
     return stats.active_sequences == 0 and stats.active_blocks == 0 and stats.queued_requests == 0
-
-
-def wait_idle(
-    stub: pb_grpc.GenerationServiceStub, timeout: float = IDLE_TIMEOUT_S
-) -> pb.CacheStatsResponse:
-    """CacheStats once nothing runs, waits or holds a block; fails after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = stub.CacheStats(pb.CacheStatsRequest(), timeout=5)
-        if _idle(stats):
-            return stats
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {stats}"
-        time.sleep(0.02)
 
 
 async def wait_idle_async(stub: Any, timeout: float = IDLE_TIMEOUT_S) -> pb.CacheStatsResponse:
@@ -437,7 +431,7 @@ def _check_case(server: ServerProcess, stub: pb_grpc.GenerationServiceStub, case
     else:
         assert code == grpc.StatusCode.OK, (code, details)
         _check_served(case, replies)
-    wait_idle(stub)
+    wait_idle(stub, IDLE_TIMEOUT_S, free_blocks=True)
     assert_clean_log(server, since)
 
 
@@ -479,7 +473,7 @@ def test_the_server_serves_after_the_fuzz(stress_stub: pb_grpc.GenerationService
         chat_request("What is the capital of France?", max_tokens=2), timeout=CALL_TIMEOUT_S
     )
     assert len(reply.token_ids) == 2 and reply.finish_reason == pb.FINISH_REASON_LENGTH
-    wait_idle(stress_stub)
+    wait_idle(stress_stub, IDLE_TIMEOUT_S, free_blocks=True)
 
 
 # -- 2. a cancel storm ---------------------------------------------------------------------------
@@ -671,7 +665,7 @@ def test_a_sigkilled_client_process_has_its_streams_freed(
         client.wait(10)
         client.stdout.close()
     killed_at = time.monotonic()
-    wait_idle(stress_stub, KILLED_FREED_WITHIN_S)
+    wait_idle(stress_stub, KILLED_FREED_WITHIN_S, free_blocks=True)
     assert time.monotonic() - killed_at < KILLED_FREED_WITHIN_S
     finished = wait_all_finished(stress_server, set(ids))
     for records in finished.values():
@@ -679,7 +673,7 @@ def test_a_sigkilled_client_process_has_its_streams_freed(
         assert records[0]["completion_tokens"] < 2000
     reply = stress_stub.Generate(chat_request("Hi", max_tokens=2), timeout=CALL_TIMEOUT_S)
     assert len(reply.token_ids) == 2
-    wait_idle(stress_stub)
+    wait_idle(stress_stub, IDLE_TIMEOUT_S, free_blocks=True)
     assert_clean_log(stress_server, since)
 
 

@@ -29,6 +29,7 @@ from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import (
     EMBEDDED_MODEL_ID,
+    MetricSamples,
     ServerProcess,
     chat_request,
     free_port,
@@ -36,6 +37,7 @@ from tests.conftest import (
     scrape_metrics,
     start_server,
     to_stream,
+    wait_until,
 )
 
 pytestmark = pytest.mark.model
@@ -381,11 +383,12 @@ def test_metrics_move_as_requests_run(traced: Any) -> None:
     # RPC observer counts it: scrape until the third call is counted, as Prometheus would later.
     rpc = {"grpc_service": SERVICE, "grpc_method": "Generate", "grpc_type": "unary"}
     handled = ("grpc_server_handling_seconds_count", tuple(sorted(rpc.items())))
-    deadline = time.monotonic() + 10
-    after = scrape_metrics(url)
-    while after.get(handled, 0) - before.get(handled, 0) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-        after = scrape_metrics(url)
+
+    def all_counted() -> MetricSamples | None:
+        samples = scrape_metrics(url)
+        return samples if samples.get(handled, 0) - before.get(handled, 0) >= 3 else None
+
+    after = wait_until(all_counted, "the third Generate call to be counted", 10)
 
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)

@@ -22,7 +22,14 @@ import pytest
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests import model_zoo
-from tests.conftest import REPO_ROOT, chat_request, free_port, running_server, start_server
+from tests.conftest import (
+    REPO_ROOT,
+    chat_request,
+    free_port,
+    running_server,
+    start_server,
+    wait_idle,
+)
 from tests.test_processes import children
 
 pytestmark = pytest.mark.model
@@ -109,10 +116,7 @@ def test_tp2_cancellation_and_preemption(tp_model) -> None:
         call = stub.StreamGenerate(stream_request, timeout=60)
         next(call)
         call.cancel()
-        deadline = time.monotonic() + 10
-        while stub.CacheStats(pb.CacheStatsRequest(), timeout=10).active_sequences:
-            assert time.monotonic() < deadline, "the cancelled row is still running"
-            time.sleep(0.05)
+        wait_idle(stub, 10)  # the cancelled row has left
         low = stub.StreamGenerate(
             pb.StreamGenerateRequest.FromString(
                 model_zoo.request(prompts["long"], "tp-low", 150).SerializeToString()
