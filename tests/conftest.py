@@ -402,6 +402,27 @@ def wait_idle(
     return wait_until(idle, "the server to be idle", timeout)
 
 
+def start_draining(channel: grpc.Channel, replica: ServerProcess, timeout: float = 120.0) -> Any:
+    """Start a long stream on `replica` (through `channel`, straight to it), then SIGTERM it and
+    wait until it drains: the stream keeps it draining until the caller cancels it. Returns the
+    stream, its first message read."""
+    long = pb_grpc.GenerationServiceStub(channel).StreamGenerate(
+        to_stream(
+            chat_request(
+                "Tell me a long story about the sea.",
+                max_tokens=4000,
+                request_id="long",
+                stopping=pb.StoppingCriteria(ignore_eos=True),
+            )
+        ),
+        timeout=timeout,
+    )
+    next(long)
+    replica.proc.send_signal(signal.SIGTERM)
+    replica.wait_for_record(lambda r: r.get("event") == "draining", timeout=10)
+    return long
+
+
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"  # the `model` label of its metrics
 
 

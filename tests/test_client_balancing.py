@@ -10,7 +10,6 @@ reply) retried on the other one, which the draining replica's rejection counter 
 
 from __future__ import annotations
 
-import signal
 import urllib.request
 
 import grpc
@@ -19,14 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import Balancing, GenerationClient
-from mlxserve.v1 import generation_pb2 as pb
-from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import (
     ServerProcess,
     chat_request,
     free_port,
     running_replicas,
-    to_stream,
+    start_draining,
 )
 
 pytestmark = pytest.mark.model
@@ -93,20 +90,7 @@ def test_round_robin_spreads_calls_and_spares_a_draining_replica() -> None:
                 assert on_a and on_b, (on_a, on_b)
 
             # A stream keeps replica a draining (its drain timeout is long) while we look.
-            long = pb_grpc.GenerationServiceStub(direct).StreamGenerate(
-                to_stream(
-                    chat_request(
-                        "Tell me a long story about the sea.",
-                        max_tokens=4000,
-                        request_id="long",
-                        stopping=pb.StoppingCriteria(ignore_eos=True),
-                    )
-                ),
-                timeout=2 * DEADLINE_S,
-            )
-            next(long)
-            a.proc.send_signal(signal.SIGTERM)
-            a.wait_for_record(lambda r: r.get("event") == "draining", timeout=10)
+            long = start_draining(direct, a, 2 * DEADLINE_S)
             health = health_pb2_grpc.HealthStub(direct).Check(
                 health_pb2.HealthCheckRequest(service="mlxserve.v1.GenerationService"), timeout=5
             )

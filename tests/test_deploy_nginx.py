@@ -36,6 +36,7 @@ from tests.conftest import (
     chat_request,
     free_port,
     running_replicas,
+    start_draining,
     to_stream,
     wait_until,
 )
@@ -268,20 +269,7 @@ def test_client_retry_policy_covers_a_draining_replica_behind_nginx(tmp_path: Pa
         GenerationClient(target, balancing=Balancing(health_service=None)) as client,
     ):
         # A running stream keeps the replica draining while the calls go through nginx.
-        long = pb_grpc.GenerationServiceStub(direct).StreamGenerate(
-            to_stream(
-                chat_request(
-                    "Tell me a long story about the sea.",
-                    max_tokens=4000,
-                    request_id="long",
-                    stopping=pb.StoppingCriteria(ignore_eos=True),
-                )
-            ),
-            timeout=2 * DEADLINE_S,
-        )
-        next(long)
-        draining.proc.send_signal(signal.SIGTERM)
-        draining.wait_for_record(lambda r: r.get("event") == "draining", timeout=10)
+        long = start_draining(direct, draining, 2 * DEADLINE_S)
         ids = [f"retried-{i}" for i in range(4)]
         for request_id in ids:
             reply = client.generate(
