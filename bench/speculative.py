@@ -22,11 +22,9 @@ from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from client.bench.server import ServerProcess
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import running_server
 
 ARTICLE = (
     "The river begins as snowmelt high in the mountains, where it gathers into a clear stream "
@@ -95,7 +93,7 @@ def main() -> int:
             flags = ["--parallel", str(max(levels)), *args.server_args.split()]
             if mode == "on":
                 flags += ["--draft-kind", "prompt-lookup"]
-            with running_server(*flags) as server, grpc.insecure_channel(server.target) as ch:
+            with ServerProcess(flags) as server, grpc.insecure_channel(server.target) as ch:
                 stub = pb_grpc.GenerationServiceStub(ch)
                 run_level(stub, WORKLOADS["chat"], 1, 1, 8)  # warm-up
                 for workload, prompts in WORKLOADS.items():
