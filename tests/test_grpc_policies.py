@@ -63,6 +63,25 @@ async def _wait_until(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
+def _decoding_streams(stub, arrivals: dict[str, list[float]]) -> list[asyncio.Future]:
+    """One endless greedy stream per key of `arrivals` (its request_id; prompts from
+    STREAM_PROMPTS), each noting when its tokens arrive. Cancel the tasks to end them."""
+
+    async def decode(request_id: str, prompt: str) -> None:
+        request = chat_request(prompt, request_id=request_id, stopping=ENDLESS)
+        call = stub.StreamGenerate(to_stream(request), timeout=300)
+        try:
+            async for message in call:
+                if message.token_ids:
+                    arrivals[request_id].append(time.monotonic())
+        finally:
+            call.cancel()
+
+    return [
+        asyncio.ensure_future(decode(rid, prompt)) for rid, prompt in zip(arrivals, STREAM_PROMPTS)
+    ]
+
+
 # -- chunked prefill does not stall the decoding streams --------------------------------------
 
 
@@ -74,20 +93,7 @@ async def test_long_prefill_is_interleaved_with_decode_steps(chunked_server) -> 
     async with grpc.aio.insecure_channel(chunked_server.target) as channel:
         stub = _stub(channel)
 
-        async def decode(request_id: str, prompt: str) -> None:
-            request = chat_request(prompt, request_id=request_id, stopping=ENDLESS)
-            call = stub.StreamGenerate(to_stream(request), timeout=300)
-            try:
-                async for message in call:
-                    if message.token_ids:
-                        arrivals[request_id].append(time.monotonic())
-            finally:
-                call.cancel()
-
-        tasks = [
-            asyncio.ensure_future(decode(rid, prompt))
-            for rid, prompt in zip(arrivals, STREAM_PROMPTS)
-        ]
+        tasks = _decoding_streams(stub, arrivals)
         try:
             await _wait_until(
                 lambda: all(len(a) >= 3 for a in arrivals.values()), 120, "4 decoding streams"
@@ -140,20 +146,7 @@ async def test_the_default_stall_bound_sizes_the_chunks_while_streams_decode() -
             long_request = chat_request(PARAGRAPH * 25, request_id="long", stopping=THREE)
             tokenized = await stub.Tokenize(pb.TokenizeRequest(chat=long_request.chat), timeout=30)
 
-            async def decode(request_id: str, prompt: str) -> None:
-                request = chat_request(prompt, request_id=request_id, stopping=ENDLESS)
-                call = stub.StreamGenerate(to_stream(request), timeout=300)
-                try:
-                    async for message in call:
-                        if message.token_ids:
-                            streams[request_id].append(time.monotonic())
-                finally:
-                    call.cancel()
-
-            tasks = [
-                asyncio.ensure_future(decode(rid, prompt))
-                for rid, prompt in zip(streams, STREAM_PROMPTS)
-            ]
+            tasks = _decoding_streams(stub, streams)
             try:
                 # A few decode steps for the running median.
                 await _wait_until(
