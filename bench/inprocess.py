@@ -13,7 +13,7 @@ from service.scheduler.request import GenerationRequest, Request, StepOutput
 
 
 class Collect:
-    """An output sink that counts tokens and notes when each request finished."""
+    """An output sink that counts tokens and notes how each request finished."""
 
     def __init__(self, expected: int) -> None:
         self.batch_key: Hashable = object()  # one deliver() per tick for all of them
@@ -21,14 +21,11 @@ class Collect:
         self.finals: dict[str, str] = {}
         self._expected = expected
         self._done = threading.Event()
-        self.first_token_at: dict[str, float] = {}
 
     def deliver(self, outputs: list[StepOutput]) -> None:
-        now = time.perf_counter()
         for out in outputs:
             if out.token_ids:
                 self.tokens += len(out.token_ids)
-                self.first_token_at.setdefault(out.rid, now)
             if out.final is not None:
                 self.finals[out.rid] = out.final.reason
                 if len(self.finals) == self._expected:
