@@ -46,6 +46,12 @@ def _serve(argv: list[str], prog: str) -> int:
         config = config_from_args(parser.parse_args(argv))
     except ConfigError as exc:
         parser.error(str(exc))
+    from service.core import mlx_error_in_child
+
+    error = mlx_error_in_child()
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     check_model_source(config.model, config.load_format)
     configure_logging(config.log_level, config.log_format)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -232,6 +233,18 @@ def mlx_error() -> str | None:
     except ImportError as exc:
         return f"MLX cannot load ({exc}); {MLX_BACKEND_HINT}"
     return None
+
+
+def mlx_error_in_child() -> str | None:
+    """mlx_error, asked of a child process: the server's front ends never import MLX, yet a
+    missing backend should be the first thing `serve` reports."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mlx.core"], capture_output=True, text=True, check=False
+    )
+    if probe.returncode == 0:
+        return None
+    lines = probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"]
+    return f"MLX cannot load ({lines[-1]}); {MLX_BACKEND_HINT}"
 
 
 def make_run_dir() -> Path:
