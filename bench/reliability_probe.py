@@ -1,15 +1,20 @@
-"""Black-box probes of a running server for issue 14's items 1-4 (before/after figures).
+"""Black-box probes of a running server for issue 14's items 1-6 (before/after figures).
 
     python bench/reliability_probe.py --target 127.0.0.1:50051 undecodable
     python bench/reliability_probe.py --target ... reuse
     python bench/reliability_probe.py --target ... oversized [--chars 4200000]
     python bench/reliability_probe.py --target ... soak --pid PID [--requests 316]
+    python bench/reliability_probe.py --target ... keepalive [--seconds 45]
+    python bench/reliability_probe.py --target ... drain --pid LAUNCHER_PID
 
 `undecodable` sends bytes that do not parse to every GenerationService RPC and prints the
 status codes; `reuse` cancels a stream and at once reuses its request_id, then watches
 CacheStats; `oversized` sends a huge `text` (Generate and Tokenize) while a stream decodes and
 health is polled, and prints the worst gap of each; `soak` sends short distinct requests and
-prints the server's RSS and the pool's reserved bytes.
+prints the server's RSS and the pool's reserved bytes; `keepalive` keeps idle connections that
+ping every 10 s and every 2 s and prints when the server sends each GOAWAY; `drain` sends SIGTERM
+to the server while streams decode (some short enough to finish within a 30 s drain, one not)
+and prints what health, a new call and each stream see, and when the process is gone.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
 import grpc
+from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlxserve.v1 import generation_pb2 as pb
@@ -185,6 +194,121 @@ async def soak(stub: pb_grpc.GenerationServiceStub, pid: int, requests: int, con
     print(f"{requests} requests in {time.monotonic() - started:.0f} s")
 
 
+def keepalive(target: str, seconds: float) -> None:
+    """Idle connections pinging every 10 s (common client settings) and every 2 s."""
+    intervals_ms = (10_000, 2_000)
+    started = time.monotonic()
+    left_ready: dict[int, list[float]] = {ms: [] for ms in intervals_ms}
+    channels = []
+    for ms in intervals_ms:
+        channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.keepalive_time_ms", ms),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+            ],
+        )
+        ready = threading.Event()
+
+        def on_state(state: grpc.ChannelConnectivity, ms: int = ms, ready=ready) -> None:
+            if state is grpc.ChannelConnectivity.READY:
+                ready.set()
+            elif ready.is_set():  # left READY: the server sent GOAWAY
+                left_ready[ms].append(round(time.monotonic() - started, 1))
+
+        channel.subscribe(on_state, try_to_connect=True)
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        channels.append(channel)
+    time.sleep(seconds)
+    for ms in intervals_ms:
+        seen = left_ready[ms]
+        outcome = f"lost the connection (GOAWAY) at {seen[0]} s" if seen else "kept it"
+        print(f"pinging every {ms / 1000:.0f} s, idle for {seconds:.0f} s: {outcome}")
+    for channel in channels:
+        channel.close()
+
+
+def _detail_types(exc: grpc.aio.AioRpcError) -> list[str]:
+    for key, value in exc.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            status = status_pb2.Status.FromString(value)
+            return [d.type_url.rsplit("/", 1)[-1] for d in status.details]
+    return []
+
+
+async def drain(channel: grpc.aio.Channel, pid: int, streams: int, max_tokens: int) -> None:
+    """SIGTERM while `streams` short streams and one long one decode."""
+    stub = pb_grpc.GenerationServiceStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def request(tokens: int) -> pb.StreamGenerateRequest:
+        return pb.StreamGenerateRequest(
+            text="Once upon a time",
+            stopping=pb.StoppingCriteria(max_tokens=tokens, ignore_eos=True),
+        )
+
+    calls = [stub.StreamGenerate(request(max_tokens)) for _ in range(streams)]
+    calls.append(stub.StreamGenerate(request(100_000)))
+    for call in calls:
+        await call.read()
+    signalled = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+
+    def since() -> float:
+        return time.monotonic() - signalled
+
+    async def follow(name: str, call) -> str:
+        tokens, final = 0, None
+        try:
+            async for message in call:
+                tokens += len(message.token_ids)
+                if message.finish_reason:
+                    final = pb.FinishReason.Name(message.finish_reason)
+            status = "OK"
+        except grpc.aio.AioRpcError as exc:
+            status = f"{exc.code().name} {exc.details()[:60]!r}"
+        return (
+            f"{name}: {tokens} tokens after the signal, final message {final or 'none'}, "
+            f"{status}, ended at {since():.1f} s"
+        )
+
+    async def watch_health() -> str:
+        while since() < 60:
+            try:
+                answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                if answer.status != health_pb2.HealthCheckResponse.SERVING:
+                    name = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+                    return f"health: {name} at {since():.2f} s"
+            except grpc.aio.AioRpcError as exc:
+                return f"health: {exc.code().name} at {since():.2f} s"
+            await asyncio.sleep(0.05)
+        return "health: SERVING for 60 s"
+
+    async def new_call() -> str:
+        await asyncio.sleep(1.0)
+        try:
+            await stub.Generate(pb.GenerateRequest(text="Hello"), timeout=30)
+            return f"a new call at 1 s: OK at {since():.1f} s"
+        except grpc.aio.AioRpcError as exc:
+            details = ", ".join(_detail_types(exc)) or "no details"
+            return f"a new call at 1 s: {exc.code().name} ({details}) at {since():.1f} s"
+
+    async def process_gone() -> str:
+        while Path(f"/proc/{pid}").exists() and since() < 120:
+            await asyncio.sleep(0.1)
+        return f"process gone at {since():.1f} s"
+
+    names = [f"stream {i} (max_tokens {max_tokens})" for i in range(streams)] + ["long stream"]
+    lines = await asyncio.gather(
+        watch_health(),
+        new_call(),
+        *(follow(name, call) for name, call in zip(names, calls, strict=True)),
+        process_gone(),
+    )
+    print("\n".join(lines))
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="127.0.0.1:50051")
@@ -197,7 +321,16 @@ async def main() -> None:
     s.add_argument("--pid", type=int, required=True)
     s.add_argument("--requests", type=int, default=316)
     s.add_argument("--concurrency", type=int, default=8)
+    k = sub.add_parser("keepalive")
+    k.add_argument("--seconds", type=float, default=45.0)
+    d = sub.add_parser("drain")
+    d.add_argument("--pid", type=int, required=True, help="the server's (launcher's) pid")
+    d.add_argument("--streams", type=int, default=4)
+    d.add_argument("--max-tokens", type=int, default=160)
     args = parser.parse_args()
+    if args.probe == "keepalive":
+        keepalive(args.target, args.seconds)
+        return
     options = [("grpc.max_send_message_length", 128 << 20)]
     async with grpc.aio.insecure_channel(args.target, options=options) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
@@ -207,6 +340,8 @@ async def main() -> None:
             await reuse(stub)
         elif args.probe == "oversized":
             await oversized(channel, args.chars)
+        elif args.probe == "drain":
+            await drain(channel, args.pid, args.streams, args.max_tokens)
         else:
             await soak(stub, args.pid, args.requests, args.concurrency)
 

@@ -408,11 +408,12 @@ class Runtime:
         """The latest CacheStats snapshot (published by the scheduler thread; safe anywhere)."""
         return self._stats
 
-    def _publish_stats(self, sched: Scheduler) -> None:
+    def _publish_stats(self, sched: Scheduler, changed: bool) -> None:
         """After a tick, on the scheduler thread: refresh the snapshot, at most every
-        STATS_INTERVAL_S while work runs (it walks every running row), always when idle."""
+        STATS_INTERVAL_S while requests only decode (it walks every running row); always after
+        a tick that admitted, started, preempted or ended a request, and when idle."""
         now = time.monotonic()
-        if sched.busy and now - self._stats_at < STATS_INTERVAL_S:
+        if sched.busy and not changed and now - self._stats_at < STATS_INTERVAL_S:
             return
         self._stats_at = now
         self._stats = self._build_stats(sched)

@@ -168,15 +168,15 @@ class Scheduler:
         *,
         kv: KVManager,
         on_health: Callable[[bool], None] | None = None,
-        on_tick: Callable[[Scheduler], None] | None = None,
+        on_tick: Callable[[Scheduler, bool], None] | None = None,
         fatal_errors: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """kv: the KV manager of the engine's storage (a KVCacheManager for the paged pool,
         UnpagedKV for storage without blocks); on_health: told (on the scheduler thread) when
-        the engine turns unhealthy or healthy again; on_tick: called after each tick's outputs
-        are delivered (and before the loop blocks when idle), on the scheduler thread: where
-        stats are published."""
+        the engine turns unhealthy or healthy again; on_tick: called after each tick, just before
+        its outputs are delivered, on the scheduler thread, with whether any request's
+        lifecycle changed in it: where stats are published."""
         self.engine = engine
         self.kv = kv
         self._clock = clock  # times forwards for the stall bound (a fake one in tests)
@@ -828,6 +828,12 @@ class Scheduler:
         """Deliver one tick's outputs: one `deliver` call per group of sinks that share a
         batch key (e.g. all requests of one front end: one message)."""
         outbox, self._outbox = self._outbox, {}
+        self.stats.active_sequences = len(self._running)
+        self.stats.queued_requests = self._pending_admissions
+        if self._on_tick is not None:
+            # Before delivery: whoever has seen a request's lifecycle change (admitted, first
+            # token, finished, ...) finds it in the stats published from here.
+            self._on_tick(self, any(out.events or out.finished for out in outbox.values()))
         groups: dict[object, tuple[OutputSink, list[StepOutput]]] = {}
         for seq, out in outbox.items():
             key = seq.sink.batch_key
@@ -839,7 +845,3 @@ class Scheduler:
                 sink.deliver(outputs)
             except Exception:
                 log.exception("delivering outputs failed")
-        self.stats.active_sequences = len(self._running)
-        self.stats.queued_requests = self._pending_admissions
-        if self._on_tick is not None:
-            self._on_tick(self)
