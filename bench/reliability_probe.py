@@ -238,9 +238,11 @@ def _detail_types(exc: grpc.aio.AioRpcError) -> list[str]:
 
 
 async def drain(channel: grpc.aio.Channel, pid: int, streams: int, max_tokens: int) -> None:
-    """SIGTERM while `streams` short streams and one long one decode."""
+    """SIGTERM once `streams` short streams and one long one all decode (keep their number
+    within the server's batch size, so none waits in the queue)."""
     stub = pb_grpc.GenerationServiceStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
+    signalled: float | None = None
 
     def request(tokens: int) -> pb.StreamGenerateRequest:
         return pb.StreamGenerateRequest(
@@ -248,30 +250,40 @@ async def drain(channel: grpc.aio.Channel, pid: int, streams: int, max_tokens: i
             stopping=pb.StoppingCriteria(max_tokens=tokens, ignore_eos=True),
         )
 
-    calls = [stub.StreamGenerate(request(max_tokens)) for _ in range(streams)]
-    calls.append(stub.StreamGenerate(request(100_000)))
-    for call in calls:
-        await call.read()
-    signalled = time.monotonic()
-    os.kill(pid, signal.SIGTERM)
-
     def since() -> float:
+        assert signalled is not None
         return time.monotonic() - signalled
 
-    async def follow(name: str, call) -> str:
+    async def follow(name: str, call, decoding: asyncio.Event) -> str:
+        """Reads the stream from its start; counts what arrives after the signal."""
         tokens, final = 0, None
         try:
-            async for message in call:
-                tokens += len(message.token_ids)
+            while (message := await call.read()) != grpc.aio.EOF:
+                decoding.set()
+                if signalled is not None:
+                    tokens += len(message.token_ids)
                 if message.finish_reason:
                     final = pb.FinishReason.Name(message.finish_reason)
             status = "OK"
         except grpc.aio.AioRpcError as exc:
             status = f"{exc.code().name} {exc.details()[:60]!r}"
+        decoding.set()
         return (
             f"{name}: {tokens} tokens after the signal, final message {final or 'none'}, "
             f"{status}, ended at {since():.1f} s"
         )
+
+    names = [f"stream {i} (max_tokens {max_tokens})" for i in range(streams)] + ["long stream"]
+    sizes = [max_tokens] * streams + [100_000]
+    decoding = [asyncio.Event() for _ in names]
+    followers = [
+        asyncio.create_task(follow(name, stub.StreamGenerate(request(size)), event))
+        for name, size, event in zip(names, sizes, decoding, strict=True)
+    ]
+    for event in decoding:
+        await event.wait()
+    signalled = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
 
     async def watch_health() -> str:
         while since() < 60:
@@ -299,13 +311,7 @@ async def drain(channel: grpc.aio.Channel, pid: int, streams: int, max_tokens: i
             await asyncio.sleep(0.1)
         return f"process gone at {since():.1f} s"
 
-    names = [f"stream {i} (max_tokens {max_tokens})" for i in range(streams)] + ["long stream"]
-    lines = await asyncio.gather(
-        watch_health(),
-        new_call(),
-        *(follow(name, call) for name, call in zip(names, calls, strict=True)),
-        process_gone(),
-    )
+    lines = await asyncio.gather(watch_health(), new_call(), *followers, process_gone())
     print("\n".join(lines))
 
 
@@ -325,7 +331,7 @@ async def main() -> None:
     k.add_argument("--seconds", type=float, default=45.0)
     d = sub.add_parser("drain")
     d.add_argument("--pid", type=int, required=True, help="the server's (launcher's) pid")
-    d.add_argument("--streams", type=int, default=4)
+    d.add_argument("--streams", type=int, default=3)
     d.add_argument("--max-tokens", type=int, default=160)
     args = parser.parse_args()
     if args.probe == "keepalive":
