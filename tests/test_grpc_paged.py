@@ -52,7 +52,9 @@ def _active_bytes_with(
     stub: pb_grpc.GenerationServiceStub, requests: list[pb.GenerateRequest]
 ) -> int:
     """Start streams one after another (each once the previous one decodes, so it finds the
-    shared prefix cached), read the KV bytes in use while all decode, then cancel them."""
+    shared prefix cached), read the KV bytes in use while all decode, then cancel them. Waits
+    first for what earlier tests left running (a cancelled stream ends a tick later)."""
+    wait_idle(stub)
     calls, started = [], []
     for request in requests:
         call = stub.StreamGenerate(to_stream(request), timeout=300)
