@@ -68,9 +68,16 @@ async def serve_frontend(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    bound = transport.bind(server, config)  # TLS when --tls-cert is set
-    if bound == 0:
-        raise ConfigError(f"could not bind {address}: is another server using the port?")
+    listening = False
+
+    async def listen(event: str) -> None:
+        nonlocal listening
+        bound = transport.bind(server, config)  # TLS when --tls-cert is set
+        if bound == 0:
+            raise ConfigError(f"could not bind {address}: is another server using the port?")
+        await server.start()
+        listening = True
+        log.info(event, address=address, frontend=index, tls=config.tls_cert is not None)
 
     async def set_health(serving: bool) -> None:
         status = health_pb2.HealthCheckResponse
@@ -78,13 +85,11 @@ async def serve_frontend(
             await health_servicer.set(name, status.SERVING if serving else status.NOT_SERVING)
 
     await set_health(False)
-    await server.start()
-    log.info(
-        "listening; the engine core loads the model",
-        address=address,
-        frontend=index,
-        tls=config.tls_cert is not None,
-    )
+    # Front end 0 listens at once, to answer NOT_SERVING while the model loads. The others
+    # listen only once ready: the kernel hands each new connection to any listener on the
+    # port, and a caller that found the server SERVING must not reach one still loading.
+    if index == 0:
+        await listen("listening; the engine core loads the model")
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -147,7 +152,10 @@ async def serve_frontend(
             if config.metrics_port and index == 0:
                 _serve_metrics(config, telemetry, client, ready.pid)
             await set_health(True)
-            log.info("serving", address=address, frontend=index)
+            if listening:
+                log.info("serving", address=address, frontend=index)
+            else:
+                await listen("serving")
             await stop.wait()
         else:
             connect.cancel()
@@ -156,7 +164,8 @@ async def serve_frontend(
         await health_servicer.enter_graceful_shutdown()
         if not exit_code:
             await _drain(servicer, config.drain_timeout, stop_now, index)
-        await server.stop(grace=0 if stop_now.is_set() else DRAIN_LAST_MESSAGES_S)
+        if listening:
+            await server.stop(grace=0 if stop_now.is_set() else DRAIN_LAST_MESSAGES_S)
         servicer.close()
         for pipe in core_alive:
             with contextlib.suppress(Exception):

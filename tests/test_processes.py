@@ -75,10 +75,16 @@ def test_only_the_engine_core_imports_mlx() -> None:
 def test_front_ends_share_the_port() -> None:
     """--api-workers 2: two front-end processes answer on one port (new connections spread
     over them by the kernel), and both reach the one engine core. Front end 0's /metrics
-    counts the requests of both (prometheus-client's multiprocess mode)."""
+    counts the requests of both (prometheus-client's multiprocess mode). Front end 1 starts
+    listening only once it serves: no connection can reach it while the model loads."""
     metrics_port = free_port()
     flags = ("--api-workers", "2", "--log-format", "json", "--metrics-port", str(metrics_port))
     with running_server(*flags) as server:
+        server.wait_for_record(
+            lambda r: r.get("event") == "serving" and r.get("frontend") == 1, timeout=60
+        )
+        fe1 = [r["event"] for r in server.records() if r.get("frontend") == 1]
+        assert not any(event.startswith("listening") for event in fe1), fe1
         served_by: set[int] = set()
         for i in range(16):
             with grpc.insecure_channel(
