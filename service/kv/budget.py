@@ -19,7 +19,7 @@ class BudgetError(ValueError):
 def available_memory_bytes() -> int:
     """Memory the process could still take: the device's working set on a GPU, else the
     host's MemAvailable (Linux) — on CPU the KV cache lives in host memory."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    info = mx.device_info()
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if key in info and mx.default_device() != mx.cpu:
             return int(info[key]) - int(mx.get_active_memory())
