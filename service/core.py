@@ -215,7 +215,7 @@ def _follow(config: ServerConfig, run_dir: Path, rank: int) -> int:
     from service.distributed import follow
     from service.runtime import Runtime
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _exit_at_once)
     try:
         runtime = Runtime(config, run_dir)
         runtime.load()
@@ -224,6 +224,14 @@ def _follow(config: ServerConfig, run_dir: Path, rank: int) -> int:
         log.error("tensor-parallel rank failed", rank=rank, error=str(exc))
         return 4
     return 0
+
+
+def _exit_at_once(*_: object) -> None:
+    """A follower rank's SIGTERM: it holds nothing to save, and a SystemExit raised wherever
+    the signal lands (during the exit's own clean-up too) would print a traceback."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def mlx_error() -> str | None:

@@ -85,14 +85,13 @@ def run(config: ServerConfig) -> int:
                 os.kill(w.pid, signal.SIGTERM)
 
     code = 0
+    error = None
     try:
         code = asyncio.run(serve_frontend(config, run_dir, 0, core_alive, stop_workers))
     except LoadFailedError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        code = LOAD_FAILED_EXIT
+        error, code = str(exc), LOAD_FAILED_EXIT
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        code = 2
+        error, code = str(exc), 2
     finally:
         stop_workers()
         for w in workers:
@@ -100,6 +99,8 @@ def run(config: ServerConfig) -> int:
         for process in ranks:
             _stop(process)
         shutil.rmtree(run_dir, ignore_errors=True)
+    if error is not None:  # after the children are gone: the last line of stderr
+        print(f"error: {error}", file=sys.stderr)
     engine = ranks[0]
     if code == 0 and engine.exitcode not in (0, None, -signal.SIGTERM):
         code = engine.exitcode or 0
