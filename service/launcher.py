@@ -1,7 +1,8 @@
 """`python -m service`: one engine-core process and one or more gRPC front-end processes.
 
 The launching process is front end 0; it starts the engine core (the only process that
-imports MLX) and `--api-workers - 1` more front ends that share the port (SO_REUSEPORT). They
+imports MLX) and `--api-workers - 1` more front ends that share the port (SO_REUSEPORT); those
+listen only once the model is ready, while front end 0 answers NOT_SERVING during the load. They
 talk over ZeroMQ sockets in a private run directory (service.ipc).
 
 Each front end watches the core through a pipe whose only writing end the core holds: when the
