@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import grpc
-from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -229,14 +229,6 @@ def keepalive(target: str, seconds: float) -> None:
         channel.close()
 
 
-def _detail_types(exc: grpc.aio.AioRpcError) -> list[str]:
-    for key, value in exc.trailing_metadata() or ():
-        if key == "grpc-status-details-bin":
-            status = status_pb2.Status.FromString(value)
-            return [d.type_url.rsplit("/", 1)[-1] for d in status.details]
-    return []
-
-
 async def drain(channel: grpc.aio.Channel, pid: int, streams: int, max_tokens: int) -> None:
     """SIGTERM once `streams` short streams and one long one all decode (keep their number
     within the server's batch size, so none waits in the queue)."""
@@ -303,8 +295,10 @@ async def drain(channel: grpc.aio.Channel, pid: int, streams: int, max_tokens: i
             await stub.Generate(pb.GenerateRequest(text="Hello"), timeout=30)
             return f"a new call at 1 s: OK at {since():.1f} s"
         except grpc.aio.AioRpcError as exc:
-            details = ", ".join(_detail_types(exc)) or "no details"
-            return f"a new call at 1 s: {exc.code().name} ({details}) at {since():.1f} s"
+            info = error_details(exc)
+            retry = "no RetryInfo" if info.retry_delay is None else f"retry in {info.retry_delay} s"
+            said = f"reason {info.reason}, {retry}" if info.reason else retry
+            return f"a new call at 1 s: {exc.code().name} ({said}) at {since():.1f} s"
 
     async def process_gone() -> str:
         while Path(f"/proc/{pid}").exists() and since() < 120:

@@ -239,7 +239,7 @@ def mlx_error() -> str | None:
     try:
         import mlx.core  # noqa: F401
     except ImportError as exc:
-        return f"MLX cannot load ({exc}); {MLX_BACKEND_HINT}"
+        return _cannot_load(str(exc))
     return None
 
 
@@ -252,7 +252,11 @@ def mlx_error_in_child() -> str | None:
     if probe.returncode == 0:
         return None
     lines = probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"]
-    return f"MLX cannot load ({lines[-1]}); {MLX_BACKEND_HINT}"
+    return _cannot_load(lines[-1])
+
+
+def _cannot_load(reason: str) -> str:
+    return f"MLX cannot load ({reason}); {MLX_BACKEND_HINT}"
 
 
 def make_run_dir() -> Path:

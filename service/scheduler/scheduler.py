@@ -825,8 +825,9 @@ class Scheduler:
         self._output(seq).events.append((name, attrs))
 
     def _flush_outbox(self) -> None:
-        """Deliver one tick's outputs: one `deliver` call per group of sinks that share a
-        batch key (e.g. all requests of one front end: one message)."""
+        """Publish the tick's stats (on_tick), then deliver its outputs: one `deliver` call
+        per group of sinks that share a batch key (e.g. all requests of one front end: one
+        message)."""
         outbox, self._outbox = self._outbox, {}
         self.stats.active_sequences = len(self._running)
         self.stats.queued_requests = self._pending_admissions
