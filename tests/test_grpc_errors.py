@@ -22,7 +22,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, chat_request, running_server, to_stream
+from tests.conftest import (
+    ServerProcess,
+    chat_request,
+    running_server,
+    to_stream,
+    wait_idle,
+    wait_until,
+)
 
 pytestmark = pytest.mark.model
 
@@ -166,10 +173,8 @@ def _stats(small: ServerProcess) -> pb.CacheStatsResponse:
 
 
 def _wait_idle(small: ServerProcess, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (stats := _stats(small)).active_sequences or stats.queued_requests:
-        assert time.monotonic() < deadline, f"server not idle: {stats}"
-        time.sleep(0.05)
+    with grpc.insecure_channel(small.target) as channel:
+        wait_idle(pb_grpc.GenerationServiceStub(channel), timeout)
 
 
 def test_slot_context_is_ctx_size_over_batch(small_stub) -> None:
@@ -328,15 +333,10 @@ def test_repeated_engine_failures_turn_health_not_serving(small, small_stub) -> 
             request = chat_request("Hi", max_tokens=2, request_id=f"req-crash-seq-{i}")
             with pytest.raises(grpc.RpcError):
                 small_stub.Generate(request, timeout=60)
-        deadline = time.monotonic() + 5
-        while status() != health_pb2.HealthCheckResponse.NOT_SERVING:
-            assert time.monotonic() < deadline, "health still SERVING"
-            time.sleep(0.05)
+        serving_status = health_pb2.HealthCheckResponse
+        wait_until(lambda: status() == serving_status.NOT_SERVING, "health to turn NOT_SERVING", 5)
         small_stub.Generate(chat_request("Hi", max_tokens=2), timeout=60)
-        deadline = time.monotonic() + 5
-        while status() != health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline, "health did not recover"
-            time.sleep(0.05)
+        wait_until(lambda: status() == serving_status.SERVING, "health to recover", 5)
 
 
 def test_fault_on_a_stream_ends_it_with_internal(small, small_stub) -> None:
