@@ -5,8 +5,8 @@ STAMP := $(VENV)/.installed
 PORT ?= 50051
 PROTO_SRC := protos/mlxserve/v1/generation.proto
 
-# MLX's CPU backend is fast only with OpenBLAS preloaded (docs/cpu-backend.md); service/blas.py holds the logic.
-BLAS_ENV = $$($(PY) -m service.blas --env)
+# MLX's CPU backend is fast only with OpenBLAS preloaded (docs/cpu-backend.md); service/common/blas.py holds the logic.
+BLAS_ENV = $$($(PY) -m service.common.blas --env)
 
 BUF := .tools/node_modules/.bin/buf
 # `buf breaking` compares the API with its last release: the newest v* tag, or main's copy of

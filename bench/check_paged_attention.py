@@ -6,8 +6,8 @@ import sys
 
 import mlx.core as mx
 
-from service.engine import paged_attention
-from service.engine.paged_attention import paged_decode_attention
+from service.core.engine import paged_attention
+from service.core.engine.paged_attention import paged_decode_attention
 from tests.test_paged_attention import naive, random_case
 
 print("kernel available:", paged_attention.kernel_available())

@@ -1,12 +1,12 @@
-"""A/B of the CPU decode path's contiguous K/V copy (service.engine.kv_mirror) against gathering
-each step's K/V from the paged pool, in one process (scheduler + engine, no gRPC).
+"""A/B of the CPU decode path's contiguous K/V copy (service.core.engine.kv_mirror) against
+gathering each step's K/V from the paged pool, in one process (scheduler + engine, no gRPC).
 
 Two runtimes on the same model differ only in the engine configuration's `decode_attention`
 ("mirror", what the CPU path resolves to, against "gather"). Each pair runs the same burst of
 B greedy requests (EOS ignored) on both, the order alternating; the ratio per pair is mirror's
 decode tok/s over gather's. Prints every pair and the median with its range; writes JSON.
 
-    env $(python -m service.blas --env) python bench/cpu_mirror.py --batch 8,16 --pairs 5
+    env $(python -m service.common.blas --env) python bench/cpu_mirror.py --batch 8,16 --pairs 5
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import statistics
 import subprocess
 from pathlib import Path
 
-import service.runtime as runtime_module
+import service.core.runtime as runtime_module
 from bench.inprocess import run_batch
-from service.config import ServerConfig
-from service.logging import configure_logging
-from service.runtime import Runtime
+from service.common.config import CoreConfig, SchedulingConfig
+from service.common.logging import configure_logging
+from service.core.runtime import Runtime
 
 
 def build(decode_attention: str, parallel: int) -> Runtime:
@@ -37,7 +37,11 @@ def build(decode_attention: str, parallel: int) -> Runtime:
 
     runtime_module.resolve = forced
     try:
-        runtime = Runtime(ServerConfig(parallel=parallel, max_queue_depth=parallel))
+        runtime = Runtime(
+            CoreConfig(
+                scheduling=SchedulingConfig(max_batch_size=parallel, max_queue_depth=parallel)
+            )
+        )
         runtime.start()  # loads and serves on its engine thread, as the engine core does
         runtime.wait_ready()
     finally:

@@ -7,9 +7,9 @@ import threading
 import time
 from collections.abc import Hashable, Sequence
 
-from service.engine.params import SamplingParams
-from service.runtime import Runtime
-from service.scheduler.request import GenerationRequest, Request, StepOutput
+from service.core.runtime import Runtime
+from service.core.scheduler.request import Request
+from service.protocol import GenerationRequest, SamplingParams, StepOutput
 
 
 class Collect:

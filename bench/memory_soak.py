@@ -2,7 +2,7 @@
 MLX's active and cached memory and the paged pool's reserved bytes, to tell the pool arrays,
 MLX's buffer cache and freed-but-kept heap memory apart (issue 14 item 4).
 
-    env $(python -m service.blas --env) python bench/memory_soak.py [--requests 316] [--trim]
+    env $(python -m service.common.blas --env) python bench/memory_soak.py [--requests 316] [--trim]
 
 --trim calls glibc's malloc_trim(0) before each reading: what it removes from RSS was freed
 memory the C library's heap still held.
@@ -19,10 +19,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxserve.v1 import generation_pb2 as pb
-from service.config import ServerConfig
-from service.runtime import Runtime
-from service.scheduler.request import Request, StepOutput
-from service.validation import generation_request
+from service.common.config import CoreConfig
+from service.core.runtime import Runtime
+from service.core.scheduler.request import Request
+from service.frontend.validation import generation_request
+from service.protocol import StepOutput
 
 
 def rss_mb() -> float:
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--trim", action="store_true")
     args = parser.parse_args()
-    runtime = Runtime(ServerConfig())
+    runtime = Runtime(CoreConfig())
     runtime.start()
     runtime.wait_ready()
     done: queue.SimpleQueue[int] = queue.SimpleQueue()

@@ -5,7 +5,7 @@ warms the cache, then the eight run together and adopt its blocks; with `cache_p
 each stores and prefills the prompt itself. Reported: the KV bytes in use while all eight
 decode (CacheStats.used_bytes), and TTFT of each request alone, cold vs adopting.
 
-    env $(.venv/bin/python -m service.blas --env) .venv/bin/python bench/prefix_sharing.py
+    env $(.venv/bin/python -m service.common.blas --env) .venv/bin/python bench/prefix_sharing.py
 """
 
 from __future__ import annotations

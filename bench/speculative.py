@@ -6,7 +6,7 @@ questions, nothing to look up). For each replicate, a server without and a serve
 every workload at each concurrency: rounds of C concurrent greedy requests. Prints a table of
 median tokens/s (with the range) and acceptance, and writes JSON.
 
-    env $(.venv/bin/python -m service.blas --env) .venv/bin/python bench/speculative.py \\
+    env $(.venv/bin/python -m service.common.blas --env) .venv/bin/python bench/speculative.py \\
         --concurrency 1,8 --replicates 3 --out bench/out/speculative.json
 """
 

@@ -13,7 +13,7 @@ start, `--micro N` times what tracing adds per request in isolation: extract a t
 SERVER span with the request's attributes and lifecycle events, and its OTLP export to the
 receiver (CPU time of this process, receiver included: an upper bound).
 
-    env $(.venv/bin/python -m service.blas --env) .venv/bin/python bench/tracing_overhead.py
+    env $(.venv/bin/python -m service.common.blas --env) .venv/bin/python bench/tracing_overhead.py
 """
 
 from __future__ import annotations

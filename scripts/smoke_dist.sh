@@ -56,7 +56,7 @@ client_files = set(zipfile.ZipFile(client).namelist())
 server_files = set(zipfile.ZipFile(server).namelist())
 for name in ("mlxserve/v1/generation.proto", "mlxserve/v1/generation_pb2.py", "client/cli.py"):
     assert name in client_files, f"{client.name} lacks {name}"
-assert "service/server.py" in server_files, f"{server.name} lacks the server"
+assert "service/frontend/server.py" in server_files, f"{server.name} lacks the server"
 assert not {n for n in server_files if n.startswith(("client/", "mlxserve/"))}, "overlap"
 assert not {n for n in client_files | server_files if "__pycache__" in n}, "bytecode shipped"
 print(f"   {client.name} ships mlxserve/v1/generation.proto")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from service.blas import reexec_with_openblas
-from service.models.source import ModelLoadError
+from service.common.blas import reexec_with_openblas
+from service.common.model_source import ModelLoadError
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
@@ -16,13 +16,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
     try:
         if argv and argv[0] == "generate":
             # In-process: this process runs the engine, so MLX must load here.
-            from service.core import mlx_error
+            from service.common.backend import mlx_error
 
             error = mlx_error()
             if error is not None:
                 print(f"error: {error}", file=sys.stderr)
                 return 2
-            from service.cli import generate_main
+            from service.generate import generate_main
 
             return generate_main(argv[1:], prog=f"{prog} generate")
         return _serve(argv[1:] if argv and argv[0] == "serve" else argv, prog)
@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
 
 
 def _serve(argv: list[str], prog: str) -> int:
-    from service.config import ConfigError, add_server_arguments, config_from_args
-    from service.logging import configure_logging
-    from service.models.source import check_model_source
+    from service.common.config import ConfigError, add_server_arguments, config_from_args
+    from service.common.logging import configure_logging
+    from service.common.model_source import check_model_source
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -46,14 +46,14 @@ def _serve(argv: list[str], prog: str) -> int:
         config = config_from_args(parser.parse_args(argv))
     except ConfigError as exc:
         parser.error(str(exc))
-    from service.core import mlx_error_in_child
+    from service.common.backend import mlx_error_in_child
 
     error = mlx_error_in_child()
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    check_model_source(config.model, config.load_format)
-    configure_logging(config.log_level, config.log_format)
+    check_model_source(config.model.path, config.model.load_format)
+    configure_logging(config.observability.log_level, config.observability.log_format)
 
     from service.launcher import run
 

@@ -3,7 +3,7 @@
 The launching process is front end 0; it starts the engine core (the only process that
 imports MLX) and `--api-workers - 1` more front ends that share the port (SO_REUSEPORT); those
 listen only once the model is ready, while front end 0 answers NOT_SERVING during the load. They
-talk over ZeroMQ sockets in a private run directory (service.ipc).
+talk over ZeroMQ sockets in a private run directory (service.protocol).
 
 Each front end watches the core through a pipe whose only writing end the core holds: when the
 core exits, for whatever reason, the pipe reads EOF in every front end at once. A stop signal
@@ -12,8 +12,8 @@ Exit codes: 0 after a stop signal, 2 when the model cannot be loaded or the port
 the engine core died.
 
 With --metrics-port and several front ends, prometheus-client's multiprocess mode is set up
-here, before any front end imports it (service.server is imported late for that): each front
-end keeps its counters in the run directory and front end 0's /metrics adds them up.
+here, before any front end imports it (service.frontend.server is imported late for that):
+each front end keeps its counters in the run directory and front end 0's /metrics adds them up.
 """
 
 from __future__ import annotations
@@ -26,15 +26,21 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import structlog
 
-from service import core
-from service.config import ConfigError, ServerConfig, visible_gpus
-from service.frontend.engine_client import LoadFailedError
-from service.logging import configure_logging
+from service.common.config import (
+    ConfigError,
+    FrontendProcessConfig,
+    ServerConfig,
+    visible_gpus,
+)
+from service.common.logging import configure_logging
+from service.core import server as core
+from service.frontend.core_client import LoadFailedError
 
 log = structlog.get_logger(__name__)
 CORE_STOP_TIMEOUT_S = 15.0
@@ -43,12 +49,12 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client reads it when fi
 
 def run(config: ServerConfig) -> int:
     ctx = mp.get_context("spawn")  # no fork: the children start clean (MLX, gRPC threads)
-    run_dir = core.make_run_dir()
-    if config.metrics_port and config.api_workers > 1:
+    run_dir = make_run_dir()
+    if config.observability.metrics_port and config.frontend.api_workers > 1:
         metrics_dir = run_dir / "metrics"
         metrics_dir.mkdir()
         os.environ[MULTIPROC_ENV] = str(metrics_dir)  # the spawned front ends inherit it
-    from service.server import LOAD_FAILED_EXIT, serve_frontend
+    from service.frontend.server import LOAD_FAILED_EXIT, serve_frontend
 
     try:
         rank_env = _rank_environments(config, run_dir)
@@ -63,7 +69,7 @@ def run(config: ServerConfig) -> int:
         alive, holds = ctx.Pipe(duplex=False)
         name = "mlxserve-core" if rank == 0 else f"mlxserve-core-rank-{rank}"
         process = ctx.Process(
-            target=core.run, args=(config, str(run_dir), holds, rank, env), name=name
+            target=core.run, args=(config.core, str(run_dir), holds, rank, env), name=name
         )
         process.start()
         holds.close()  # the rank's copy is the only writing end left
@@ -72,10 +78,10 @@ def run(config: ServerConfig) -> int:
     workers = [
         ctx.Process(
             target=_worker,
-            args=(config, str(run_dir), i, core_alive),
+            args=(config.frontend_process, str(run_dir), i, core_alive),
             name=f"mlxserve-frontend-{i}",
         )
-        for i in range(1, config.api_workers)
+        for i in range(1, config.frontend.api_workers)
     ]
     for w in workers:
         w.start()
@@ -88,7 +94,9 @@ def run(config: ServerConfig) -> int:
     code = 0
     error = None
     try:
-        code = asyncio.run(serve_frontend(config, run_dir, 0, core_alive, stop_workers))
+        code = asyncio.run(
+            serve_frontend(config.frontend_process, run_dir, 0, core_alive, stop_workers)
+        )
     except LoadFailedError as exc:
         error, code = str(exc), LOAD_FAILED_EXIT
     except ConfigError as exc:
@@ -111,10 +119,10 @@ def run(config: ServerConfig) -> int:
 def _rank_environments(config: ServerConfig, run_dir: Path) -> list[dict[str, str]]:
     """Per engine-core rank, the MLX distributed variables (what `mlx.launch` sets): the ring
     backend's host file of local TCP ports, or NCCL's rendezvous and one GPU per rank."""
-    n = config.tensor_parallel
+    n = config.model.tensor_parallel
     if n == 1:
         return [{}]
-    backend = config.resolved_backend()
+    backend = config.model.resolved_backend()
     if backend == "nccl":
         gpus = visible_gpus()
         if n > gpus:
@@ -153,13 +161,20 @@ def _stop(engine: mp.process.BaseProcess) -> None:
         engine.join()
 
 
-def _worker(config: ServerConfig, run_dir: str, index: int, core_alive: list[Connection]) -> None:
+def _worker(
+    config: FrontendProcessConfig, run_dir: str, index: int, core_alive: list[Connection]
+) -> None:
     """Front end `index` (> 0) in its own process."""
-    from service.server import serve_frontend
+    from service.frontend.server import serve_frontend
 
-    configure_logging(config.log_level, config.log_format)
+    configure_logging(config.observability.log_level, config.observability.log_format)
     try:
         code = asyncio.run(serve_frontend(config, Path(run_dir), index, core_alive))
     except (LoadFailedError, ConfigError):
         code = 2  # front end 0 says why
     sys.exit(code)
+
+
+def make_run_dir() -> Path:
+    """Where the sockets and the saved tokenizer live while the server runs."""
+    return Path(tempfile.mkdtemp(prefix="mlxserve-"))

@@ -287,18 +287,19 @@ async def in_process_server(config: Any) -> AsyncIterator[tuple[Any, Any]]:
     for tests that need to reach into the servicer. Yields (stub, servicer)."""
     import shutil
 
-    from service.core import CoreServer, make_run_dir
-    from service.frontend.engine_client import EngineClient
-    from service.servicer import GenerationServicer, served_model
-    from service.telemetry.telemetry import Telemetry
+    from service.core.server import CoreServer
+    from service.frontend.core_client import EngineClient
+    from service.frontend.servicer import GenerationServicer, served_model
+    from service.frontend.telemetry.telemetry import Telemetry
+    from service.launcher import make_run_dir
 
     run_dir = make_run_dir()
-    core = CoreServer(config, run_dir)
+    core = CoreServer(config.core, run_dir)
     thread = threading.Thread(target=core.serve, name="core", daemon=True)
     thread.start()
     client = EngineClient(run_dir, 0)
     server = grpc.aio.server()
-    servicer = GenerationServicer(config, client, Telemetry())
+    servicer = GenerationServicer(config.frontend_process, client, Telemetry())
     try:
         servicer.model = served_model(await client.connect())
         pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)

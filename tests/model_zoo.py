@@ -844,9 +844,9 @@ def expected_overrides(path: Path) -> int:
 
 @functools.cache
 def _embedded_tokenizer():
-    from service.models.gguf import read_gguf_metadata
-    from service.models.loader import embedded_gguf_path
-    from service.models.tokenizer import tokenizer_from_gguf
+    from service.common.tokenizer import tokenizer_from_gguf
+    from service.core.models.gguf import read_gguf_metadata
+    from service.core.models.loader import embedded_gguf_path
 
     return tokenizer_from_gguf(read_gguf_metadata(embedded_gguf_path()))
 
@@ -939,7 +939,7 @@ def build_embedded_quantized(root: Path, bits: int = 4, group_size: int = 32) ->
 
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    from service.models.loader import load_embedded
+    from service.core.models.loader import load_embedded
 
     path = root / f"smollm2-135m-{bits}bit"
     if (path / "config.json").exists():

@@ -1,4 +1,4 @@
-"""The CPU SwiGLU (service.models.activations): accuracy against float64, the swap of a model's
+"""The CPU SwiGLU (service.core.models.activations): accuracy against float64, the swap of a model's
 MLPs, and on the real model the same tokens as mlx-lm's own activation."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from service.engine.kv_paged import PagedKVStorage
-from service.models import activations
-from service.models.loader import load_model
-from service.models.presets import dummy_model
+from service.core.engine.kv_paged import PagedKVStorage
+from service.core.models import activations
+from service.core.models.loader import load_model
+from service.core.models.presets import dummy_model
 from tests.tiny import generate, make_engine
 
 

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from service.kv.block_pool import (
+from service.core.kv.block_pool import (
     BlockPool,
     BlockUpdate,
     KVCacheManager,

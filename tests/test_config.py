@@ -7,12 +7,20 @@ from dataclasses import replace
 
 import pytest
 
-from service.config import ConfigError, ServerConfig, add_server_arguments, config_from_args
-from service.engine.config import DEBUG_REFERENCE_ENV, EngineConfig, resolve
-from service.engine.storage import PoolShape, make_storage
-from service.models.families import family
-from service.models.layout import probe_layout
-from service.runtime import Runtime
+from service.common.config import (
+    ConfigError,
+    CoreConfig,
+    ModelConfig,
+    SchedulingConfig,
+    ServerConfig,
+    add_server_arguments,
+    config_from_args,
+)
+from service.core.engine.config import DEBUG_REFERENCE_ENV, EngineConfig, resolve
+from service.core.engine.storage import PoolShape, make_storage
+from service.core.models.families import family
+from service.core.models.layout import probe_layout
+from service.core.runtime import Runtime
 from tests.tiny import tiny_llama
 
 
@@ -24,8 +32,8 @@ def parse(*argv: str) -> ServerConfig:
 
 def test_defaults_leave_device_dependent_choices_to_the_runtime():
     config = parse()
-    assert config.decode_storage_backend == "auto"  # paged for verified families
-    assert config.max_batch_prefill is None  # 16 with CUDA, 4 elsewhere
+    assert config.kv.decode_storage_backend == "auto"  # paged for verified families
+    assert config.scheduling.max_batch_prefill is None  # 16 with CUDA, 4 elsewhere
 
 
 @pytest.mark.parametrize(
@@ -69,13 +77,17 @@ def test_environment_variables_set_flags(monkeypatch):
     monkeypatch.setenv("MLXSERVE_DECODE_STORAGE_BACKEND", "dense")
     monkeypatch.setenv("MLXSERVE_MAX_BATCH_PREFILL", "6")
     config = parse()
-    assert (config.decode_storage_backend, config.max_batch_prefill) == ("dense", 6)
+    assert (config.kv.decode_storage_backend, config.scheduling.max_batch_prefill) == ("dense", 6)
 
 
 def test_security_and_connection_flags_have_their_variables(monkeypatch):
     config = parse()
-    assert (config.max_connection_age, config.tls_cert, config.auth_token_file) == (0, None, None)
-    assert not config.allow_special_tokens_in_content
+    assert (
+        config.transport.max_connection_age,
+        config.transport.tls_cert,
+        config.transport.auth_token_file,
+    ) == (0, None, None)
+    assert not config.frontend.allow_special_tokens_in_content
     monkeypatch.setenv("MLXSERVE_MAX_CONNECTION_AGE", "600")
     monkeypatch.setenv("MLXSERVE_MAX_CONNECTION_AGE_GRACE", "30")
     monkeypatch.setenv("MLXSERVE_AUTH_TOKEN_FILE", __file__)
@@ -85,26 +97,37 @@ def test_security_and_connection_flags_have_their_variables(monkeypatch):
     monkeypatch.setenv("MLXSERVE_TLS_KEY", __file__)
     monkeypatch.setenv("MLXSERVE_TLS_CLIENT_CA", __file__)
     config = parse()
-    assert (config.max_connection_age, config.max_connection_age_grace) == (600, 30)
-    assert config.auth_token_file == config.tls_cert == config.tls_client_ca == __file__
-    assert config.reflection_requires_auth and config.allow_special_tokens_in_content
+    assert (config.transport.max_connection_age, config.transport.max_connection_age_grace) == (
+        600,
+        30,
+    )
+    assert (
+        config.transport.auth_token_file
+        == config.transport.tls_cert
+        == config.transport.tls_client_ca
+        == __file__
+    )
+    assert (
+        config.transport.reflection_requires_auth
+        and config.frontend.allow_special_tokens_in_content
+    )
 
 
 def test_max_request_bytes_defaults_to_grpcs_limit_and_has_its_variable(monkeypatch):
-    assert parse().max_request_bytes == 4 * 1024 * 1024
+    assert parse().transport.max_request_bytes == 4 * 1024 * 1024
     monkeypatch.setenv("MLXSERVE_MAX_REQUEST_BYTES", "65536")
-    assert parse().max_request_bytes == 65536
+    assert parse().transport.max_request_bytes == 65536
 
 
 def test_max_prefill_stall_ms_default_auto_zero_off_and_its_variable(monkeypatch):
-    assert parse().max_prefill_stall_ms is None  # 4 running median decode steps
-    assert parse("--max-prefill-stall-ms", "auto").max_prefill_stall_ms is None
-    assert parse("--max-prefill-stall-ms", "250").max_prefill_stall_ms == 250.0
+    assert parse().scheduling.max_prefill_stall_ms is None  # 4 running median decode steps
+    assert parse("--max-prefill-stall-ms", "auto").scheduling.max_prefill_stall_ms is None
+    assert parse("--max-prefill-stall-ms", "250").scheduling.max_prefill_stall_ms == 250.0
     # 0 (off) goes with a fixed chunk size; so does the default bound, which a fixed size turns off.
-    assert parse("--max-prefill-stall-ms", "0", "-b", "512").prefill_chunk_size == 512
-    assert parse("-b", "512").max_prefill_stall_ms is None
+    assert parse("--max-prefill-stall-ms", "0", "-b", "512").scheduling.prefill_chunk_size == 512
+    assert parse("-b", "512").scheduling.max_prefill_stall_ms is None
     monkeypatch.setenv("MLXSERVE_MAX_PREFILL_STALL_MS", "1500")
-    assert parse().max_prefill_stall_ms == 1500.0
+    assert parse().scheduling.max_prefill_stall_ms == 1500.0
 
 
 def test_a_max_prefill_stall_ms_that_is_no_number_names_the_flag(capsys):
@@ -114,7 +137,12 @@ def test_a_max_prefill_stall_ms_that_is_no_number_names_the_flag(capsys):
 
 
 def test_runtime_resolves_the_cpu_path_on_this_machine():
-    runtime = Runtime(ServerConfig(load_format="dummy:tiny", parallel=2))
+    runtime = Runtime(
+        CoreConfig(
+            model=ModelConfig(load_format="dummy:tiny"),
+            scheduling=SchedulingConfig(max_batch_size=2),
+        )
+    )
     runtime.load()
     try:
         config = runtime.engine.config
@@ -186,3 +214,32 @@ def test_the_factory_builds_the_storage_the_config_names():
         make_storage(cpu, model, LLAMA)
     with pytest.raises(ValueError, match="needs paged storage"):
         EngineConfig(storage="dense", decode_attention="mirror")
+
+
+def test_parallel_and_max_batch_size_are_one_setting(monkeypatch, capsys):
+    assert parse("--parallel", "8").scheduling.batch_size == 8
+    assert parse("-np", "6", "--max-batch-size", "6").scheduling.max_batch_size == 6
+    with pytest.raises(SystemExit):
+        parse("--parallel", "8", "--max-batch-size", "4")
+    assert "--parallel 8 and --max-batch-size 4 set the same value" in capsys.readouterr().err
+    monkeypatch.setenv("MLXSERVE_PARALLEL", "3")
+    assert parse().scheduling.max_batch_size == 3
+    assert parse("--no-batch").scheduling.batch_size == 1
+
+
+def test_help_lists_the_flags_by_group():
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    text = parser.format_help().split("\noptions:", 1)[1]
+    groups = ["transport and security", "front end", "scheduler", "KV cache", "model"]
+    positions = [text.index(f"\n{g}:") for g in [*groups, "observability"]]
+    assert positions == sorted(positions)
+    assert text.index("--tls-cert") < text.index("\nfront end:") < text.index("--api-workers")
+
+
+def test_each_process_gets_only_its_part():
+    config = parse("--port", "50123", "--model", "/m", "--kv-cache-budget", "none")
+    core, frontend = config.core, config.frontend_process
+    assert (core.model.path, core.kv.kv_cache_budget) == ("/m", "none")
+    assert not hasattr(core, "transport") and not hasattr(frontend, "scheduling")
+    assert frontend.transport.port == 50123 and not hasattr(frontend, "kv")

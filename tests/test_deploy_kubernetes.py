@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from service.config import ServerConfig, add_server_arguments, config_from_args
+from service.common.config import ServerConfig, add_server_arguments, config_from_args
+from service.frontend.server import DRAIN_LAST_MESSAGES_S, SERVICE_NAME
 from service.launcher import CORE_STOP_TIMEOUT_S
-from service.server import DRAIN_LAST_MESSAGES_S, SERVICE_NAME
 from tests.conftest import REPO_ROOT
 
 MANIFESTS = REPO_ROOT / "deploy" / "kubernetes"
@@ -70,13 +70,13 @@ def named_port(container: dict[str, Any], name: str) -> int:
 
 
 def test_ports_and_probes_match_the_server(container: dict[str, Any], config: ServerConfig) -> None:
-    assert config.host == "0.0.0.0"  # reachable from outside the pod
-    assert named_port(container, "grpc") == config.port
-    assert config.metrics_port is not None
-    assert named_port(container, "metrics") == config.metrics_port
+    assert config.transport.host == "0.0.0.0"  # reachable from outside the pod
+    assert named_port(container, "grpc") == config.transport.port
+    assert config.observability.metrics_port is not None
+    assert named_port(container, "metrics") == config.observability.metrics_port
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = container[kind]["grpc"]
-        assert probe["port"] == config.port, kind
+        assert probe["port"] == config.transport.port, kind
         assert probe["service"] in HEALTH_NAMES, kind
     # Readiness names the generation service: a replica that cannot generate takes no calls.
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
@@ -89,9 +89,9 @@ def test_grace_period_covers_the_drain(
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     # After SIGTERM: the drain, the last messages of what it ended, the server's stop grace,
     # then each engine-core rank's stop, one after the other.
-    stops = config.tensor_parallel * CORE_STOP_TIMEOUT_S
-    needed = pre_stop + config.drain_timeout + 2 * DRAIN_LAST_MESSAGES_S + stops
-    assert config.api_workers == 1  # more front ends add their own join time
+    stops = config.model.tensor_parallel * CORE_STOP_TIMEOUT_S
+    needed = pre_stop + config.frontend.drain_timeout + 2 * DRAIN_LAST_MESSAGES_S + stops
+    assert config.frontend.api_workers == 1  # more front ends add their own join time
     assert pod["terminationGracePeriodSeconds"] >= needed
     # ... and not far beyond it: the grace period is what a stuck pod costs a rollout.
     assert pod["terminationGracePeriodSeconds"] <= needed + 30
@@ -109,8 +109,8 @@ def test_service_and_budget_select_the_pods(
     assert service["clusterIP"] == "None"  # headless: DNS lists every ready replica
     assert service["selector"].items() <= labels.items()
     (port,) = service["ports"]
-    assert port["port"] == config.port and port["appProtocol"] == "grpc"
-    assert port["targetPort"] == "grpc" and named_port(container, "grpc") == config.port
+    assert port["port"] == config.transport.port and port["appProtocol"] == "grpc"
+    assert port["targetPort"] == "grpc" and named_port(container, "grpc") == config.transport.port
 
     budget = manifests["PodDisruptionBudget"]["spec"]
     assert budget["selector"]["matchLabels"].items() <= labels.items()

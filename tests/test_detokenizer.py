@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from service.common.tokenizer import Tokenizer, tokenizer_from_gguf
+from service.core.models.loader import embedded_gguf_path
 from service.frontend.detokenizer import IncrementalDetokenizer
-from service.models.loader import embedded_gguf_path
-from service.models.tokenizer import Tokenizer, tokenizer_from_gguf
 
 MULTIBYTE = "café ☕ 日本語 🎉"
 

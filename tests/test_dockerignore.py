@@ -18,7 +18,7 @@ JUNK = (
     ".tools/node_modules/@bufbuild/buf/bin/buf",
     "node_modules/x/index.js",
     "client/__pycache__/cli.cpython-311.pyc",
-    "service/engine/__pycache__/engine.cpython-311.pyc",
+    "service/core/engine/__pycache__/engine.cpython-311.pyc",
     "mlxserve.egg-info/PKG-INFO",
     ".pytest_cache/v/cache/lastfailed",
     ".ruff_cache/0.6.0/123",

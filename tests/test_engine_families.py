@@ -21,15 +21,15 @@ from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes
 
-from service.engine.config import resolve
-from service.engine.engine import Engine, StepRow
-from service.engine.paged_attention import kernel_available, kernel_supports
-from service.engine.sampler import SamplingParams
-from service.engine.storage import PoolShape, make_storage
-from service.models import rope
-from service.models.families import family
-from service.models.layout import probe_layout
-from service.models.loader import materialize, model_family
+from service.core.engine.config import resolve
+from service.core.engine.engine import Engine, StepRow
+from service.core.engine.paged_attention import kernel_available, kernel_supports
+from service.core.engine.sampler import SamplingParams
+from service.core.engine.storage import PoolShape, make_storage
+from service.core.models import rope
+from service.core.models.families import family
+from service.core.models.layout import probe_layout
+from service.core.models.loader import materialize, model_family
 from tests.tiny import Driven
 
 V = 512

@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from mlx.utils import tree_flatten
 
-from service.models.gguf import LAYER_NAMES, TOP_NAMES, load_gguf_llama
-from service.models.loader import embedded_gguf_path
+from service.core.models.gguf import LAYER_NAMES, TOP_NAMES, load_gguf_llama
+from service.core.models.loader import embedded_gguf_path
 
 pytestmark = pytest.mark.model
 

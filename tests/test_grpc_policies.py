@@ -19,7 +19,7 @@ import pytest
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service.scheduler.scheduler import MIN_PREFILL_CHUNK, STALL_BOUND_STEPS
+from service.core.scheduler.scheduler import MIN_PREFILL_CHUNK, STALL_BOUND_STEPS
 from tests.conftest import REPO_ROOT, chat_request, free_port, running_server, to_stream, with_id
 
 pytestmark = pytest.mark.model

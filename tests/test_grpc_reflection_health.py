@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from client.errors import error_details
-from service.introspection import HealthServicer
+from service.frontend.introspection import HealthServicer
 
 GENERATION_SERVICE = "mlxserve.v1.GenerationService"
 HEALTH_SERVICE = "grpc.health.v1.Health"

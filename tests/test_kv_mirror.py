@@ -1,4 +1,4 @@
-"""The decode mirror (service.engine.kv_mirror) on a tiny random-weight llama: the same logits
+"""The decode mirror (service.core.engine.kv_mirror) on a tiny random-weight llama: the same logits
 and tokens as gathering from the pool, through rows joining, leaving and outgrowing the mirror;
 appends in place between rebuilds; the byte limit falls back to gathering."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from service.engine import kv_mirror
-from service.engine.batch_view import StepLayout
-from service.engine.config import EngineConfig
-from service.engine.engine import StepRow
-from service.engine.sampler import SamplingParams
-from service.kv.block_pool import KVCacheManager
+from service.core.engine import kv_mirror
+from service.core.engine.batch_view import StepLayout
+from service.core.engine.config import EngineConfig
+from service.core.engine.engine import StepRow
+from service.core.engine.sampler import SamplingParams
+from service.core.kv.block_pool import KVCacheManager
 from tests.tiny import PROMPTS, generate, layout_of, make_engine, paged, prompt, tiny_llama
 
 MIRROR = EngineConfig(decode_attention="mirror")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.models.loader import EMBEDDED_INSTALL
+from service.core.models.loader import EMBEDDED_INSTALL
 
 tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
 

@@ -1,4 +1,4 @@
-"""Decode attention read straight from the paged pool (service.engine.paged_attention).
+"""Decode attention read straight from the paged pool (service.core.engine.paged_attention).
 
 On the CPU the MLX-ops reference runs (and the engine's direct decode path through it); the
 CUDA kernel is checked against the reference where MLX's CUDA backend is present."""
@@ -10,12 +10,12 @@ import math
 import mlx.core as mx
 import pytest
 
-from service.engine import paged_attention
-from service.engine.config import EngineConfig
-from service.engine.engine import StepRow
-from service.engine.kv_paged import PagedKVStorage
-from service.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
-from service.engine.sampler import SamplingParams
+from service.core.engine import paged_attention
+from service.core.engine.config import EngineConfig
+from service.core.engine.engine import StepRow
+from service.core.engine.kv_paged import PagedKVStorage
+from service.core.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
+from service.core.engine.sampler import SamplingParams
 from tests.tiny import LAYERS, PROMPTS, dense, generate, make_engine, paged, tiny_llama
 
 cuda_only = pytest.mark.skipif(

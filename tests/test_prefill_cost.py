@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from service.scheduler.prefill_cost import (
+from service.core.scheduler.prefill_cost import (
     GROWTH,
     WINDOW,
     PrefillCostModel,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.scheduler.prefill_plan import PrefillPlan
+from service.core.scheduler.prefill_plan import PrefillPlan
 
 
 def test_cold_plan_cuts_from_position_zero() -> None:

@@ -17,7 +17,7 @@ import pytest
 from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service.config import ServerConfig
+from service.common.config import ModelConfig, SchedulingConfig, ServerConfig
 from tests.conftest import (
     GENERATION_SERVICE,
     chat_request,
@@ -204,7 +204,12 @@ async def test_tokenization_runs_off_the_event_loop(monkeypatch) -> None:
     """The servicer in-process behind a real grpc.aio server: every encode of Generate,
     StreamGenerate (chat) and Tokenize runs on another thread than the event loop's."""
     threads: list[threading.Thread] = []
-    async with in_process_server(ServerConfig(load_format="dummy:tiny", parallel=2)) as (
+    async with in_process_server(
+        ServerConfig(
+            model=ModelConfig(load_format="dummy:tiny"),
+            scheduling=SchedulingConfig(max_batch_size=2),
+        )
+    ) as (
         stub,
         servicer,
     ):

@@ -7,7 +7,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from mlxserve.v1 import generation_pb2 as pb
-from service.request_decoding import describe_decode_error
+from service.frontend.request_decoding import describe_decode_error
 
 
 def _reason(message_class, data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""Per-row sampling over random logits (service/engine/sampler.py)."""
+"""Per-row sampling over random logits (service/core/engine/sampler.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from service.engine.sampler import RowSamplerState, SamplingParams, sample
+from service.core.engine.sampler import RowSamplerState, SamplingParams, sample
 
 VOCAB = 1000
 

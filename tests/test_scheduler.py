@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from service.engine.config import EngineConfig
-from service.engine.engine import (
+from service.core.engine.config import EngineConfig
+from service.core.engine.engine import (
     DraftRow,
     EngineSequence,
     PendingStep,
@@ -20,17 +20,10 @@ from service.engine.engine import (
     StepRow,
     Verified,
 )
-from service.engine.sampler import SamplingParams
-from service.kv.block_pool import BlockUpdate, KVCacheManager, KVManager, UnpagedKV
-from service.scheduler.request import (
-    Final,
-    FinishReason,
-    GenerationRequest,
-    Request,
-    SequenceStatus,
-    StepOutput,
-)
-from service.scheduler.scheduler import (
+from service.core.engine.sampler import SamplingParams
+from service.core.kv.block_pool import BlockUpdate, KVCacheManager, KVManager, UnpagedKV
+from service.core.scheduler.request import Request, SequenceStatus
+from service.core.scheduler.scheduler import (
     ADAPTIVE_CHUNK_BUSY,
     ADAPTIVE_CHUNK_IDLE,
     QueueFullError,
@@ -38,6 +31,7 @@ from service.scheduler.scheduler import (
     SchedulerConfig,
     SpeculationConfig,
 )
+from service.protocol import Final, FinishReason, GenerationRequest, StepOutput
 
 VOCAB = 1000
 EOS = 999

@@ -11,14 +11,10 @@ import itertools
 import pytest
 from test_scheduler import Forward, Harness, ListSink
 
-from service.engine.config import EngineConfig
-from service.scheduler.request import (
-    FinishReason,
-    GenerationRequest,
-    Request,
-    SequenceStatus,
-)
-from service.scheduler.scheduler import MIN_PREFILL_CHUNK, PrefillPass
+from service.core.engine.config import EngineConfig
+from service.core.scheduler.request import Request, SequenceStatus
+from service.core.scheduler.scheduler import MIN_PREFILL_CHUNK, PrefillPass
+from service.protocol import FinishReason, GenerationRequest
 
 
 def tick(h: Harness) -> list[Forward]:

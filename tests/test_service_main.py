@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from service.models.loader import EMBEDDED_INSTALL
+from service.core.models.loader import EMBEDDED_INSTALL
 from tests.conftest import REPO_ROOT, free_port
 
 # Runs `python -m service ARGS` with the embedded model's package hidden from find_spec, as in

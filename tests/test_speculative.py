@@ -12,10 +12,10 @@ import pytest
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service.engine.engine import DraftRow
-from service.engine.params import SamplingParams
-from service.engine.sampler import RowSamplerState, verify_draft
-from service.scheduler.prompt_lookup import NgramIndex
+from service.core.engine.engine import DraftRow
+from service.core.engine.sampler import RowSamplerState, verify_draft
+from service.core.scheduler.prompt_lookup import NgramIndex
+from service.protocol import SamplingParams
 from tests.conftest import (
     EMBEDDED_MODEL_ID,
     chat_request,
@@ -120,7 +120,7 @@ def test_engine_verification_matches_plain_decoding_and_rolls_back() -> None:
 
 
 def _row(seq, tokens=None):
-    from service.engine.engine import StepRow
+    from service.core.engine.engine import StepRow
 
     return StepRow(seq, tokens)
 

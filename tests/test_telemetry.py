@@ -564,7 +564,7 @@ def test_prometheus_scrapes_the_server_under_load(traced: Any, prometheus: str) 
 
 
 def test_tracing_is_on_only_when_an_otlp_export_is_configured() -> None:
-    from service.telemetry.tracing import tracing_requested
+    from service.frontend.telemetry.tracing import tracing_requested
 
     endpoint = "http://collector:4317"
     assert not tracing_requested({})
@@ -593,7 +593,7 @@ def test_client_injects_the_active_span_unless_a_traceparent_is_given() -> None:
 
 
 def test_network_attributes_from_grpc_peer_strings() -> None:
-    from service.telemetry.rpc import _peer_attributes
+    from service.frontend.telemetry.rpc import _peer_attributes
 
     assert _peer_attributes("ipv4:10.1.2.80:65123") == {
         "network.transport": "tcp",

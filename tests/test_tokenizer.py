@@ -1,4 +1,4 @@
-"""service/models/tokenizer.py: special tokens typed into chat content are plain text (a user
+"""service/common/tokenizer.py: special tokens typed into chat content are plain text (a user
 cannot forge turns) unless allowed, while ordinary chats render to the same ids as before;
 through gRPC on the real server too."""
 
@@ -16,9 +16,9 @@ from transformers import PreTrainedTokenizerFast
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service.models.gguf import read_gguf_metadata
-from service.models.loader import embedded_gguf_path
-from service.models.tokenizer import ChatTurn, Tokenizer, tokenizer_from_gguf
+from service.common.tokenizer import ChatTurn, Tokenizer, tokenizer_from_gguf
+from service.core.models.gguf import read_gguf_metadata
+from service.core.models.loader import embedded_gguf_path
 from tests.conftest import ServerProcess, open_channel, running_server
 
 pytestmark = pytest.mark.model

@@ -1,4 +1,5 @@
-"""service/transport.py on the real server through real gRPC channels: the keepalive policy,
+"""service/frontend/transport.py on the real server through real gRPC channels: the keepalive
+policy,
 --max-connection-age, TLS and mutual TLS (certificates made here), bearer tokens."""
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service.config import ConfigError, ServerConfig
-from service.transport import (
+from service.common.config import ConfigError, TransportConfig
+from service.frontend.transport import (
     MIN_CLIENT_PING_INTERVAL_MS,
     BearerTokenAuth,
     read_tokens,
@@ -410,7 +411,7 @@ def test_tokens_are_matched_exactly() -> None:
 
 
 def test_a_key_that_does_not_match_the_certificate_is_refused(pki) -> None:
-    config = ServerConfig(tls_cert=str(pki.server_cert), tls_key=str(pki.client_key))
+    config = TransportConfig(tls_cert=str(pki.server_cert), tls_key=str(pki.client_key))
     with pytest.raises(ConfigError, match=r"--tls-cert .* --tls-key"):
         server_credentials(config)
 
@@ -418,7 +419,7 @@ def test_a_key_that_does_not_match_the_certificate_is_refused(pki) -> None:
 def test_a_client_ca_that_is_not_pem_is_refused(pki, tmp_path) -> None:
     junk = tmp_path / "ca.pem"
     junk.write_text("not a certificate\n")
-    config = ServerConfig(
+    config = TransportConfig(
         tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), tls_client_ca=str(junk)
     )
     with pytest.raises(ConfigError, match="--tls-client-ca"):

@@ -1,4 +1,5 @@
-"""service/validation.py on a fake tokenizer: every bad field is named, good input is kept."""
+"""service/frontend/validation.py on a fake tokenizer: every bad field is named, good input is
+kept."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import math
 import pytest
 
 from mlxserve.v1 import generation_pb2 as pb
-from service.models.tokenizer import ChatTurn
-from service.validation import (
+from service.common.tokenizer import ChatTurn
+from service.frontend.validation import (
     InvalidRequestError,
     PromptTooLongError,
     generation_request,

@@ -9,8 +9,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import llama
 
-from service.engine.config import EngineConfig
-from service.engine.engine import (
+from service.core.engine.config import EngineConfig
+from service.core.engine.engine import (
     DraftRow,
     Engine,
     EngineSequence,
@@ -19,12 +19,12 @@ from service.engine.engine import (
     StepRow,
     Verified,
 )
-from service.engine.kv_dense import DenseKVStorage
-from service.engine.kv_paged import PagedKVStorage
-from service.engine.sampler import SamplingParams
-from service.engine.storage import KVStorage
-from service.kv.block_pool import KVCacheManager, KVManager, SequenceBlocks, UnpagedKV
-from service.models.layout import CacheLayout, probe_layout
+from service.core.engine.kv_dense import DenseKVStorage
+from service.core.engine.kv_paged import PagedKVStorage
+from service.core.engine.sampler import SamplingParams
+from service.core.engine.storage import KVStorage
+from service.core.kv.block_pool import KVCacheManager, KVManager, SequenceBlocks, UnpagedKV
+from service.core.models.layout import CacheLayout, probe_layout
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 256
 
@@ -61,7 +61,7 @@ class OutOfBlocks(RuntimeError):
 
 class Driven:
     """An engine driven straight by a test, with the scheduler's KV part done here as
-    service.scheduler does it: a KVCacheManager (paged storage; UnpagedKV otherwise) reserves
+    service.core.scheduler does it: a KVCacheManager (paged storage; UnpagedKV otherwise) reserves
     each row's slots before its forward, and the engine gets the rows' block tables and the
     manager's BlockUpdate. The Engine's own calls, with the same signatures."""
 

@@ -1,7 +1,7 @@
 """The weights our server serves, written once as an mlx-lm model directory for the peers.
 
 `mlx_lm.server --model DIR` needs config.json, *.safetensors and tokenizer files. The directory
-is made from exactly what our loader builds (`service.models.loader.load_model`): the embedded
+is made from exactly what our loader builds (`service.core.models.loader.load_model`): the embedded
 GGUF dequantized to the serving dtype with Hugging Face tensor names, or a dummy preset's random
 weights (fixed seed), plus the embedded tokenizer with its chat template. It is cached under
 `.cache/` (gitignored) and reused; a model directory given with --model is used as it is.
@@ -72,7 +72,7 @@ def export(out: Path, load_format: str, dtype_name: str) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from service.models.loader import load_model
+    from service.core.models.loader import load_model
 
     loaded = load_model(None, dtype_name, load_format)
     tmp = out.with_name(out.name + ".partial")

@@ -58,8 +58,8 @@ def measure(
     # Heavy imports live here: this function only ever runs in the peer subprocess.
     from mlx_lm.generate import batch_generate
 
-    from service.models.loader import load_model
-    from service.models.tokenizer import ChatTurn
+    from service.common.tokenizer import ChatTurn
+    from service.core.models.loader import load_model
 
     loaded = load_model(model_name, dtype, load_format)
     eos = [] if plan.workload.ignore_eos else sorted(loaded.tokenizer.eos_token_ids)

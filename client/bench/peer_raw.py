@@ -109,8 +109,8 @@ def measure(plan: Plan, model_name: str | None, load_format: str, dtype: str | N
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from service.models.loader import load_model
-    from service.models.tokenizer import ChatTurn
+    from service.common.tokenizer import ChatTurn
+    from service.core.models.loader import load_model
 
     loaded = load_model(model_name, dtype, load_format)
     model = loaded.model

@@ -31,7 +31,7 @@ def mlx_env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     try:
         # Imported here, not at module level: the client image has no server code.
-        from service.blas import blas_env
+        from service.common.blas import blas_env
     except ImportError:
         return env
     extra = blas_env()

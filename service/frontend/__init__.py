@@ -1,1 +1,1 @@
-"""The gRPC front end: no MLX here (the engine core is another process, service.core)."""
+"""The gRPC front end: no MLX here (the engine core is another process, service.core.server)."""

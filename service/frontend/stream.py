@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.common.tokenizer import Tokenizer
 from service.frontend.detokenizer import IncrementalDetokenizer
-from service.models.tokenizer import Tokenizer
-from service.scheduler.request import Final, FinishReason, GenerationRequest, StepOutput
-from service.scheduler.request import TokenLogprob as EngineLogprob
+from service.protocol import Final, FinishReason, GenerationRequest, StepOutput
+from service.protocol import TokenLogprob as EngineLogprob
 
 
 @dataclass

@@ -1,0 +1,49 @@
+"""structlog set-up: JSON lines when stdout is not a terminal, console rendering when it is."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+from service.common.trace_ids import add_trace_ids
+
+
+def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if use_json
+        else structlog.dev.ConsoleRenderer(colors=sys.stdout.isatty())
+    )
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        add_trace_ids,  # trace_id / span_id of the request's RPC span, when tracing is on
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.stdlib.PositionalArgumentsFormatter(),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if use_json:
+        shared.append(structlog.processors.format_exc_info)
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processor=renderer,
+            foreign_pre_chain=shared,
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # Library chatter (e.g. transformers' missing-PyTorch notice) stays out of our logs.
+    for noisy in ("transformers", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)

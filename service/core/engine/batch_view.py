@@ -1,0 +1,231 @@
+"""Per-step views that let mlx-lm's model code run a ragged batch over our storage.
+
+mlx-lm's attention layers call `cache.update_and_fetch(keys, values)`, read `cache.offset` for
+RoPE, and ask `cache.make_mask(N, window_size=...)` for the attention mask; recurrent layers
+read and assign `cache[i]`. For one forward of B rows, where row i has `starts[i]` tokens
+cached already and `lengths[i]` new tokens (right-padded to N), `make_views` builds one view
+per entry of the model's cache list (service.core.models.layout):
+
+- `AttentionView`: the storage writes each row's new K/V into that row's own memory and
+  returns the rows' K/V right-padded to the longest; the boolean mask hides the padding and,
+  for a sliding-window layer, the positions older than its window.
+- `StateView` (service.core.engine.state_store): the rows' recurrent state, stacked.
+- `ListView`: a layer with several caches (`CacheList`).
+
+Nothing of another row is copied or touched when a row joins or leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from service.core.engine.state_store import StateView, StepStates
+from service.core.models.layout import AttentionEntry, CacheLayout, ListEntry, StateEntry
+
+
+@dataclass
+class StepLayout:
+    """The shape of one forward: which sequences, where each row starts, how many new tokens."""
+
+    handles: list[Any]  # storage-specific per-sequence handles
+    starts: list[int]
+    lengths: list[int]
+    # Paged storage: each row's block table (from the scheduler's KVCacheManager).
+    block_tables: list[Sequence[int]] = field(default_factory=list)
+    # Shape buckets: pad the step to at least this many new tokens per row (width) and this
+    # many key positions (span); the padding is masked out. See Engine's shape_buckets.
+    pad_width: int = 0
+    pad_span: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.handles)
+
+    @property
+    def width(self) -> int:
+        return max(max(self.lengths), self.pad_width)
+
+    @property
+    def total_lengths(self) -> list[int]:
+        return [s + n for s, n in zip(self.starts, self.lengths)]
+
+    @property
+    def span(self) -> int:
+        """Key positions attention sees: the longest row's, or the bucket's when padded."""
+        return max(max(self.total_lengths), self.pad_span)
+
+    @property
+    def padded(self) -> bool:
+        return self.width > max(self.lengths) or self.span > max(self.total_lengths)
+
+
+class DirectAttention(Protocol):
+    """Storage whose decode steps attend straight from the pool (service.core.engine.kv_paged)."""
+
+    def write(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]: ...
+    def attend(
+        self,
+        layer: int,
+        batch: StepLayout,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        window: int | None,
+    ) -> mx.array: ...
+
+
+class MirroredAttention(Protocol):
+    """Storage whose decode steps attend over a contiguous copy (service.core.engine.kv_mirror)."""
+
+    def write_mirrored(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]: ...
+
+
+class AttentionView:
+    """The cache object handed to one attention layer of the model for one step."""
+
+    def __init__(
+        self, storage: Any, layout: StepLayout, entry: AttentionEntry, shared: _StepShared
+    ) -> None:
+        self._storage = storage
+        self._layout = layout
+        self._layer = entry.pool_layer
+        self._window = entry.window
+        self._shared = shared
+
+    @property
+    def offset(self) -> int | mx.array:
+        return self._shared.offset
+
+    @property
+    def direct(self) -> bool:
+        """True when this step's attention reads the pool directly (`attend`): then
+        `update_and_fetch` returns the written pool arrays, not gathered K/V."""
+        return self._shared.mode == "direct"
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        mode = self._shared.mode
+        if mode == "direct":
+            return self._storage.write(self._layer, self._layout, keys, values)
+        if mode == "mirror":
+            return self._storage.write_mirrored(self._layer, self._layout, keys, values)
+        return self._storage.write_and_gather(self._layer, self._layout, keys, values)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
+        """Attention for a direct step (called through service.core.engine.paged_attention)."""
+        return self._storage.attend(
+            self._layer, self._layout, queries, keys, values, scale, self._window
+        )
+
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        return self._shared.mask(return_array, window_size)
+
+    # mlx-lm checks truthiness of the cache object before asking for a mask.
+    def __bool__(self) -> bool:
+        return True
+
+
+class ListView:
+    """A layer with several caches (mlx-lm's `CacheList`)."""
+
+    def __init__(self, children: list[Any]) -> None:
+        self._children = children
+
+    def __getitem__(self, index: int) -> Any:
+        return self._children[index]
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class _StepShared:
+    """RoPE offsets and attention masks, computed once per step for all layers."""
+
+    def __init__(
+        self, layout: StepLayout, mode: str, mirror_mask: mx.array | None, grouped: bool
+    ) -> None:
+        self.mode = mode  # "gather", "direct" or "mirror"
+        self._layout = layout
+        self._grouped = grouped
+        self._mirror_mask = mirror_mask
+        self._masks: dict[tuple[bool, int | None], mx.array | str | None] = {}
+        b = layout.batch_size
+        # A single unpadded gathering row is exactly a lone mlx-lm forward: int offset, and
+        # the masks mlx-lm's own KVCache would give.
+        self.single = b == 1 and not layout.padded and mode == "gather"
+        if b == 1 and mode != "gather":
+            self.offset: int | mx.array = layout.starts[0]
+        elif self.single:
+            self.offset = layout.starts[0]
+        else:
+            self.offset = mx.array(layout.starts, dtype=mx.int32)
+
+    def mask(self, return_array: bool, window: int | None) -> mx.array | str | None:
+        key = (return_array, window)
+        if key not in self._masks:
+            self._masks[key] = self._make_mask(return_array, window)
+        return self._masks[key]
+
+    def _make_mask(self, return_array: bool, window: int | None) -> mx.array | str | None:
+        layout = self._layout
+        n = layout.width
+        if self.mode == "direct":
+            return None  # attention stops at each row's length and window (the kernel)
+        if self.mode == "mirror":  # left padding of shorter rows; no window (see EngineConfig)
+            mask = self._mirror_mask
+            return mask[:, None] if self._grouped and mask is not None else mask
+        if self.single:
+            start = layout.starts[0]
+            if window is not None or (return_array and n > 1):
+                return create_causal_mask(n, start, window_size=window)
+            return "causal" if n > 1 else None
+        starts = mx.array(layout.starts)[:, None, None]
+        ends = mx.array(layout.total_lengths)[:, None, None]
+        query_pos = starts + mx.arange(n)[None, :, None]  # [B, N, 1]
+        key_pos = mx.arange(layout.span)[None, None, :]  # [1, 1, T]
+        mask = (key_pos <= query_pos) & (key_pos < ends)
+        if window is not None:
+            mask = mask & (key_pos > query_pos - window)
+        return mask[:, None, None] if self._grouped else mask[:, None]  # [B, (1,) 1, N, T]
+
+
+def make_views(
+    storage: Any,
+    cache: CacheLayout,
+    layout: StepLayout,
+    states: StepStates | None = None,
+    mode: str = "gather",
+    mirror_mask: mx.array | None = None,
+    grouped_mask: bool = False,
+) -> list[Any]:
+    """One view per entry of the model's cache list. `mode`: "gather" (K/V gathered from the
+    storage, masked), "direct" (decode attention reads the paged pool itself), or "mirror"
+    (decode attention over the storage's contiguous copy; `mirror_mask` hides left padding).
+    `grouped_mask`: batched masks get a heads-repeat axis (service.core.models.families)."""
+    shared = _StepShared(layout, mode, mirror_mask, grouped_mask)
+
+    def view(entry: AttentionEntry | StateEntry) -> Any:
+        if isinstance(entry, AttentionEntry):
+            return AttentionView(storage, layout, entry, shared)
+        if states is None:
+            raise ValueError("a stateful model's step needs its rows' states")
+        return StateView(states, entry.state_layer)
+
+    out: list[Any] = []
+    for entry in cache.entries:
+        if isinstance(entry, ListEntry):
+            out.append(ListView([view(c) for c in entry.children]))
+        else:
+            out.append(view(entry))
+    return out

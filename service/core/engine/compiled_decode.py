@@ -1,0 +1,119 @@
+"""Decode steps replayed from a compiled graph (`mx.compile`) instead of rebuilt in Python.
+
+A small model's decode step is host-bound on a GPU: building the step's graph (some 20 MLX ops
+per layer, each a Python call) takes longer than the device takes to run it. `DecodeGraph`
+traces the model's decode forward once per input shape and replays it: each step costs one
+call. Everything that changes from step to step is an input array (the step's tokens, RoPE
+offsets, each row's slots and length, the write slots) and the pool arrays are inputs too, so
+a replay reads the pool as it is now. Shapes are kept few: the slot table is padded to a
+multiple of `SLOT_BUCKET` positions (padding reads are never made: the kernel stops at each
+row's length), so a batch recompiles only when its size changes or its longest row crosses a
+bucket. (MLX's shapeless compile would avoid even that, but custom kernels cannot re-infer
+their output shapes.)
+
+Only direct decode steps (one token per row, attention read from the paged pool) are compiled,
+with their K/V written by the in-place CUDA kernel: the CUDA decode path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+
+from service.core.engine.batch_view import StepLayout
+from service.core.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
+from service.core.models.layout import AttentionEntry, CacheLayout
+
+SLOT_BUCKET = 256  # slot-table width granularity: one compiled shape per 256 positions
+
+
+class _GraphView:
+    """What mlx-lm's attention layers see inside the traced forward: one layer's cache, backed
+    by the step's input arrays instead of the storage's per-step plan."""
+
+    direct = True  # attention comes back through `attend` (service.core.engine.paged_attention)
+
+    def __init__(self, step: _StepArrays, entry: AttentionEntry) -> None:
+        self._step = step
+        self._layer = entry.pool_layer
+        self._window = entry.window
+        self._after: mx.array | None = None
+
+    @property
+    def offset(self) -> mx.array:
+        return self._step.offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        step, layer = self._step, self._layer
+        k_pool, v_pool = step.pools[layer], step.pools[step.num_layers + layer]
+        self._after = store_decode_kv(k_pool, v_pool, keys, values, step.write)
+        return k_pool, v_pool
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
+        step = self._step
+        meta = kernel_meta(step.span, self._window)
+        return paged_decode_attention(
+            queries,
+            keys,
+            values,
+            step.slots,
+            step.lengths,
+            scale,
+            meta,
+            after=self._after,
+            window=self._window,
+        )
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        return None  # each row's attention stops at its own length
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class _StepArrays:
+    def __init__(self, args: list[mx.array], num_layers: int) -> None:
+        self.offsets, self.slots, self.lengths, self.write, self.span = args[:5]
+        self.pools = list(args[5:])  # K of every layer, then V of every layer
+        self.num_layers = num_layers
+
+
+class DecodeGraph:
+    """Compiled decode forwards (trunk and LM head) of one model over paged storage."""
+
+    def __init__(self, head: Any, storage: Any, cache: CacheLayout) -> None:
+        if cache.stateful or len(cache.attention_entries()) != len(cache.entries):
+            raise ValueError("compiled decode steps take models with attention layers only")
+        if not storage.write_in_place:
+            raise ValueError("compiled decode steps write the pool in place (CUDA)")
+        self._head = head  # the engine's ModelHead
+        self._storage = storage
+        self._entries = cache.attention_entries()
+        self._num_layers = cache.num_attention
+        # A traced graph is bound to the streams of the thread that traced it, so each thread
+        # compiles its own (tests drive engines from several threads).
+        self._compiled: dict[int, Callable[..., list[mx.array]]] = {}
+
+    def logits(self, tokens: mx.array, layout: StepLayout) -> mx.array:
+        """[B, V] next-token logits of a decode step (tokens [B, 1]); writes the step's K/V."""
+        storage = self._storage
+        inputs = storage.decode_inputs(layout, SLOT_BUCKET)
+        pools = storage.pool_arrays()
+        key = threading.get_ident()
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = mx.compile(partial(DecodeGraph._forward, self))
+            self._compiled[key] = compiled
+        (logits,) = compiled(tokens, *inputs, *pools)
+        return logits
+
+    def _forward(self, tokens: mx.array, *args: mx.array) -> list[mx.array]:
+        step = _StepArrays(list(args), self._num_layers)
+        views = [_GraphView(step, entry) for entry in self._entries]
+        hidden = self._head.hidden(tokens, views)  # [B, 1, H]
+        # The pools are written in place: returning them would only copy them.
+        return [self._head.logits(hidden[:, 0])]

@@ -1,0 +1,135 @@
+"""How the engine runs a loaded model: decided once, from the platform and the model, before
+anything is built, and frozen. Nothing changes a built engine's mode afterwards.
+
+One decode path per platform:
+- CUDA: decode steps attend straight from the paged pool with the CUDA kernel and write their
+  K/V in place, so step N+1 is queued before step N is read (overlap) and a step replays a
+  compiled graph; prefill forwards are padded to a few shape buckets (attention builds a plan
+  per new shape there).
+- Elsewhere: MLX ops. Decode steps of two or more rows attend over a contiguous copy of the
+  batch's K/V (service.core.engine.kv_mirror) instead of gathering it from the pool every step, and
+  float32 SwiGLU MLPs use the multiply-add exp (service.core.models.activations).
+
+The model narrows this: a family not verified against mlx-lm runs each row alone; a family
+whose attention the kernel cannot read (sinks, soft-capping) gathers; recurrent state forbids
+padded multi-token rows (no shape buckets, one row per prefill forward) and is not compiled.
+
+`MLXSERVE_DEBUG_REFERENCE_PATH=1` forces the MLX-ops path on any platform (tests compare the
+two paths with it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from service.core.models.families import Family
+from service.core.models.layout import CacheLayout
+
+DEBUG_REFERENCE_ENV = "MLXSERVE_DEBUG_REFERENCE_PATH"
+
+
+STORAGES = ("paged", "dense", "native")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Where K/V live (service.core.engine.storage.make_storage builds it): "paged" (the block pool
+    # the scheduler's KVCacheManager keeps), "dense" (arrays per sequence) or "native" (mlx-lm's
+    # own caches, one sequence at a time).
+    storage: str = "paged"
+    batched: bool = True  # one forward for all rows; False: each row alone
+    decode_attention: str = "gather"  # "gather", "mirror" (CPU) or "direct" (CUDA kernel)
+    in_place_writes: bool = False  # decode K/V written in place by the CUDA kernel
+    overlap_steps: bool = False  # step N+1 queued before step N is read
+    compile_decode: bool = False  # decode steps replay a compiled graph
+    shape_buckets: bool = False  # multi-token forwards padded to bucket lengths
+    single_row_prefill: bool = False  # multi-token forwards carry one row (recurrent state)
+    fast_swiglu: bool = False
+    grouped_query_mask: bool = False  # batched masks as [B, 1, 1, N, T] (families.grouped_mask)
+
+    @property
+    def paged(self) -> bool:
+        return self.storage == "paged"
+
+    @property
+    def native_caches(self) -> bool:
+        """One sequence at a time on mlx-lm's own caches: no batching, no rollback, no redo."""
+        return self.storage == "native"
+
+    @property
+    def decode_path(self) -> str:
+        if self.native_caches:
+            return "batch size 1 (mlx-lm's own caches)"
+        return "native batched forward" if self.batched else "per-row fallback"
+
+    def __post_init__(self) -> None:
+        if self.storage not in STORAGES:
+            raise ValueError(f"unknown KV storage {self.storage!r}")
+        if self.decode_attention not in ("gather", "mirror", "direct"):
+            raise ValueError(f"unknown decode attention {self.decode_attention!r}")
+        if self.decode_attention != "gather" and not self.paged:
+            raise ValueError(f"{self.decode_attention} decode attention needs paged storage")
+        if self.native_caches and self.batched:
+            raise ValueError("mlx-lm's own caches run one sequence per forward")
+        if self.in_place_writes and self.decode_attention != "direct":
+            raise ValueError("in-place K/V writes come with direct decode attention")
+        if self.overlap_steps and not self.in_place_writes:
+            raise ValueError("overlapped steps need in-place K/V writes")
+        if self.compile_decode and self.decode_attention != "direct":
+            raise ValueError("compiled decode steps need direct decode attention")
+
+
+def reference_path_forced() -> bool:
+    return os.environ.get(DEBUG_REFERENCE_ENV, "") not in ("", "0")
+
+
+def resolve(
+    family: Family,
+    layout: CacheLayout,
+    *,
+    paged: bool,
+    batched: bool,
+    cuda: bool | None = None,
+    head_dim_supported: bool = True,
+    float32: bool = False,
+    grouped_heads: bool = False,
+    compilable: bool = True,
+) -> EngineConfig:
+    """The engine configuration for a model on this platform. `paged`: the storage is the
+    paged pool, else dense (a model whose caches the views cannot serve keeps mlx-lm's own);
+    `batched`: rows may share a forward (not --no-batch, and a verified family);
+    `grouped_heads`: several query heads share each K/V head; `compilable`: the forward can
+    be traced (not when a layer reads array values on the host, service.core.models.rope)."""
+    grouped_query_mask = family.grouped_mask and grouped_heads
+    storage = "paged" if paged else "dense"
+    if layout.native:
+        return EngineConfig(storage="native", batched=False, single_row_prefill=True)
+    if cuda is None:
+        cuda = mx.cuda.is_available()
+    if reference_path_forced():
+        cuda = False
+    if cuda:
+        direct = paged and family.direct_decode and head_dim_supported
+        return EngineConfig(
+            storage=storage,
+            batched=batched,
+            decode_attention="direct" if direct else "gather",
+            in_place_writes=direct,
+            overlap_steps=direct,
+            compile_decode=direct and family.split_head and not layout.stateful and compilable,
+            shape_buckets=not layout.stateful,
+            single_row_prefill=layout.stateful,
+            grouped_query_mask=grouped_query_mask,
+        )
+    mirror = paged and batched and not layout.sliding
+    return EngineConfig(
+        storage=storage,
+        batched=batched,
+        decode_attention="mirror" if mirror else "gather",
+        single_row_prefill=layout.stateful,
+        fast_swiglu=float32 and not reference_path_forced(),
+        grouped_query_mask=grouped_query_mask,
+    )

@@ -1,0 +1,403 @@
+"""Paged KV storage: every sequence's K/V lives in one block pool shared by all sequences.
+
+Per layer there is ONE K and ONE V array of flat slots, `[(capacity + 1) * block_size,
+kv_heads, head_dim]`; slot `block_id * block_size + offset` holds one token position. The
+bookkeeping (block tables, ref counts, prefix cache, copy-on-write) is the scheduler's
+`KVCacheManager` (service.core.kv.block_pool); this module moves the bytes: each step brings the
+rows' block tables (in its StepLayout) and a `BlockUpdate` (`apply`: grow the arrays to the
+manager's capacity, copy blocks). The last physical block is a scratch block the pool never
+hands out: padding positions of a ragged step are written there and padding reads come from
+there.
+
+A step costs, per layer, one scatter of the new tokens' K/V into the pool and one take of every
+row's positions 0..end into a `[B, kv_heads, T, head_dim]` array (right-padded; the BatchView
+mask hides the padding). Slot indices are computed once per step on the CPU and reused by all
+layers. The scatter updates the pool in place only while nothing else references the pool's
+buffer when the step is dispatched: see `write_and_gather`. A decode step can instead attend
+over the storage's decode mirror (`decode_attention`, kv_mirror), a contiguous copy of the
+batch that it appends to, or read the pool directly (`attend`, the CUDA kernel).
+
+Slots are reserved before a forward is built, never while the model runs: a step whose
+positions run past its rows' block tables is refused (`SlotsNotReservedError`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from service.core.engine.batch_view import StepLayout, make_views
+from service.core.engine.kv_mirror import DecodeMirror, slot_head_rows
+from service.core.engine.memory import release_freed_memory
+from service.core.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
+from service.core.engine.state_store import StepStates
+from service.core.kv.block_pool import BlockUpdate
+from service.core.models.layout import CacheLayout
+
+MIRROR_MAX_BYTES = 1 << 30  # past this (big batch x long rows), decode steps gather instead
+
+
+class SlotsNotReservedError(RuntimeError):
+    """A step writes positions its row's block table does not cover (a scheduler bug: slots
+    are reserved before the forward is built)."""
+
+
+@dataclass(eq=False)
+class PagedSequenceKV:
+    """One sequence's handle: the slots of its latest block table (the table itself comes with
+    each step, from the scheduler's KVCacheManager)."""
+
+    slot_cache: tuple[tuple[int, ...], np.ndarray] | None = None  # (block table, its slots)
+
+
+@dataclass
+class _StepPlan:
+    """One step's slot indices (host arrays), turned into device arrays on first use: a
+    gathering step reads `read`, a direct decode step `slots` and `lengths`."""
+
+    write: mx.array  # [B * N] slot of each new token position (padding -> scratch slot)
+    slot_table: np.ndarray  # [B, T] slot of each position (padding -> scratch slot)
+    totals: list[int]  # positions each row attends to
+    kv_heads: int
+    written: dict[int, mx.array] = field(default_factory=dict)  # layer -> its in-place write
+    metas: dict[int | None, mx.array] = field(default_factory=dict)
+
+    @cached_property
+    def read(self) -> mx.array:
+        """[B, kv_heads, T] pool row of each gathered (position, head)."""
+        return slot_head_rows(self.slot_table, self.kv_heads)
+
+    @cached_property
+    def slots(self) -> mx.array:
+        return mx.array(self.slot_table)
+
+    @cached_property
+    def lengths(self) -> mx.array:
+        return mx.array(np.asarray(self.totals, dtype=np.int32))
+
+    def meta(self, window: int | None) -> mx.array:
+        """The decode kernel's `meta` for a layer of this window (made once per step each)."""
+        if window not in self.metas:
+            self.metas[window] = kernel_meta(self.slot_table.shape[1], window)
+        return self.metas[window]
+
+
+class PagedKVStorage:
+    name = "paged"
+
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        num_blocks: int,
+        block_size: int = 16,
+        initial_blocks: int = 64,
+        *,
+        decode_attention: str = "gather",
+        in_place: bool = False,
+    ) -> None:
+        """decode_attention: how decode steps read K/V ("gather" from the pool, "mirror": a
+        contiguous copy of the batch, service.core.engine.kv_mirror, "direct": the CUDA kernel reads
+        the pool); in_place: direct decode steps write their K/V with the in-place CUDA kernel
+        (`store_decode_kv`), so steps can overlap. The engine config decides both."""
+        if num_blocks < 1:
+            raise ValueError(f"a paged pool needs at least one block, got {num_blocks}")
+        if decode_attention not in ("gather", "mirror", "direct"):
+            raise ValueError(f"unknown decode attention {decode_attention!r}")
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * dtype.size
+        self.bytes_per_block = block_size * self.bytes_per_token
+        # The budget fixes the logical pool; the physical arrays cover the manager's `capacity`
+        # (BlockUpdate), which it raises only when every block below it is in use, so an `auto`
+        # budget of many GiB costs nothing until that many blocks are live at once. The
+        # physical block after the last one is the scratch block.
+        self._capacity_blocks = 0
+        self._keys: list[mx.array] = []
+        self._values: list[mx.array] = []
+        self._grow(min(num_blocks, initial_blocks))
+        self._live: set[int] = set()
+        self._plan_layout: weakref.ref[StepLayout] | None = None
+        self._plan: _StepPlan | None = None
+        self._plan_layer = 0  # the last layer that asked for the plan
+        self.decode_attention = decode_attention
+        self.mirror = DecodeMirror(MIRROR_MAX_BYTES) if decode_attention == "mirror" else None
+        self.write_in_place = in_place
+
+    # -- sequences -------------------------------------------------------------------
+    def new_sequence(self) -> PagedSequenceKV:
+        handle = PagedSequenceKV()
+        self._live.add(id(handle))
+        return handle
+
+    def release(self, handle: PagedSequenceKV) -> None:
+        """Forget the sequence (its blocks are the scheduler's to free)."""
+        self._live.discard(id(handle))
+        if self.mirror is not None and any(h is handle for h in self.mirror.handles):
+            self.mirror.clear()  # the batch changed: free the copy now, rebuild when needed
+
+    def apply(self, update: BlockUpdate) -> None:
+        """Before a forward: grow the arrays to the manager's capacity, then copy blocks."""
+        if update.capacity > self._capacity_blocks:
+            self._grow(min(update.capacity, self.num_blocks))
+        self._apply_copies(update.copies)
+
+    def views(
+        self,
+        layout: StepLayout,
+        cache: CacheLayout,
+        states: StepStates | None,
+        grouped_mask: bool,
+        gather: bool = False,
+    ) -> list[Any]:
+        """The model's cache views for one forward. A decode step (one token per row,
+        unpadded) attends as `decode_attention` says, unless `gather`; everything else
+        gathers."""
+        mode, mirror_mask = "gather", None
+        if not gather and layout.width == 1 and not layout.padded:
+            if self.decode_attention == "direct":
+                mode = "direct"
+            elif self.mirror is not None:
+                step = self.mirror.begin_step(self, layout)
+                if step is not None:
+                    mode, mirror_mask = "mirror", step.mask
+        return make_views(self, cache, layout, states, mode, mirror_mask, grouped_mask)
+
+    # -- stats -----------------------------------------------------------------------
+    @property
+    def live_sequences(self) -> int:
+        return len(self._live)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The K/V arrays allocated so far, scratch block and decode mirror included."""
+        mirror = self.mirror.nbytes if self.mirror is not None else 0
+        return (self._capacity_blocks + 1) * self.bytes_per_block + mirror
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks the physical arrays cover now (the scratch block aside)."""
+        return self._capacity_blocks
+
+    @property
+    def scratch_slot(self) -> int:
+        return self._capacity_blocks * self.block_size
+
+    @property
+    def num_slots(self) -> int:
+        return (self._capacity_blocks + 1) * self.block_size
+
+    # -- the forward -----------------------------------------------------------------
+    def write(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """A direct decode step's write (`attend` reads the pool next): the rows' new K/V
+        ([B, kv_heads, 1, head_dim]) into their slots; returns the layer's pool arrays. With
+        `write_in_place` this is the in-place CUDA kernel, whose result orders this layer's
+        `attend` after it; otherwise `_scatter`."""
+        if not (self.write_in_place and batch.width == 1):
+            return self._scatter(layer, batch, keys, values)
+        plan = self._step_plan(layer, batch)
+        k_store, v_store = self._keys[layer], self._values[layer]
+        plan.written[layer] = store_decode_kv(k_store, v_store, keys, values, plan.write)
+        return k_store, v_store
+
+    def _scatter(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Write the rows' new K/V ([B, kv_heads, N, head_dim]) into their slots; returns the
+        layer's pool arrays ([slots, kv_heads, head_dim]) as written.
+
+        `store[idx] = x` replaces the pool in place only if, when the step is dispatched, no
+        other array or queued task still references the pool's buffer; otherwise MLX copies
+        the whole pool for that layer. So nothing here keeps a reference to a pool array
+        beyond the lazy graph, and a step that scatters is not queued while another runs."""
+        plan = self._step_plan(layer, batch)
+        k_store, v_store = self._keys[layer], self._values[layer]
+        k_store[plan.write] = self.token_major(keys)
+        v_store[plan.write] = self.token_major(values)
+        return k_store, v_store
+
+    def token_major(self, x: mx.array) -> mx.array:
+        """[B, kv_heads, N, head_dim] -> [B * N, kv_heads, head_dim] in the pool's dtype, with
+        as few graph nodes as the shape allows (a decode step runs this 2 x layers times)."""
+        b, _, n, _ = x.shape
+        if n > 1:
+            x = x.transpose(0, 2, 1, 3)
+        x = x.reshape(b * n, self.kv_heads, self.head_dim)
+        return x if x.dtype == self.dtype else x.astype(self.dtype)
+
+    def write_and_gather(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """`_scatter`, then every row's positions 0..end-1 as [B, kv_heads, T, head_dim]."""
+        self._scatter(layer, batch, keys, values)  # updates the pool arrays pool_rows views
+        plan = self._step_plan(layer, batch)
+        # Gathering (slot, head) rows straight into [B, kv_heads, T, head_dim] gives attention
+        # a contiguous operand; taking [B, T] slots and transposing the result measured 3x
+        # slower in the CPU attention (a strided K/V view).
+        k_rows, v_rows = self.pool_rows(layer)
+        return mx.take(k_rows, plan.read, axis=0), mx.take(v_rows, plan.read, axis=0)
+
+    def write_mirrored(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """`_scatter`, then append to the mirror; returns views of the mirror up to this step."""
+        self._scatter(layer, batch, keys, values)
+        assert self.mirror is not None
+        return self.mirror.append(layer, keys, values)
+
+    def pool_rows(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The layer's K and V pools viewed as [slots * kv_heads, head_dim]."""
+        rows = self.num_slots * self.kv_heads
+        return (
+            self._keys[layer].reshape(rows, self.head_dim),
+            self._values[layer].reshape(rows, self.head_dim),
+        )
+
+    def attend(
+        self,
+        layer: int,
+        batch: StepLayout,
+        queries: mx.array,
+        k_pool: mx.array,
+        v_pool: mx.array,
+        scale: float,
+        window: int | None = None,
+    ) -> mx.array:
+        """Decode attention of the step's rows read through their slots (after `write`), over
+        their last `window` positions for a sliding-window layer."""
+        plan = self._step_plan(layer, batch)
+        return paged_decode_attention(
+            queries,
+            k_pool,
+            v_pool,
+            plan.slots,
+            plan.lengths,
+            scale,
+            plan.meta(window),
+            after=plan.written.get(layer),
+            window=window,
+        )
+
+    def decode_inputs(self, batch: StepLayout, bucket: int) -> list[mx.array]:
+        """A direct decode step's plan as arrays, for a compiled forward (compiled_decode):
+        RoPE offsets [B], slots [B, T'] (T' = the span rounded up to `bucket`, padded with
+        the scratch slot), lengths [B], write slots [B] and the width T' as a [1] array (the
+        compiled graph makes each layer's kernel `meta` from it)."""
+        plan = self._step_plan(0, batch)
+        b, t = plan.slot_table.shape
+        width = -(-t // bucket) * bucket
+        slots = np.full((b, width), self.scratch_slot, dtype=np.int32)
+        slots[:, :t] = plan.slot_table
+        offsets = mx.array(np.asarray(batch.starts, dtype=np.int32))
+        span = mx.array([width], dtype=mx.int32)
+        return [offsets, mx.array(slots), plan.lengths, plan.write, span]
+
+    def pool_arrays(self) -> list[mx.array]:
+        """Every layer's K pool, then every layer's V pool."""
+        return [*self._keys, *self._values]
+
+    def gather(self, block_ids: Sequence[int], layer: int, num_tokens: int) -> tuple[mx.array, ...]:
+        """The first num_tokens K and V of one layer of the sequence with this block table,
+        [kv_heads, num_tokens, head_dim] (for tests and debugging)."""
+        slots = mx.array(self.slots_of(PagedSequenceKV(), block_ids, num_tokens))
+        k = mx.take(self._keys[layer], slots, axis=0).transpose(1, 0, 2)
+        v = mx.take(self._values[layer], slots, axis=0).transpose(1, 0, 2)
+        return k, v
+
+    # -- helpers ---------------------------------------------------------------------
+    def _step_plan(self, layer: int, batch: StepLayout) -> _StepPlan:
+        """Slot indices of one step, computed once and reused by every layer (and by the
+        write, gather and attend calls of a layer). A forward visits its layers in order, so
+        a lower layer with the same layout is a new pass and gets a fresh plan."""
+        cached = self._plan_layout() if self._plan_layout is not None else None
+        fresh_pass = layer < self._plan_layer
+        self._plan_layer = layer
+        if cached is batch and self._plan is not None and not fresh_pass:
+            return self._plan
+        b, n = batch.batch_size, batch.width
+        totals = batch.total_lengths
+        t = batch.span
+        write = np.full((b, n), self.scratch_slot, dtype=np.int32)
+        read = np.full((b, t), self.scratch_slot, dtype=np.int32)  # slots, expanded below
+        for i, handle in enumerate(batch.handles):
+            start, count, end = batch.starts[i], batch.lengths[i], totals[i]
+            slots = self.slots_of(handle, batch.block_tables[i], end)
+            read[i, :end] = slots
+            write[i, :count] = slots[start:end]
+        self._plan = _StepPlan(mx.array(write.reshape(-1)), read, totals, self.kv_heads)
+        self._plan_layout = weakref.ref(batch)
+        return self._plan
+
+    def _grow(self, capacity_blocks: int) -> None:
+        """Reallocate the per-layer arrays for `capacity_blocks` (+ scratch), keeping data.
+        All or nothing: the new arrays replace the old only once every one of them exists, so
+        a failed allocation leaves K and V as they were."""
+        shape = ((capacity_blocks + 1) * self.block_size, self.kv_heads, self.head_dim)
+        used = self._capacity_blocks * self.block_size
+        grown: list[list[mx.array]] = []
+        for arrays in (self._keys, self._values):
+            fresh_arrays = []
+            for layer in range(self.num_layers):
+                fresh = mx.zeros(shape, dtype=self.dtype)
+                if used:
+                    fresh[:used] = arrays[layer][:used]
+                fresh_arrays.append(fresh)
+            mx.eval(fresh_arrays)
+            grown.append(fresh_arrays)
+        self._keys, self._values = grown
+        self._capacity_blocks = capacity_blocks
+        release_freed_memory()  # the old arrays: else the process keeps their pages
+
+    def slots_of(
+        self, handle: PagedSequenceKV, block_ids: Sequence[int], num_tokens: int
+    ) -> np.ndarray:
+        """Slot of each of the sequence's first num_tokens positions under its block table
+        (cached in its handle: a decode step reuses it until the table changes)."""
+        if num_tokens > len(block_ids) * self.block_size:
+            raise SlotsNotReservedError(
+                f"positions up to {num_tokens} used but only {len(block_ids)} blocks reserved:"
+                " reserve slots before the forward"
+            )
+        key = tuple(block_ids)
+        if handle.slot_cache is None or handle.slot_cache[0] != key:
+            if key and max(key) >= self._capacity_blocks:
+                raise SlotsNotReservedError(
+                    f"block {max(key)} is past the arrays' {self._capacity_blocks} blocks:"
+                    " apply the KV manager's update before the forward"
+                )
+            size = self.block_size
+            table = np.asarray(key, dtype=np.int32)
+            slots = (table[:, None] * size + np.arange(size, dtype=np.int32)).reshape(-1)
+            handle.slot_cache = (key, slots)
+        return handle.slot_cache[1][:num_tokens]
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (src -> dst) in every layer: one gather + one scatter per array.
+        The gathered source is evaluated before the scatter: `a[dst] = a[src]` in one lazy
+        graph would keep a second reference to the pool and make MLX copy all of it."""
+        if not copies:
+            return
+        size = self.block_size
+        offsets = np.arange(size, dtype=np.int32)
+        src = mx.array(np.array([s for s, _ in copies], np.int32)[:, None] * size + offsets)
+        dst = mx.array(np.array([d for _, d in copies], np.int32)[:, None] * size + offsets)
+        src, dst = src.reshape(-1), dst.reshape(-1)
+        stores = self._keys + self._values
+        blocks = [mx.take(store, src, axis=0) for store in stores]
+        mx.eval(blocks)
+        for store, block in zip(stores, blocks):
+            store[dst] = block  # updates the list's array object: self._keys/_values see it

@@ -1,0 +1,295 @@
+"""Decode attention read straight from the paged KV pool, without gathering it first.
+
+A decode step whose rows have different lengths needs a mask over the padded keys of a gathered
+`[B, kv_heads, T, head_dim]` K/V. MLX's fused CUDA attention (sdpa_vector) takes no array mask,
+so such a step falls back to unfused ops (matmul, mask, softmax, matmul) in every layer, after
+two gathers that copy every row's K/V. `paged_decode_attention` instead reads each row's keys
+through its slot list and stops at the row's own length: one kernel per layer, no mask, no copy.
+On CUDA it is a custom kernel; elsewhere a reference built from MLX ops (gather, mask, fused
+attention), which is what tests on the CPU exercise.
+
+mlx-lm's llama-family attention calls its module's `scaled_dot_product_attention(queries, keys,
+values, cache=..., scale=..., mask=...)`. `install` wraps that function once per module so that a
+step whose cache view is `direct` (the view wrote the new K/V into the pool and returned the pool
+itself) is answered here; every other call goes to mlx-lm's function unchanged.
+
+`store_decode_kv` writes a decode step's new K/V into the pool in place (CUDA only). MLX's own
+scatter is functional: it reuses the pool's buffer only when nothing else references it, so a
+step queued while the previous one still reads the pool would copy every layer's pool. Writing
+in place lets the scheduler queue step N+1 before step N's tokens are read (the engine's
+overlap_steps): one CUDA stream runs the steps in order, so N's attention has read the pool
+before N+1's write lands, and each attention takes its layer's write as an input, so it runs
+after it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+
+WARPS = 16  # warps per (row, head): each takes every WARPS-th key, then they merge
+
+_SOURCE = """
+    // One block of WARPS warps per (row, query head). Warp w scores keys w, w+WARPS, ...;
+    // lane l holds dimensions [l*PER, (l+1)*PER) of the head. Online softmax per warp, then
+    // the warps merge through shared memory.
+    constexpr int PER = D / 32;
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int bh = blockIdx.x;
+    const int b = bh / HEADS;
+    const int h = bh % HEADS;
+    const int kvh = h / (HEADS / KV_HEADS);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int length = lengths[b];
+    const int width = meta[0];
+    const int window = meta[1];  // 0: full attention; else the last `window` positions
+    const int first = (window > 0 && length > window) ? length - window : 0;
+    const float scale = scale_arr[0];
+
+    float qv[PER];
+    float acc[PER];
+    for (int i = 0; i < PER; ++i) {
+        qv[i] = static_cast<float>(q[(size_t)bh * D + lane * PER + i]) * scale;
+        acc[i] = 0.0f;
+    }
+    float m = NEG_INF;
+    float s = 0.0f;
+    for (int t = first + warp; t < length; t += WARPS) {
+        const size_t slot = slots[(size_t)b * width + t];
+        const size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
+        float dot = 0.0f;
+        for (int i = 0; i < PER; ++i) {
+            dot += qv[i] * static_cast<float>(k_pool[base + i]);
+        }
+        for (int offset = 16; offset > 0; offset /= 2) {
+            dot += __shfl_xor_sync(0xffffffff, dot, offset);
+        }
+        const float m_new = fmaxf(m, dot);
+        const float correction = __expf(m - m_new);
+        const float p = __expf(dot - m_new);
+        s = s * correction + p;
+        for (int i = 0; i < PER; ++i) {
+            acc[i] = acc[i] * correction + p * static_cast<float>(v_pool[base + i]);
+        }
+        m = m_new;
+    }
+
+    __shared__ float warp_max[WARPS];
+    __shared__ float warp_sum[WARPS];
+    __shared__ float warp_acc[WARPS][D];
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum[warp] = s;
+    }
+    for (int i = 0; i < PER; ++i) {
+        warp_acc[warp][lane * PER + i] = acc[i];
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float total_max = NEG_INF;
+        for (int w = 0; w < WARPS; ++w) {
+            total_max = fmaxf(total_max, warp_max[w]);
+        }
+        float total = 0.0f;
+        float out_v[PER];
+        for (int i = 0; i < PER; ++i) {
+            out_v[i] = 0.0f;
+        }
+        for (int w = 0; w < WARPS; ++w) {
+            const float c = warp_max[w] == NEG_INF ? 0.0f : __expf(warp_max[w] - total_max);
+            total += warp_sum[w] * c;
+            for (int i = 0; i < PER; ++i) {
+                out_v[i] += warp_acc[w][lane * PER + i] * c;
+            }
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int i = 0; i < PER; ++i) {
+            out[(size_t)bh * D + lane * PER + i] = static_cast<T>(out_v[i] * inv);
+        }
+    }
+"""
+
+
+def kernel_available() -> bool:
+    """The custom kernel runs on MLX's CUDA backend only."""
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+@cache
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_paged_decode_attention",
+        # `after`: the layer's in-place K/V write (or any array): only orders the kernels.
+        input_names=["q", "k_pool", "v_pool", "slots", "lengths", "meta", "scale_arr", "after"],
+        output_names=["out"],
+        source=_SOURCE,
+    )
+
+
+@cache
+def _scale_array(scale: float) -> mx.array:
+    return mx.array([scale], dtype=mx.float32)
+
+
+def paged_decode_attention(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    slots: mx.array,
+    lengths: mx.array,
+    scale: float,
+    meta: mx.array | None = None,
+    after: mx.array | None = None,
+    window: int | None = None,
+) -> mx.array:
+    """Attention of one new token per row over that row's first `lengths[b]` positions, or
+    its last `window` of them.
+
+    queries [B, heads, 1, head_dim]; k_pool/v_pool [slots, kv_heads, head_dim]; slots [B, T]
+    int32, the pool slot of each position (entries past a row's length are ignored); lengths
+    [B] int32; meta: `kernel_meta(T, window)`, made once per step by the caller (else here);
+    after: `store_decode_kv`'s result when the step wrote the pool in place (the kernel then
+    runs after the write). Returns [B, heads, 1, head_dim]."""
+    b, heads, n, head_dim = queries.shape
+    kv_heads = k_pool.shape[1]
+    if n != 1:
+        raise ValueError(f"paged decode attention takes one query per row, got {n}")
+    if not (kernel_available() and kernel_supports(head_dim)):
+        return _reference(queries, k_pool, v_pool, slots, lengths, scale, window)
+    if meta is None:
+        meta = kernel_meta(slots.shape[1], window)
+    (out,) = _kernel()(
+        inputs=[
+            queries,
+            k_pool,
+            v_pool,
+            slots,
+            lengths,
+            meta,
+            _scale_array(scale),
+            after if after is not None else lengths,
+        ],
+        template=[
+            ("T", queries.dtype),
+            ("D", head_dim),
+            ("HEADS", heads),
+            ("KV_HEADS", kv_heads),
+            ("WARPS", WARPS),
+        ],
+        grid=(b * heads * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+_STORE_SOURCE = """
+    // One thread per element of the new K and V ([tokens, KV_HEADS, D], row-contiguous).
+    // The pools arrive as const inputs and are written anyway: this IS the in-place update.
+    const size_t per_token = (size_t)KV_HEADS * D;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)slots_shape[0] * per_token) {
+        return;
+    }
+    const size_t dst = (size_t)slots[i / per_token] * per_token + i % per_token;
+    const_cast<P*>(k_pool)[dst] = static_cast<P>(k_new[i]);
+    const_cast<P*>(v_pool)[dst] = static_cast<P>(v_new[i]);
+    if (i == 0) {
+        done[0] = 1;
+    }
+"""
+
+
+@cache
+def _store_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_store_decode_kv",
+        input_names=["k_pool", "v_pool", "k_new", "v_new", "slots"],
+        output_names=["done"],
+        source=_STORE_SOURCE,
+    )
+
+
+def store_decode_kv(
+    k_pool: mx.array, v_pool: mx.array, keys: mx.array, values: mx.array, slots: mx.array
+) -> mx.array:
+    """Write one new token per row into the pools, in place (CUDA only).
+
+    k_pool/v_pool [slots, kv_heads, head_dim]; keys/values [B, kv_heads, 1, head_dim]; slots
+    [B] int32, each row's pool slot. Returns a [1] array that stands for the write: pass it as
+    `after` to every kernel that must read the written pool. The pools' array objects are not
+    replaced, so nothing but stream order and `after` tells MLX about the write: only kernels
+    queued after this one on the same stream may read the pool."""
+    if not kernel_available():
+        raise RuntimeError("in-place K/V writes need MLX's CUDA backend")
+    b, kv_heads, n, head_dim = keys.shape
+    if n != 1 or slots.shape != (b,):
+        raise ValueError(f"in-place writes take one token per row, got {keys.shape}")
+    size = b * kv_heads * head_dim
+    (done,) = _store_kernel()(
+        inputs=[k_pool, v_pool, keys, values, slots],
+        template=[("P", k_pool.dtype), ("KV_HEADS", kv_heads), ("D", head_dim)],
+        grid=(size, 1, 1),
+        threadgroup=(min(256, size), 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.int32],
+    )
+    return done
+
+
+def kernel_supports(head_dim: int) -> bool:
+    return head_dim % 32 == 0 and head_dim <= 256
+
+
+def kernel_meta(width: int | mx.array, window: int | None) -> mx.array:
+    """The kernel's [2] int32 `meta`: the slot table's width and the window (0 = none)."""
+    if isinstance(width, int):
+        return mx.array([width, window or 0], dtype=mx.int32)
+    return mx.concatenate([width.astype(mx.int32), mx.array([window or 0], dtype=mx.int32)])
+
+
+def _reference(queries, k_pool, v_pool, slots, lengths, scale, window=None) -> mx.array:
+    """The same attention from MLX ops: gather the rows' K/V, mask past each length (and
+    before each row's window)."""
+    head_dim = k_pool.shape[2]
+    kv_heads = k_pool.shape[1]
+    rows = slots[:, None, :] * kv_heads + mx.arange(kv_heads)[None, :, None]  # [B, kvh, T]
+    keys = mx.take(k_pool.reshape(-1, head_dim), rows, axis=0)
+    values = mx.take(v_pool.reshape(-1, head_dim), rows, axis=0)
+    positions = mx.arange(slots.shape[1])[None, :]
+    mask = positions < lengths[:, None]
+    if window is not None:
+        mask = mask & (positions >= lengths[:, None] - window)
+    mask = mask[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def install(model: Any) -> bool:
+    """Route the model's attention calls through `_dispatch` (once per module). False when the
+    module has no such function; which families call it the way `_dispatch` expects is
+    service.core.models.families' `direct_decode`."""
+    module = sys.modules.get(type(model).__module__)
+    if module is None:
+        return False
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        return False
+    if not getattr(original, "_mlxserve_dispatch", False):
+        module.scaled_dot_product_attention = _dispatcher(original)
+    return True
+
+
+def _dispatcher(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if sinks is None and getattr(cache, "direct", False):
+            return cache.attend(queries, keys, values, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    attention._mlxserve_dispatch = True  # type: ignore[attr-defined]
+    return attention

@@ -1,0 +1,180 @@
+"""Per-row sampling over a batch of logits.
+
+Rows that share their fusible parameters (temperature, top-p, top-k, min-p) are
+drawn together with one `[B, vocab] -> [B]` operation. Each row draws its noise
+from its own key, so a seeded request samples the same tokens whatever batch it
+runs in. Logit bias and penalties touch only the rows that ask for them: the
+other rows' logits stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from service.protocol import SamplingParams
+
+
+@dataclass
+class RowSamplerState:
+    """What one sequence's sampling needs across steps: its key and token history."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    generated_counts: Counter[int] = field(default_factory=Counter)
+    key: mx.array | None = None
+
+    def __post_init__(self) -> None:
+        if not self.params.greedy:
+            seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+            self.key = mx.random.key(seed)
+
+    def next_key(self) -> mx.array:
+        assert self.key is not None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def record(self, token_id: int) -> None:
+        self.generated_counts[token_id] += 1
+
+
+def _per_row(
+    logits: mx.array,
+    states: list[RowSamplerState],
+    applies: Callable[[SamplingParams], bool],
+    transform: Callable[[mx.array, RowSamplerState], mx.array],
+) -> mx.array:
+    """Transform only the rows whose parameters ask for it; the others stay bit-identical."""
+    if not any(applies(s.params) for s in states):
+        return logits
+    return mx.stack(
+        [transform(logits[i], s) if applies(s.params) else logits[i] for i, s in enumerate(states)]
+    )
+
+
+def _apply_bias(row: mx.array, state: RowSamplerState) -> mx.array:
+    bias = state.params.logit_bias
+    ids = mx.array([t for t, _ in bias])
+    return row.at[ids].add(mx.array([b for _, b in bias], dtype=mx.float32))
+
+
+def _apply_penalties(row: mx.array, state: RowSamplerState) -> mx.array:
+    p = state.params
+    if p.repetition_penalty != 1.0:
+        seen = sorted(set(state.prompt_token_ids) | set(state.generated_counts))
+        if seen:
+            idx = mx.array(seen)
+            vals = row[idx]
+            vals = mx.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            row = row.at[idx].add(vals - row[idx])
+    if (p.presence_penalty or p.frequency_penalty) and state.generated_counts:
+        ids = sorted(state.generated_counts)
+        counts = mx.array([state.generated_counts[i] for i in ids], dtype=mx.float32)
+        row = row.at[mx.array(ids)].add(-(p.presence_penalty + p.frequency_penalty * counts))
+    return row
+
+
+def _filter(logits: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:
+    """Mask tokens outside top-k / top-p / min-p with -inf; logits are [B, V] at temperature."""
+    neg_inf = mx.array(-float("inf"), dtype=logits.dtype)
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = mx.sort(logits, axis=-1)[:, vocab - top_k][:, None]
+        logits = mx.where(logits < kth, neg_inf, logits)
+    if min_p > 0.0:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        top = mx.max(logprobs, axis=-1, keepdims=True)
+        logits = mx.where(logprobs < top + mx.log(mx.array(min_p)), neg_inf, logits)
+    if top_p < 1.0:
+        order = mx.argsort(-logits, axis=-1)
+        sorted_logits = mx.take_along_axis(logits, order, axis=-1)
+        probs = mx.softmax(sorted_logits, axis=-1)
+        # Keep a token if the mass before it is below top_p (the first token always stays).
+        before = mx.cumsum(probs, axis=-1) - probs
+        sorted_logits = mx.where(before < top_p, sorted_logits, neg_inf)
+        inverse = mx.argsort(order, axis=-1)
+        logits = mx.take_along_axis(sorted_logits, inverse, axis=-1)
+    return logits
+
+
+def sample(logits: mx.array, states: list[RowSamplerState]) -> tuple[mx.array, mx.array]:
+    """Draw one token per row. Returns (tokens [B] int32, processed logits [B, V] float32)."""
+    logits = logits.astype(mx.float32)
+    logits = _per_row(logits, states, lambda p: bool(p.logit_bias), _apply_bias)
+    logits = _per_row(logits, states, lambda p: p.has_penalties, _apply_penalties)
+
+    groups: dict[tuple[float, float, int, float], list[int]] = {}
+    for i, s in enumerate(states):
+        groups.setdefault(s.params.fused_key, []).append(i)
+
+    if len(groups) == 1:
+        return _sample_group(logits, states, next(iter(groups))), logits
+    tokens: list[mx.array] = [mx.array(0)] * len(states)
+    for key, rows in groups.items():
+        idx = mx.array(rows)
+        drawn = _sample_group(logits[idx], [states[i] for i in rows], key)
+        for j, i in enumerate(rows):
+            tokens[i] = drawn[j]
+    return mx.stack(tokens), logits
+
+
+def _sample_group(
+    logits: mx.array, states: list[RowSamplerState], key: tuple[float, float, int, float]
+) -> mx.array:
+    temperature, top_p, top_k, min_p = key
+    if temperature == 0.0:
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+    scaled = _filter(logits / temperature, top_k, top_p, min_p)
+    vocab = logits.shape[-1]
+    # Gumbel-max with each row's own key: the draw does not depend on the batch around it.
+    noise = mx.stack([mx.random.gumbel(shape=(vocab,), key=s.next_key()) for s in states])
+    return mx.argmax(scaled + noise, axis=-1).astype(mx.int32)
+
+
+def verify_draft(
+    logits: mx.array, draft: list[int], state: RowSamplerState
+) -> tuple[list[int], mx.array]:
+    """Check drafted tokens against the model. logits [k+1, V]: the row's positions after its
+    last token and after each of its k drafted tokens. Returns the tokens to emit (the accepted
+    drafts, then one more: the model's own token where a draft was rejected, or the token after
+    the last draft) and the processed logits (bias applied; for logprobs).
+
+    Greedy: a draft is accepted while it is the argmax, so the output equals plain greedy
+    decoding. Sampled: rejection sampling against a draft that is a point mass (q(d) = 1): d is
+    kept with probability p(d), else one token is drawn from p with d removed, which leaves the
+    output distributed exactly as drawing token by token from p."""
+    logits = logits.astype(mx.float32)
+    if state.params.logit_bias:
+        logits = mx.stack([_apply_bias(row, state) for row in logits])
+    k = len(draft)
+    params = state.params
+    if params.greedy:
+        targets = mx.argmax(logits, axis=-1).tolist()
+        out: list[int] = []
+        for j in range(k):
+            if targets[j] != draft[j]:
+                return [*out, targets[j]], logits
+            out.append(draft[j])
+        return [*out, targets[k]], logits
+    probs = mx.softmax(
+        _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p), axis=-1
+    )
+    if k:
+        chances = probs[mx.arange(k), mx.array(draft)]
+        draws = mx.random.uniform(shape=(k,), key=state.next_key())
+        accepted = (draws < chances).tolist()
+    else:
+        accepted = []
+    out = []
+    for j in range(k):
+        if not accepted[j]:
+            residual = probs[j].at[draft[j]].multiply(0.0)
+            token = mx.random.categorical(mx.log(residual), key=state.next_key())
+            return [*out, int(token.item())], logits
+        out.append(draft[j])
+    bonus = mx.random.categorical(mx.log(probs[k]), key=state.next_key())
+    return [*out, int(bonus.item())], logits

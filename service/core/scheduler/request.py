@@ -1,0 +1,86 @@
+"""What the scheduler tracks for each request."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from service.core.kv.block_pool import SequenceBlocks
+from service.protocol import FinishReason, GenerationRequest, StepOutput
+
+
+class SequenceStatus(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go. The sinks that share a `batch_key` get one `deliver` call
+    per tick with all their requests' outputs (one message to a front end, one wake-up)."""
+
+    batch_key: Hashable
+
+    def deliver(self, outputs: list[StepOutput]) -> None: ...
+
+
+@dataclass(eq=False)
+class Request:
+    """One request as the scheduler tracks it: Queued → Prefilling → Decoding → Finished (and
+    back to Queued when preempted)."""
+
+    request: GenerationRequest
+    sink: OutputSink
+    rid: str = ""  # the id outputs are routed by (unique per front end); default request_id
+    arrival: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.QUEUED
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens (prompt + generated) whose K/V are in the cache
+    cached_tokens: int = 0  # prompt tokens adopted from the prefix cache
+    engine_seq: Any = None
+    blocks: SequenceBlocks | None = None  # its KV block table (the scheduler's KVManager)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finish_reason: FinishReason | None = None
+    cancel_requested: bool = False
+    preemptions: int = 0
+    arrival_order: int = 0
+    plan: Any = None  # PrefillPlan of the current admission
+    parked_ticks: int = 0  # consecutive ticks this prefill was passed over
+    sampler_state: Any = None  # kept across preemption: seeded draws continue unchanged
+    lookup: Any = None  # prompt-lookup n-gram index of its tokens (speculative decoding)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.rid = self.rid or self.request.request_id
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """What a (re-)prefill must put into the KV cache: the prompt plus tokens so far."""
+        return [*self.request.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def timing(self, now: float) -> tuple[float, float, float]:
+        queue = (self.admitted_at or now) - self.arrival
+        ttft = (self.first_token_at or now) - self.arrival
+        return queue, ttft, now - self.arrival

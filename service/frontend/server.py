@@ -1,0 +1,217 @@
+"""A gRPC front end: GenerationService, health and reflection on one grpc.aio server.
+
+It serves while the engine core (another process, service.core.server) loads the model: health says
+NOT_SERVING and generation answers UNAVAILABLE until the core reports the model ready. If the
+core dies, every open RPC ends with UNAVAILABLE, health goes NOT_SERVING, and `serve_frontend`
+returns CORE_DIED_EXIT so that the server exits non-zero (a supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from mlxserve.v1 import generation_pb2 as pb
+from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.common.config import ConfigError, FrontendProcessConfig
+from service.frontend import transport
+from service.frontend.core_client import EngineClient, LoadFailedError
+from service.frontend.introspection import HealthServicer, enable_server_reflection
+from service.frontend.request_decoding import DecodeErrorInterceptor
+from service.frontend.servicer import GenerationServicer, served_model
+from service.frontend.telemetry.telemetry import Telemetry
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+LOAD_FAILED_EXIT = 2
+CORE_DIED_EXIT = 3
+DRAIN_LAST_MESSAGES_S = 2.0  # for the final messages of requests the drain ended
+STATS_TIMEOUT_S = 2.0
+LOAD_FAILURE_GRACE_S = 3.0  # a scrape waits this long for the core's CacheStats
+
+
+async def serve_frontend(
+    config: FrontendProcessConfig,
+    run_dir: Path,
+    index: int,
+    core_alive: list[Connection],
+    on_stop: Callable[[], None] | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT (then drain) or until the core dies. `core_alive`: per
+    engine-core rank, a pipe end that reads EOF once that process is gone; `on_stop`: called
+    when a stop signal arrives. Returns the exit code."""
+    telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
+    client = EngineClient(run_dir, index)
+    auth = transport.auth_interceptor(config.transport)
+    server = grpc.aio.server(
+        # Innermost last: the RPC observer (spans, gRPC metrics) sees every RPC's final status,
+        # an authentication refusal's or an undecodable request's too; authentication refuses
+        # before anything decodes the request.
+        interceptors=[
+            *telemetry.server_interceptors(SERVICE_NAME),
+            *([auth] if auth is not None else []),
+            DecodeErrorInterceptor(),
+        ],
+        options=transport.server_options(config.transport, config.frontend.api_workers),
+    )
+    servicer = GenerationServicer(config, client, telemetry)
+    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    health_servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
+    address = f"{config.transport.host}:{config.transport.port}"
+    listening = False
+
+    async def listen(event: str) -> None:
+        nonlocal listening
+        bound = transport.bind(server, config.transport)  # TLS when --tls-cert is set
+        if bound == 0:
+            raise ConfigError(f"could not bind {address}: is another server using the port?")
+        await server.start()
+        listening = True
+        log.info(event, address=address, frontend=index, tls=config.transport.tls_cert is not None)
+
+    async def set_health(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status.SERVING if serving else status.NOT_SERVING)
+
+    await set_health(False)
+    # Front end 0 listens at once, to answer NOT_SERVING while the model loads. The others
+    # listen only once ready: the kernel hands each new connection to any listener on the
+    # port, and a caller that found the server SERVING must not reach one still loading.
+    if index == 0:
+        await listen("listening; the engine core loads the model")
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    stop_now = asyncio.Event()  # a second signal: no more waiting
+    exit_code = 0
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("second stop signal: stopping now", frontend=index)
+            stop_now.set()
+            return
+        if on_stop is not None:
+            on_stop()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+
+    def on_core_exit() -> None:
+        nonlocal exit_code
+        for pipe in core_alive:
+            loop.remove_reader(pipe.fileno())
+        if stop.is_set():
+            return  # we are stopping it ourselves
+        if servicer.model is None:
+            # While loading, a rank may exit because the model cannot be loaded: give rank 0's
+            # reason (LoadFailed) a moment to arrive before calling it a crash.
+            loop.call_later(LOAD_FAILURE_GRACE_S, core_gone)
+        else:
+            core_gone()
+
+    def core_gone() -> None:
+        nonlocal exit_code
+        if stop.is_set():
+            return
+        log.error("the engine core exited: ending every open request", frontend=index)
+        exit_code = CORE_DIED_EXIT
+        client.core_died()
+        stop.set()
+
+    for pipe in core_alive:
+        loop.add_reader(pipe.fileno(), on_core_exit)
+    client.on_health = lambda healthy: asyncio.ensure_future(
+        set_health(healthy and servicer.serving)
+    )
+    try:
+        connect = asyncio.ensure_future(client.connect())
+        waiter = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({connect, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if connect.done():
+            try:
+                ready = connect.result()
+            except LoadFailedError as exc:
+                log.error("the model could not be loaded", error=str(exc))
+                exit_code = exit_code or LOAD_FAILED_EXIT
+                raise
+            servicer.model = await loop.run_in_executor(None, served_model, ready)
+            telemetry.model_ready(servicer.model.info.model_id)
+            if config.observability.metrics_port and index == 0:
+                _serve_metrics(config, telemetry, client, ready.pid)
+            await set_health(True)
+            if listening:
+                log.info("serving", address=address, frontend=index)
+            else:
+                await listen("serving")
+            await stop.wait()
+        else:
+            connect.cancel()
+    finally:
+        servicer.draining = True
+        await health_servicer.enter_graceful_shutdown()
+        if not exit_code:
+            await _drain(servicer, config.frontend.drain_timeout, stop_now, index)
+        if listening:
+            await server.stop(grace=0 if stop_now.is_set() else DRAIN_LAST_MESSAGES_S)
+        servicer.close()
+        for pipe in core_alive:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(pipe.fileno())
+        await client.close()
+        telemetry.shutdown()  # exports the spans still buffered
+        log.info("stopped", frontend=index)
+    return exit_code
+
+
+async def _drain(
+    servicer: GenerationServicer, timeout: float, stop_now: asyncio.Event, index: int
+) -> None:
+    """Let running requests finish for up to `timeout` seconds (new ones get UNAVAILABLE with
+    RetryInfo); then end what still runs as cancelled, each with a final message."""
+    log.info("draining", timeout_seconds=timeout, frontend=index)
+    idle = asyncio.ensure_future(servicer.idle.wait())
+    now = asyncio.ensure_future(stop_now.wait())
+    await asyncio.wait({idle, now}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    now.cancel()
+    if not idle.done():
+        servicer.end_all()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(idle, DRAIN_LAST_MESSAGES_S)
+
+
+def _serve_metrics(
+    config: FrontendProcessConfig, telemetry: Telemetry, client: EngineClient, core_pid: int
+) -> None:
+    """/metrics on this front end; its gauges ask the core for CacheStats at each scrape (from
+    the metrics server's thread, through this event loop)."""
+    loop = asyncio.get_running_loop()
+    latest = [pb.CacheStatsResponse()]
+
+    def cache_stats() -> pb.CacheStatsResponse:
+        if not client.gone.is_set():
+            with contextlib.suppress(Exception):
+                future = asyncio.run_coroutine_threadsafe(client.stats(), loop)
+                latest[0] = future.result(STATS_TIMEOUT_S)
+        return latest[0]
+
+    try:
+        assert config.observability.metrics_port is not None
+        telemetry.start_metrics_server(
+            config.transport.host, config.observability.metrics_port, cache_stats, core_pid
+        )
+    except OSError as exc:
+        message = f"could not serve metrics on port {config.observability.metrics_port}: {exc}"
+        raise ConfigError(message) from exc
