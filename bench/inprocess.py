@@ -18,7 +18,7 @@ class Collect:
     def __init__(self, expected: int) -> None:
         self.batch_key: Hashable = object()  # one deliver() per tick for all of them
         self.tokens = 0
-        self.finals: dict[str, str] = {}
+        self.finals: dict[int, str] = {}
         self._expected = expected
         self._done = threading.Event()
 
@@ -55,7 +55,7 @@ def run_batch(
             ignore_eos=True,
             cache_prompt=False,
         )
-        runtime.scheduler.submit(Request(request, sink))
+        runtime.scheduler.submit(Request(request, sink, rid=i))
     if not sink.wait(timeout):
         raise TimeoutError(f"{tag}: {len(sink.finals)} of {len(prompts)} requests finished")
     bad = {rid: reason for rid, reason in sink.finals.items() if reason != "length"}

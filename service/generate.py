@@ -70,17 +70,14 @@ def generate_main(argv: list[str], prog: str = "python -m service generate") -> 
     stream = RequestStream(request, tokenizer, runtime.eos_token_ids)
     seq = Request(request, sink)
     runtime.scheduler.submit(seq)
-    final = None
-    while not stream.done:
+    while not stream.ended:
         for out in sink.outputs.get():
-            stopped = stream.stopped
-            delta = stream.push(out)
-            if stream.stopped and not stopped:
-                runtime.scheduler.cancel(seq)
+            if stream.push(out):
+                runtime.scheduler.cancel(seq)  # a stop string ended it here
             if not args.json:
-                sys.stdout.write(delta.text)
+                sys.stdout.write(stream.take().text)
                 sys.stdout.flush()
-            final = delta.final or final
+    final = stream.final
     runtime.shutdown()
     assert final is not None
     if args.json:

@@ -107,15 +107,17 @@ class Final(msgspec.Struct, array_like=True):
 class StepOutput(msgspec.Struct, array_like=True):
     """What one scheduler tick produced for one request: its new tokens (and their logprobs),
     its lifecycle events for telemetry, and on the last one how it ended. Token ids only: the
-    front ends detokenize. Sent as is to the front ends (service.protocol)."""
+    front ends detokenize."""
 
-    rid: str
+    rid: int
     token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     # (name, attributes): queued, admitted, resumed, prefill_chunk, first_token, preempted,
     # finished.
     events: list[tuple[str, dict[str, int | float | str]]] = msgspec.field(default_factory=list)
     final: Final | None = None
+    drafted: int = 0  # prompt-lookup tokens verified this tick
+    accepted: int = 0  # of them, accepted
 
     @property
     def finished(self) -> bool:
@@ -131,13 +133,13 @@ class Hello(msgspec.Struct, tag=True):
 
 
 class Add(msgspec.Struct, tag=True):
-    rid: str  # unique per front end and request: never the caller's request_id
+    rid: int  # the front end's handle of the request (never the caller's request_id)
     request: GenerationRequest
     trace: tuple[str, str] | None = None  # (trace_id, span_id): the core's log lines carry them
 
 
 class Abort(msgspec.Struct, tag=True):
-    rid: str
+    rid: int
 
 
 class StatsQuery(msgspec.Struct, tag=True):
@@ -164,7 +166,7 @@ class LoadFailed(msgspec.Struct, tag=True):
 
 
 class Rejected(msgspec.Struct, tag=True):
-    rid: str
+    rid: int
     message: str  # the waiting queue is full: RESOURCE_EXHAUSTED
 
 

@@ -288,7 +288,7 @@ async def in_process_server(config: Any) -> AsyncIterator[tuple[Any, Any]]:
     import shutil
 
     from service.core.server import CoreServer
-    from service.frontend.core_client import EngineClient
+    from service.frontend.core_client import CoreClient
     from service.frontend.servicer import GenerationServicer, served_model
     from service.frontend.telemetry.telemetry import Telemetry
     from service.launcher import make_run_dir
@@ -297,7 +297,7 @@ async def in_process_server(config: Any) -> AsyncIterator[tuple[Any, Any]]:
     core = CoreServer(config.core, run_dir)
     thread = threading.Thread(target=core.serve, name="core", daemon=True)
     thread.start()
-    client = EngineClient(run_dir, 0)
+    client = CoreClient(run_dir, 0)
     server = grpc.aio.server()
     servicer = GenerationServicer(config.frontend_process, client, Telemetry())
     try:
@@ -310,7 +310,7 @@ async def in_process_server(config: Any) -> AsyncIterator[tuple[Any, Any]]:
     finally:
         await server.stop(0)
         servicer.close()
-        await client.close()
+        await client.close_sockets()
         core.stop()
         thread.join(30)
         shutil.rmtree(run_dir, ignore_errors=True)

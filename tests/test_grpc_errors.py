@@ -200,6 +200,22 @@ def test_prompt_longer_than_the_slot_is_refused(small_stub, request_) -> None:
     assert "512" in info.value.details()
 
 
+def test_tokenize_counts_a_text_longer_than_the_slot(small_stub) -> None:
+    """Tokenize answers "how many tokens is this?" for any text the transport accepts, and
+    says whether a Generate with it would fit the slot context."""
+    long_text = (
+        "The quick brown fox jumps over the lazy dog. " * 600
+    )  # far over 512 * longest token
+    full = small_stub.Tokenize(pb.TokenizeRequest(text=long_text), timeout=60)
+    assert full.token_count == len(full.token_ids) == len(full.tokens) > 512
+    assert not full.fits_slot_context and full.slot_context_tokens == 512
+    counted = small_stub.Tokenize(pb.TokenizeRequest(text=long_text, count_only=True), timeout=60)
+    assert counted.token_count == full.token_count and not counted.token_ids
+    assert not counted.tokens and not counted.fits_slot_context
+    short = small_stub.Tokenize(pb.TokenizeRequest(text="Hello world"), timeout=10)
+    assert short.fits_slot_context and short.token_count == len(short.token_ids) > 0
+
+
 async def test_overload_rejects_at_once_and_drops_nothing_admitted(small) -> None:
     _wait_idle(small)
     max_tokens = 8

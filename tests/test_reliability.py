@@ -156,12 +156,6 @@ SIZE_REFUSALS = [
         pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=[1] * 200_000)),
         "token_ids.ids: the prompt has 200000 ids",
     ),
-    ("Tokenize", pb.TokenizeRequest(text=BIG_TEXT), "text: the prompt is 2000000 characters"),
-    (
-        "Tokenize",
-        pb.TokenizeRequest(chat=chat_request(BIG_TEXT).chat),
-        "chat.messages: the prompt's content totals 2000000 characters",
-    ),
 ]
 
 
@@ -196,8 +190,19 @@ async def test_a_message_over_max_request_bytes_is_refused_by_grpc(server) -> No
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # A message just under the limit still reaches the servicer (and its size check).
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.Tokenize(pb.TokenizeRequest(text="x" * ((4 << 20) - 16)), timeout=30)
+            await stub.Generate(pb.GenerateRequest(text="x" * ((4 << 20) - 16)), timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_tokenize_counts_input_too_big_to_generate_from(aio_stub) -> None:
+    """What Generate refuses by its size alone, Tokenize counts (and says it does not fit)."""
+    for request in (
+        pb.TokenizeRequest(text=BIG_TEXT, count_only=True),
+        pb.TokenizeRequest(chat=chat_request(BIG_TEXT).chat, count_only=True),
+    ):
+        counted = await aio_stub.Tokenize(request, timeout=120)
+        assert counted.token_count >= 400_000 and not counted.fits_slot_context
+        assert not counted.token_ids and counted.slot_context_tokens > 0
 
 
 async def test_tokenization_runs_off_the_event_loop(monkeypatch) -> None:

@@ -232,7 +232,8 @@ class Harness:
         request = GenerationRequest(request_id, tuple(prompt), max_tokens=max_tokens, **kw)
         calls = self.received.setdefault(request_id, [])
         times = self.token_times.setdefault(request_id, [])
-        seq = Request(request, ListSink(calls, times, self.engine.clock))
+        rid = len(self.seqs) + 1
+        seq = Request(request, ListSink(calls, times, self.engine.clock), rid=rid)
         self.sched.submit(seq)
         self.seqs[request_id] = seq
         return seq
@@ -512,7 +513,7 @@ def test_outputs_arrive_in_order_with_exactly_one_final() -> None:
     # Every sink call carries only that request's outputs.
     for request_id in ("a", "b"):
         for call in h.received[request_id]:
-            assert {o.rid for o in call} == {request_id}
+            assert {o.rid for o in call} == {h.seqs[request_id].rid}
 
 
 # -- forwards -------------------------------------------------------------------------------

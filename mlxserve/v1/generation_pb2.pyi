@@ -365,17 +365,25 @@ class Quantization(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., overrides: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "chat")
+    __slots__ = ("text", "chat", "count_only")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    COUNT_ONLY_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatInput
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ...) -> None: ...
+    count_only: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., count_only: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "tokens")
+    __slots__ = ("token_ids", "tokens", "token_count", "fits_slot_context", "slot_context_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FITS_SLOT_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+    token_count: int
+    fits_slot_context: bool
+    slot_context_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ..., token_count: _Optional[int] = ..., fits_slot_context: _Optional[bool] = ..., slot_context_tokens: _Optional[int] = ...) -> None: ...

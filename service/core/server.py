@@ -55,7 +55,7 @@ class FrontendSink:
         self._socket.send(protocol.encode(protocol.Outputs(outputs)), copy=False)
         for out in outputs:
             if out.final is not None:
-                req = self._core.requests.pop(out.rid, None)
+                req = self._core.requests.pop((self.batch_key, out.rid), None)
                 if req is not None:
                     trace_ids.unregister(req.request_id, linger=True)
 
@@ -73,7 +73,8 @@ class CoreServer:
         self.run_dir = run_dir
         self.runtime: Runtime = Runtime(config, run_dir)
         self.context = zmq.Context()
-        self.requests: dict[str, Request] = {}  # rid -> request, until its final output
+        # (front end, rid) -> request, until its final output
+        self.requests: dict[tuple[str, int], Request] = {}
         self._sinks: dict[str, FrontendSink] = {}
         self._peers: dict[str, bytes] = {}  # front end -> its ROUTER identity
         self._notices: queue.SimpleQueue[protocol.FromCore] = queue.SimpleQueue()
@@ -123,7 +124,7 @@ class CoreServer:
         if isinstance(message, protocol.Add):
             self._add(router, peer, message)
         elif isinstance(message, protocol.Abort):
-            req = self.requests.get(message.rid)
+            req = self.requests.get((self._frontend_of(peer), message.rid))
             if req is not None and self.runtime.scheduler is not None:
                 self.runtime.scheduler.cancel(req)
         elif isinstance(message, protocol.StatsQuery):
@@ -139,17 +140,20 @@ class CoreServer:
         from service.core.scheduler.request import Request
         from service.core.scheduler.scheduler import QueueFullError
 
-        frontend = next(f for f, p in self._peers.items() if p == peer)
+        frontend = self._frontend_of(peer)
         req = Request(message.request, self._sinks[frontend], rid=message.rid)
         assert self.runtime.scheduler is not None
-        self.requests[message.rid] = req
+        self.requests[frontend, message.rid] = req
         if message.trace is not None:
             trace_ids.register(req.request_id, message.trace)
         try:
             self.runtime.scheduler.submit(req)
         except QueueFullError as exc:
-            self.requests.pop(message.rid, None)
+            self.requests.pop((frontend, message.rid), None)
             router.send_multipart([peer, protocol.encode(protocol.Rejected(message.rid, str(exc)))])
+
+    def _frontend_of(self, peer: bytes) -> str:
+        return next(f for f, p in self._peers.items() if p == peer)
 
     def _announce(self, router: Any) -> None:
         """Once loaded, tell every front end the model is ready; pass on health notices."""

@@ -1,11 +1,12 @@
-"""The front end's side of the engine core: requests in, per-step outputs out (service.protocol).
+"""The front end's side of the engine core: requests in, per-tick outputs out (service.protocol).
 
-One `EngineClient` per front-end process, on its event loop. It sends requests, aborts and
-stats queries on a DEALER socket, and reads the core's per-step `Outputs` from its own PULL
-socket, handing each request's outputs to that request's queue (several steps' outputs pile
-up there when a consumer is slow; the servicer then sends them as one message).
+One `CoreClient` per front-end process, on its event loop, holds the process's only table of
+running requests (`RequestStream`s by their handle). It sends requests, aborts and stats queries
+on a DEALER socket, and reads the core's per-tick `Outputs` from its own PULL socket: every
+message already waiting is read, pushed into the streams, and then each stream that got
+something is woken once. A stop string matched while pushing is aborted in the core at once.
 
-If the core dies, every open request gets `CORE_GONE` and `gone` is set: nothing waits on a
+If the core dies, every open request fails with CORE_GONE and `gone` is set: nothing waits on a
 process that is not there.
 """
 
@@ -23,17 +24,18 @@ import zmq.asyncio
 
 from mlxserve.v1 import generation_pb2 as pb
 from service import protocol
+from service.common.tokenizer import Tokenizer
+from service.frontend.stream import Failure, RequestStream
 from service.protocol import GenerationRequest
 
 log = structlog.get_logger(__name__)
-CORE_GONE = object()  # put in a request's queue when the engine core has died
 
 
 class LoadFailedError(RuntimeError):
     """The engine core could not load the model (the message says why)."""
 
 
-class EngineClient:
+class CoreClient:
     def __init__(self, run_dir: Path, index: int) -> None:
         self.name = f"fe{index}"
         self._run_dir = run_dir
@@ -41,12 +43,15 @@ class EngineClient:
         self._context = zmq.asyncio.Context()
         self._dealer: Any = None
         self._pull: Any = None
-        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._streams: dict[int, RequestStream] = {}  # by rid, while their RPC runs
+        self._request_ids: set[str] = set()  # the callers' ids of those requests
         self._stats: dict[int, asyncio.Future[pb.CacheStatsResponse]] = {}
         self._ids = itertools.count()
         self._ready: asyncio.Future[protocol.Ready] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.gone = asyncio.Event()
+        self.idle = asyncio.Event()  # set whenever no request is open
+        self.idle.set()
         self.on_health: Callable[[bool], None] | None = None
 
     async def connect(self) -> protocol.Ready:
@@ -67,29 +72,46 @@ class EngineClient:
         await self._send(protocol.Hello(self.name, address))
         return await self._ready
 
+    # -- requests ----------------------------------------------------------------------
+    def running(self, request_id: str) -> bool:
+        return request_id in self._request_ids
+
     def submit(
-        self, request: GenerationRequest, trace: tuple[str, str] | None = None
-    ) -> tuple[str, asyncio.Queue[Any]]:
-        """Queue a request in the core; its outputs (StepOutput), or an protocol.Rejected, or
-        CORE_GONE, arrive in the returned queue. `trace`: the RPC span's ids, for the core's
-        log lines about the request."""
-        rid = f"{self.name}-{next(self._ids)}"
-        outputs: asyncio.Queue[Any] = asyncio.Queue()
-        self._queues[rid] = outputs
+        self,
+        request: GenerationRequest,
+        tokenizer: Tokenizer,
+        eos_token_ids: frozenset[int],
+        trace: tuple[str, str] | None = None,
+    ) -> RequestStream:
+        """Queue a request in the core; its outputs arrive in the returned stream until
+        `close`. `trace`: the RPC span's ids, for the core's log lines about the request."""
+        stream = RequestStream(request, tokenizer, eos_token_ids, rid=next(self._ids))
+        self._streams[stream.rid] = stream
+        self._request_ids.add(request.request_id)
+        self.idle.clear()
         if self.gone.is_set():
-            outputs.put_nowait(CORE_GONE)
+            stream.fail(Failure.CORE_GONE)
         else:
-            self._send_now(protocol.Add(rid, request, trace))
-        return rid, outputs
+            self._send_now(protocol.Add(stream.rid, request, trace))
+        return stream
 
-    def abort(self, rid: str) -> None:
-        """The request ended here (client gone, stop string): end it in the core. Its final
-        output still arrives (and is dropped if nobody waits for it)."""
-        if not self.gone.is_set():
-            self._send_now(protocol.Abort(rid))
+    def close(self, stream: RequestStream) -> None:
+        """The RPC is over. A request that has not ended (its client left, the deadline
+        passed) is aborted in the core, which frees its slot."""
+        if self._streams.pop(stream.rid, None) is None:
+            return
+        self._request_ids.discard(stream.request.request_id)
+        if not stream.ended:
+            self._abort(stream.rid)
+        if not self._streams:
+            self.idle.set()
 
-    def release(self, rid: str) -> None:
-        self._queues.pop(rid, None)
+    def end_all(self) -> None:
+        """The drain timeout passed: every open request ends now, as cancelled."""
+        for stream in self._streams.values():
+            if not stream.ended:
+                stream.end()
+                self._abort(stream.rid)
 
     async def stats(self, timeout: float = 5.0) -> pb.CacheStatsResponse:
         qid = next(self._ids)
@@ -106,12 +128,12 @@ class EngineClient:
         if self.gone.is_set():
             return
         self.gone.set()
-        for outputs in self._queues.values():
-            outputs.put_nowait(CORE_GONE)
+        for stream in self._streams.values():
+            stream.fail(Failure.CORE_GONE)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(LoadFailedError("the engine core exited while loading"))
 
-    async def close(self) -> None:
+    async def close_sockets(self) -> None:
         for task in self._tasks:
             task.cancel()
         for socket in (self._dealer, self._pull):
@@ -120,6 +142,10 @@ class EngineClient:
         self._context.term()
 
     # -- sockets -------------------------------------------------------------------------
+    def _abort(self, rid: int) -> None:
+        if not self.gone.is_set():
+            self._send_now(protocol.Abort(rid))
+
     async def _send(self, message: Any) -> None:
         await self._dealer.send(protocol.encode(message))
 
@@ -137,9 +163,9 @@ class EngineClient:
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_exception(LoadFailedError(message.message))
             elif isinstance(message, protocol.Rejected):
-                outputs = self._queues.get(message.rid)
-                if outputs is not None:
-                    outputs.put_nowait(message)
+                stream = self._streams.get(message.rid)
+                if stream is not None:
+                    stream.fail(Failure.QUEUE_FULL, message.message)
             elif isinstance(message, protocol.StatsReply):
                 future = self._stats.get(message.qid)
                 if future is not None and not future.done():
@@ -149,18 +175,20 @@ class EngineClient:
 
     async def _read_outputs(self) -> None:
         while True:
-            batch = protocol.decode_outputs(await self._pull.recv(copy=False))
-            for out in batch.items:
-                outputs = self._queues.get(out.rid)
-                if outputs is not None:
-                    outputs.put_nowait(out)
-
-
-def drain(outputs: asyncio.Queue[Any]) -> list[Any]:
-    """Everything already waiting in a request's queue (after one awaited item)."""
-    items = []
-    while True:
-        try:
-            items.append(outputs.get_nowait())
-        except asyncio.QueueEmpty:
-            return items
+            frames = [await self._pull.recv(copy=False)]
+            while True:  # every tick already here: one wake-up per stream for all of them
+                try:
+                    frames.append(await self._pull.recv(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    break
+            touched: dict[int, RequestStream] = {}
+            for frame in frames:
+                for out in protocol.decode_outputs(frame).items:
+                    stream = self._streams.get(out.rid)
+                    if stream is None:
+                        continue  # its RPC is over
+                    if stream.push(out):
+                        self._abort(out.rid)  # a stop string ended it here
+                    touched[out.rid] = stream
+            for stream in touched.values():
+                stream.wake()

@@ -23,7 +23,7 @@ from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.common.config import ConfigError, FrontendProcessConfig
 from service.frontend import transport
-from service.frontend.core_client import EngineClient, LoadFailedError
+from service.frontend.core_client import CoreClient, LoadFailedError
 from service.frontend.introspection import HealthServicer, enable_server_reflection
 from service.frontend.request_decoding import DecodeErrorInterceptor
 from service.frontend.servicer import GenerationServicer, served_model
@@ -49,7 +49,7 @@ async def serve_frontend(
     engine-core rank, a pipe end that reads EOF once that process is gone; `on_stop`: called
     when a stop signal arrives. Returns the exit code."""
     telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
-    client = EngineClient(run_dir, index)
+    client = CoreClient(run_dir, index)
     auth = transport.auth_interceptor(config.transport)
     server = grpc.aio.server(
         # Innermost last: the RPC observer (spans, gRPC metrics) sees every RPC's final status,
@@ -170,7 +170,7 @@ async def serve_frontend(
         for pipe in core_alive:
             with contextlib.suppress(Exception):
                 loop.remove_reader(pipe.fileno())
-        await client.close()
+        await client.close_sockets()
         telemetry.shutdown()  # exports the spans still buffered
         log.info("stopped", frontend=index)
     return exit_code
@@ -182,18 +182,18 @@ async def _drain(
     """Let running requests finish for up to `timeout` seconds (new ones get UNAVAILABLE with
     RetryInfo); then end what still runs as cancelled, each with a final message."""
     log.info("draining", timeout_seconds=timeout, frontend=index)
-    idle = asyncio.ensure_future(servicer.idle.wait())
+    idle = asyncio.ensure_future(servicer.client.idle.wait())
     now = asyncio.ensure_future(stop_now.wait())
     await asyncio.wait({idle, now}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     now.cancel()
     if not idle.done():
-        servicer.end_all()
+        servicer.client.end_all()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(idle, DRAIN_LAST_MESSAGES_S)
 
 
 def _serve_metrics(
-    config: FrontendProcessConfig, telemetry: Telemetry, client: EngineClient, core_pid: int
+    config: FrontendProcessConfig, telemetry: Telemetry, client: CoreClient, core_pid: int
 ) -> None:
     """/metrics on this front end; its gauges ask the core for CacheStats at each scrape (from
     the metrics server's thread, through this event loop)."""

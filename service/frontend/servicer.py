@@ -2,7 +2,8 @@
 
 Validation and tokenization (off the event loop), detokenization and stop strings
 (service.frontend.stream), streaming and telemetry live here; scheduling and forwards live in
-the engine-core process, reached through `EngineClient`. No policy here.
+the engine-core process, reached through `CoreClient`. No policy here: how a request ended is
+its RequestStream's to say; this module turns that into messages and statuses.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from service import protocol
 from service.common.config import FrontendProcessConfig
 from service.common.tokenizer import Tokenizer
 from service.frontend import errors
-from service.frontend.core_client import CORE_GONE, EngineClient, drain
-from service.frontend.stream import Delta, RequestStream
+from service.frontend.core_client import CoreClient
+from service.frontend.stream import Delta, Failure, RequestStream
 from service.frontend.telemetry.telemetry import Telemetry
 from service.frontend.validation import (
     InvalidRequestError,
@@ -35,7 +36,7 @@ from service.frontend.validation import (
     kv_budget_refusal,
     prompt_token_ids,
 )
-from service.protocol import Final, FinishReason
+from service.protocol import Final, FinishReason, GenerationRequest
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +48,6 @@ _FINISH = {
 }
 BACKEND_ERROR = "inference backend error"
 CORE_GONE_MESSAGE = "the engine core exited; the server is restarting"
-SHUTDOWN = object()  # put in a request's queue when the drain timeout has passed
 T = TypeVar("T")
 Code = grpc.StatusCode
 
@@ -66,17 +66,13 @@ class ServedModel:
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(
-        self, config: FrontendProcessConfig, client: EngineClient, telemetry: Telemetry
+        self, config: FrontendProcessConfig, client: CoreClient, telemetry: Telemetry
     ) -> None:
         self.config = config
         self.client = client
         self.telemetry = telemetry
         self.model: ServedModel | None = None  # set once the core's model is loaded
         self.draining = False
-        self._active_ids: set[str] = set()
-        self._queues: dict[str, asyncio.Queue[Any]] = {}  # rid -> its outputs, while running
-        self.idle = asyncio.Event()  # set whenever no request is running
-        self.idle.set()
         # Tokenization (and validation, which walks every token id) runs here, never on the
         # event loop: a big prompt would stall every stream and health check meanwhile. The
         # tokenizers library releases the GIL while it encodes.
@@ -95,11 +91,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     def close(self) -> None:
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
-
-    def end_all(self) -> None:
-        """The drain timeout passed: every running request ends now, as cancelled."""
-        for outputs in self._queues.values():
-            outputs.put_nowait(SHUTDOWN)
 
     def _unavailable(self) -> grpc.Status:
         """UNAVAILABLE with RetryInfo: loading, draining (another replica can take the call)
@@ -211,10 +202,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         ids = prompt_token_ids(
             request,
             tok,
-            slot_context=model.slot_context,
+            slot_context=None,  # counted whatever its size
             allow_special_tokens_in_content=self.config.frontend.allow_special_tokens_in_content,
         )
-        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) for i in ids])
+        response = pb.TokenizeResponse(
+            token_count=len(ids),
+            fits_slot_context=len(ids) < model.slot_context,
+            slot_context_tokens=model.slot_context,
+        )
+        if not request.count_only:
+            response.token_ids.extend(ids)
+            response.tokens.extend(tok.id_to_token(i) for i in ids)
+        return response
 
     # -- the request path -------------------------------------------------------------
     async def _run(
@@ -225,6 +224,42 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         status on failure."""
         received = time.monotonic()
         self.telemetry.rpc_request(message, streaming=streaming)
+        req = await self._admit(message, context)
+        model = self.model
+        assert model is not None
+        state = self.telemetry.request_started(req, received, streaming=streaming)
+        stream = self.client.submit(
+            req, model.tokenizer, model.eos_token_ids, state.ids if state is not None else None
+        )
+        bound = log.bind(request_id=req.request_id, frontend=self.client.name)
+        bound.info(
+            "request queued",
+            prompt_tokens=len(req.prompt_token_ids),
+            max_tokens=req.max_tokens,
+            priority=req.priority,
+        )
+        try:
+            while True:
+                delta = await stream.next_delta()
+                if stream.failure is not None:
+                    await self._failed(context, stream)
+                self.telemetry.request_events(state, delta.events)
+                self.telemetry.request_tokens(state, len(delta.token_ids))
+                if delta.final is not None:
+                    self.telemetry.request_finished(state, delta.final)
+                    await self._ended(context, bound, delta)
+                if delta:
+                    yield req.request_id, delta
+                if delta.final is not None:
+                    return
+        finally:
+            self.client.close(stream)
+            self.telemetry.request_ended(state, stream.final is not None, len(stream.token_ids))
+            if not stream.ended:
+                bound.info("request cancelled by the client")
+
+    async def _admit(self, message: Any, context: Any) -> GenerationRequest:
+        """The validated request, or the RPC ends here with the reason."""
         if not self.serving:
             await self._reject(
                 context, self._unavailable(), metric="unavailable", request_id=message.request_id
@@ -243,8 +278,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             )
         except InvalidRequestError as exc:
             await self._invalid(context, exc, message.request_id)
-        # Nothing awaits from here to `_active_ids.add` but an abort: the ALREADY_EXISTS check
-        # and the add are one step for the event loop.
+        # Nothing awaits from here to the submit but an abort: the ALREADY_EXISTS check and the
+        # submit are one step for the event loop.
         prompt_tokens = len(req.prompt_token_ids)
         too_big = kv_budget_refusal(model.capacity_tokens, prompt_tokens, req.max_tokens)
         if too_big is not None:
@@ -259,7 +294,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 },
             )
             await self._reject(context, status, metric="kv_budget", request_id=req.request_id)
-        if req.request_id in self._active_ids:
+        if self.client.running(req.request_id):
             status = errors.rich_status(
                 Code.ALREADY_EXISTS,
                 f"request_id {req.request_id!r} is already running",
@@ -276,86 +311,33 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await self._reject(
                 context, self._unavailable(), metric="unavailable", request_id=req.request_id
             )
-        bound = log.bind(request_id=req.request_id, frontend=self.client.name)
-        stream = RequestStream(req, model.tokenizer, model.eos_token_ids)
-        state = self.telemetry.request_started(req, received, streaming=streaming)
-        rid, outputs = self.client.submit(req, state.ids if state is not None else None)
-        self._active_ids.add(req.request_id)
-        self._queues[rid] = outputs
-        self.idle.clear()
-        started = time.monotonic()
-        bound.info(
-            "request queued",
-            prompt_tokens=len(req.prompt_token_ids),
-            max_tokens=req.max_tokens,
-            priority=req.priority,
-        )
-        try:
-            while not stream.done:
-                items = [await outputs.get(), *drain(outputs)]
-                delta = Delta()
-                for item in items:
-                    if isinstance(item, protocol.Rejected):
-                        stream.done = True
-                        status = errors.rich_status(
-                            Code.RESOURCE_EXHAUSTED,
-                            item.message,
-                            reason=errors.QUEUE_FULL,
-                            retry_after_s=errors.RETRY_AFTER_S,
-                        )
-                        await self._reject(
-                            context, status, metric="queue_full", request_id=req.request_id
-                        )
-                    if item is CORE_GONE:
-                        stream.done = True
-                        await errors.abort(context, self._unavailable())
-                    if item is SHUTDOWN:
-                        bound.info("request cancelled by shutdown")
-                        self.client.abort(rid)
-                        _merge(
-                            delta,
-                            stream.end(
-                                Final(
-                                    FinishReason.CANCELLED.value,
-                                    None,
-                                    len(req.prompt_token_ids),
-                                    len(stream.token_ids),
-                                    0,
-                                    0.0,
-                                    0.0,
-                                    time.monotonic() - started,
-                                )
-                            ),
-                        )
-                        break
-                    self.telemetry.request_events(state, item.events)
-                    stopped = stream.stopped
-                    step = stream.push(item)
-                    if stream.stopped and not stopped:
-                        self.client.abort(rid)  # a stop string matched: end it in the core
-                    _merge(delta, step)
-                self.telemetry.request_tokens(state, len(delta.token_ids))
-                if delta.final is not None:
-                    self.telemetry.request_finished(state, delta.final)
-                    if delta.final.reason == FinishReason.ERROR.value:
-                        bound.error("request failed", error=delta.final.error)
-                        status = errors.rich_status(
-                            Code.INTERNAL, BACKEND_ERROR, reason=errors.ENGINE_ERROR
-                        )
-                        await errors.abort(context, status)
-                if delta.token_ids or delta.text or delta.final is not None:
-                    yield req.request_id, delta
-        finally:
-            self._active_ids.discard(req.request_id)
-            self._queues.pop(rid, None)
-            if not self._queues:
-                self.idle.set()
-            self.telemetry.request_ended(state, stream.done, len(stream.token_ids))
-            self.client.release(rid)
-            if not stream.done:
-                # Cancelled, deadline passed or the client went away: free its slot now.
-                bound.info("request cancelled by the client")
-                self.client.abort(rid)
+        return req
+
+    async def _failed(self, context: Any, stream: RequestStream) -> NoReturn:
+        """The request could not run: the queue was full, or the core is gone."""
+        if stream.failure is Failure.QUEUE_FULL:
+            status = errors.rich_status(
+                Code.RESOURCE_EXHAUSTED,
+                stream.failure_message,
+                reason=errors.QUEUE_FULL,
+                retry_after_s=errors.RETRY_AFTER_S,
+            )
+            await self._reject(
+                context, status, metric="queue_full", request_id=stream.request.request_id
+            )
+        await errors.abort(context, self._unavailable())
+
+    async def _ended(self, context: Any, bound: Any, delta: Delta) -> None:
+        """The request ended: an engine error ends the RPC with INTERNAL; a drain's cancel
+        is logged; anything else is the last message."""
+        final = delta.final
+        assert final is not None
+        if final.reason == FinishReason.ERROR.value:
+            bound.error("request failed", error=final.error)
+            status = errors.rich_status(Code.INTERNAL, BACKEND_ERROR, reason=errors.ENGINE_ERROR)
+            await errors.abort(context, status)
+        if self.draining and final.reason == FinishReason.CANCELLED.value:
+            bound.info("request cancelled by shutdown")
 
     def _fill_extras(self, message: Any, delta: Delta) -> None:
         """Logprobs and, on the last output, the final fields (skipped cheaply when absent:
@@ -387,15 +369,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             )
             for lp in delta.logprobs
         ]
-
-
-def _merge(into: Delta, step: Delta) -> None:
-    into.token_ids.extend(step.token_ids)
-    into.text += step.text
-    into.logprobs.extend(step.logprobs)
-    if step.final is not None:
-        into.final = step.final
-        into.stop_string = step.stop_string
 
 
 def _fill_final(message: Any, final: Final) -> None:

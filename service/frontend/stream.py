@@ -1,20 +1,40 @@
-"""One request's stream on the front end: from the engine's token ids to what the client sees.
+"""One request on a front end, from the engine core's token ids to what its RPC sends.
 
-The engine core sends token ids (and logprobs); here they become UTF-8-safe text deltas, stop
-strings are matched (the caller then aborts the sequence in the core and ends the RPC with
-STOP), and the final usage and timing are taken from the core's summary. The same code turns
-`python -m service generate`'s in-process outputs into text, so both paths agree token for
-token.
+`RequestStream` is the request's only state in a front-end process, and the one place that
+decides how the request ended, whoever ends it:
+- the engine core (EOS, a stop token, max_tokens, the slot context, an engine error, a cancel)
+  sends a `Final`, which the stream adopts;
+- a stop string, matched here while detokenizing, ends it at once with STOP: the RPC's last
+  message goes out without waiting for the core, which is told to free the sequence;
+- the server's drain timeout ends it as cancelled (`end`);
+- a full queue or the core's death fails it (`fail`): the RPC answers with a status.
+
+The core client pushes each tick's outputs into the streams and wakes each stream once; the
+RPC takes everything that piled up since it last sent (`take`), so a consumer that falls behind
+gets several tokens per message. `python -m service generate` turns in-process outputs into
+text through the same class, so both paths agree token for token.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from service.common.tokenizer import Tokenizer
 from service.frontend.detokenizer import IncrementalDetokenizer
-from service.protocol import Final, FinishReason, GenerationRequest, StepOutput
-from service.protocol import TokenLogprob as EngineLogprob
+from service.protocol import Final, FinishReason, GenerationRequest, StepOutput, TokenLogprob
+
+Event = tuple[str, dict[str, Any]]
+
+
+class Failure(enum.Enum):
+    """Ends that are not a generation result: the RPC answers with an error status."""
+
+    QUEUE_FULL = "queue_full"
+    CORE_GONE = "core_gone"
 
 
 @dataclass
@@ -23,16 +43,25 @@ class Delta:
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[EngineLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)  # the core's lifecycle events
     final: Final | None = None  # set on the last delta
     stop_string: str = ""  # with `final`: the stop string that ended the request, if one did
+
+    def __bool__(self) -> bool:
+        return bool(self.token_ids or self.text or self.final is not None)
 
 
 class RequestStream:
     def __init__(
-        self, request: GenerationRequest, tokenizer: Tokenizer, eos_token_ids: frozenset[int]
+        self,
+        request: GenerationRequest,
+        tokenizer: Tokenizer,
+        eos_token_ids: frozenset[int],
+        rid: int = 0,
     ) -> None:
         self.request = request
+        self.rid = rid  # the core's handle of this request (unique in this front end)
         self._detok = IncrementalDetokenizer(
             tokenizer.decode, request.stop, tokenizer.ends_mid_character
         )
@@ -40,52 +69,104 @@ class RequestStream:
             request.stop_token_ids
         )
         self.token_ids: list[int] = []
-        self.stopped = False  # a stop string matched: the core must be told to stop
-        self.done = False
+        self.final: Final | None = None  # how it ended, once it has
+        self.failure: Failure | None = None
+        self.failure_message = ""
+        self._pending = Delta()
+        self._wake = asyncio.Event()
+        # What the core told us, for a Final made here (a stop string).
+        self._submitted_at = time.monotonic()
+        self._admitted_at: float | None = None
+        self._first_token_at: float | None = None
+        self._cached_tokens = 0
+        self._drafted = 0
+        self._accepted = 0
 
-    def push(self, out: StepOutput) -> Delta:
-        """Take one engine output (tokens, maybe the final summary) of this request."""
-        delta = Delta()
-        if self.done:
-            return delta
+    @property
+    def ended(self) -> bool:
+        return self.final is not None or self.failure is not None
+
+    # -- what arrives ------------------------------------------------------------------
+    def push(self, out: StepOutput) -> bool:
+        """Take one engine output of this request (tokens, events, maybe its Final). True when
+        a stop string ended it here: the core must be told to free the sequence."""
+        if self.ended:
+            return False
+        pending = self._pending
+        pending.events.extend(out.events)
+        self._note_events(out.events)
+        self._drafted += out.drafted
+        self._accepted += out.accepted
+        if out.token_ids and self._first_token_at is None:
+            self._first_token_at = time.monotonic()
         for i, token in enumerate(out.token_ids):
-            if self.stopped:
-                break  # generated after the stop string, before the core heard of it
             self.token_ids.append(token)
-            delta.token_ids.append(token)
+            pending.token_ids.append(token)
             if i < len(out.logprobs):
-                delta.logprobs.append(out.logprobs[i])
+                pending.logprobs.append(out.logprobs[i])
             if token not in self._no_text:
-                delta.text += self._detok.push(token)
-                self.stopped = self._detok.stopped
+                pending.text += self._detok.push(token)
+                if self._detok.stopped:
+                    self._finish(self._final_here(FinishReason.STOP))
+                    pending.stop_string = self._detok.matched_stop
+                    return True
         if out.final is not None:
-            self.done = True
-            final = out.final
-            if self.stopped:
-                # Our abort ended it: a stop, with the tokens up to the stop string.
-                delta.stop_string = self._detok.matched_stop
-                final = Final(
-                    FinishReason.STOP.value,
-                    None,
-                    final.prompt_tokens,
-                    len(self.token_ids),
-                    final.cached_tokens,
-                    final.queue_seconds,
-                    final.ttft_seconds,
-                    final.total_seconds,
-                    final.drafted_tokens,
-                    final.accepted_tokens,
-                )
-            elif final.reason != FinishReason.ERROR.value:
-                delta.text += self._detok.flush()
-            delta.final = final
+            if out.final.reason != FinishReason.ERROR.value:
+                pending.text += self._detok.flush()
+            self._finish(out.final)
+        return False
+
+    def end(self) -> None:
+        """The server's drain timeout passed: the held-back text, then CANCELLED."""
+        if not self.ended:
+            self._pending.text += self._detok.flush()
+            self._finish(self._final_here(FinishReason.CANCELLED))
+
+    def fail(self, failure: Failure, message: str = "") -> None:
+        if not self.ended:
+            self.failure, self.failure_message = failure, message
+            self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- what the RPC sends ------------------------------------------------------------
+    async def next_delta(self) -> Delta:
+        """Everything that arrived since the last call (waits until something has)."""
+        while not self._pending and not self._pending.events and not self.failure:
+            self._wake.clear()
+            await self._wake.wait()
+        return self.take()
+
+    def take(self) -> Delta:
+        delta, self._pending = self._pending, Delta()
         return delta
 
-    def end(self, final: Final) -> Delta:
-        """End the stream here (the server is shutting down): the held-back text and `final`."""
-        delta = Delta()
-        if not self.done:
-            self.done = True
-            delta.text = self._detok.flush()
-            delta.final = final
-        return delta
+    # -- helpers -----------------------------------------------------------------------
+    def _finish(self, final: Final) -> None:
+        self.final = final
+        self._pending.final = final
+        self._wake.set()
+
+    def _note_events(self, events: list[Event]) -> None:
+        for name, attrs in events:
+            if name in ("admitted", "resumed") and self._admitted_at is None:
+                self._admitted_at = time.monotonic()
+                self._cached_tokens = int(attrs.get("prefix_hit_tokens", 0))
+
+    def _final_here(self, reason: FinishReason) -> Final:
+        """The Final of a request this front end ended, from what it has seen of it."""
+        now = time.monotonic()
+        start = self._submitted_at
+        return Final(
+            reason.value,
+            None,
+            len(self.request.prompt_token_ids),
+            len(self.token_ids),
+            self._cached_tokens,
+            (self._admitted_at or now) - start,
+            (self._first_token_at or now) - start,
+            now - start,
+            self._drafted,
+            self._accepted,
+        )

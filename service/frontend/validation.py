@@ -89,11 +89,12 @@ def prompt_token_ids(
     message: pb.GenerateRequest | pb.TokenizeRequest,
     tok: PromptEncoder,
     *,
-    slot_context: int,
+    slot_context: int | None,
     allow_special_tokens_in_content: bool = False,
 ) -> list[int]:
     """The prompt's token ids; slow for big input (tokenization): keep it off the event loop.
-    Special tokens typed into chat content stay plain text unless
+    Input too big for `slot_context` by its size alone is refused first (None: counted
+    whatever its size). Special tokens typed into chat content stay plain text unless
     `allow_special_tokens_in_content`; raw `text` is the caller's whole prompt and is encoded
     as it is."""
     kind = message.WhichOneof("input")
@@ -101,7 +102,8 @@ def prompt_token_ids(
         raise InvalidRequestError(
             "input is required: set one of text, token_ids or chat", field="input"
         )
-    check_prompt_size(message, tok, slot_context)
+    if slot_context is not None:
+        check_prompt_size(message, tok, slot_context)
     if kind == "text":
         if not message.text:
             raise InvalidRequestError("text must not be empty", field="text")

@@ -35,7 +35,7 @@ class Request:
 
     request: GenerationRequest
     sink: OutputSink
-    rid: str = ""  # the id outputs are routed by (unique per front end); default request_id
+    rid: int = 0  # the front end's handle: what its outputs are routed by
     arrival: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.QUEUED
     output_token_ids: list[int] = field(default_factory=list)
@@ -55,9 +55,6 @@ class Request:
     lookup: Any = None  # prompt-lookup n-gram index of its tokens (speculative decoding)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        self.rid = self.rid or self.request.request_id
 
     @property
     def request_id(self) -> str:
