@@ -9,7 +9,7 @@ from collections.abc import Hashable, Sequence
 
 from service.core.runtime import Runtime
 from service.core.scheduler.request import Request
-from service.protocol import GenerationRequest, SamplingParams, StepOutput
+from service.protocol import GenerationRequest, Outputs, SamplingParams
 
 
 class Collect:
@@ -22,14 +22,12 @@ class Collect:
         self._expected = expected
         self._done = threading.Event()
 
-    def deliver(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            if out.token_ids:
-                self.tokens += len(out.token_ids)
-            if out.final is not None:
-                self.finals[out.rid] = out.final.reason
-                if len(self.finals) == self._expected:
-                    self._done.set()
+    def deliver(self, outputs: Outputs) -> None:
+        self.tokens += len(outputs.tokens)
+        for rid, final in outputs.finals.items():
+            self.finals[rid] = final.reason
+        if len(self.finals) == self._expected:
+            self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
@@ -55,7 +53,7 @@ def run_batch(
             ignore_eos=True,
             cache_prompt=False,
         )
-        runtime.scheduler.submit(Request(request, sink, rid=i))
+        runtime.loop.submit(Request(request, sink, rid=i))
     if not sink.wait(timeout):
         raise TimeoutError(f"{tag}: {len(sink.finals)} of {len(prompts)} requests finished")
     bad = {rid: reason for rid, reason in sink.finals.items() if reason != "length"}

@@ -23,7 +23,7 @@ from service.common.config import CoreConfig
 from service.core.runtime import Runtime
 from service.core.scheduler.request import Request
 from service.frontend.validation import generation_request
-from service.protocol import StepOutput
+from service.protocol import Outputs
 
 
 def rss_mb() -> float:
@@ -40,8 +40,8 @@ class Sink:
         self.batch_key = index
         self.index, self.done = index, done
 
-    def deliver(self, outputs: list[StepOutput]) -> None:
-        if any(out.finished for out in outputs):
+    def deliver(self, outputs: Outputs) -> None:
+        if outputs.finals:
             self.done.put(self.index)
 
 
@@ -68,7 +68,7 @@ def main() -> None:
             prompt_cache_enabled=True,
         )
 
-        runtime.scheduler.submit(Request(request, Sink(i, done)))
+        runtime.loop.submit(Request(request, Sink(i, done)))
 
     def report(n: int) -> None:
         if args.trim:

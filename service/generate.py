@@ -16,9 +16,9 @@ from service.common.config import add_server_arguments, config_from_args
 from service.common.logging import configure_logging
 from service.core.runtime import Runtime
 from service.core.scheduler.request import Request
-from service.frontend.stream import RequestStream
+from service.frontend.stream import RequestStream, push_outputs
 from service.frontend.validation import InvalidRequestError, generation_request
-from service.protocol import StepOutput
+from service.protocol import Outputs
 
 
 def generate_main(argv: list[str], prog: str = "python -m service generate") -> int:
@@ -49,7 +49,7 @@ def generate_main(argv: list[str], prog: str = "python -m service generate") -> 
     runtime = Runtime(config.core)
     runtime.start()
     runtime.wait_ready()
-    assert runtime.loaded is not None and runtime.scheduler is not None
+    assert runtime.loaded is not None
     tokenizer = runtime.loaded.tokenizer
     try:
         request = generation_request(
@@ -64,19 +64,19 @@ def generate_main(argv: list[str], prog: str = "python -m service generate") -> 
         print(f"error: {exc}", file=sys.stderr)
         runtime.shutdown()
         return 2
-    # The same path as a server's front end: token ids from the scheduler, text and stop
+    # The same path as a server's front end: token ids from the core loop, text and stop
     # strings from a RequestStream.
+    assert runtime.loop is not None
     sink = QueueSink()
     stream = RequestStream(request, tokenizer, runtime.eos_token_ids)
     seq = Request(request, sink)
-    runtime.scheduler.submit(seq)
+    runtime.loop.submit(seq)
     while not stream.ended:
-        for out in sink.outputs.get():
-            if stream.push(out):
-                runtime.scheduler.cancel(seq)  # a stop string ended it here
-            if not args.json:
-                sys.stdout.write(stream.take().text)
-                sys.stdout.flush()
+        if push_outputs(sink.outputs.get(), {0: stream}, {}):
+            runtime.loop.cancel(seq)  # a stop string ended it here
+        if not args.json:
+            sys.stdout.write(stream.take().text)
+            sys.stdout.flush()
     final = stream.final
     runtime.shutdown()
     assert final is not None
@@ -96,7 +96,7 @@ class QueueSink:
     batch_key = "cli"
 
     def __init__(self) -> None:
-        self.outputs: queue.SimpleQueue[list[StepOutput]] = queue.SimpleQueue()
+        self.outputs: queue.SimpleQueue[Outputs] = queue.SimpleQueue()
 
-    def deliver(self, outputs: list[StepOutput]) -> None:
+    def deliver(self, outputs: Outputs) -> None:
         self.outputs.put(outputs)

@@ -104,24 +104,102 @@ class Final(msgspec.Struct, array_like=True):
         return FinishReason(self.reason)
 
 
-class StepOutput(msgspec.Struct, array_like=True):
-    """What one scheduler tick produced for one request: its new tokens (and their logprobs),
-    its lifecycle events for telemetry, and on the last one how it ended. Token ids only: the
-    front ends detokenize."""
+Event = tuple[str, dict[str, int | float | str]]  # (name, attributes)
 
-    rid: int
-    token_ids: list[int] = msgspec.field(default_factory=list)
-    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
-    # (name, attributes): queued, admitted, resumed, prefill_chunk, first_token, preempted,
-    # finished.
-    events: list[tuple[str, dict[str, int | float | str]]] = msgspec.field(default_factory=list)
-    final: Final | None = None
-    drafted: int = 0  # prompt-lookup tokens verified this tick
-    accepted: int = 0  # of them, accepted
 
-    @property
-    def finished(self) -> bool:
-        return self.final is not None
+class Outputs(msgspec.Struct, tag=True):
+    """One engine-core tick's outputs for the requests of one front end, by the front end's
+    request handles (rid). Token ids only: the front ends detokenize.
+
+    `tokens[i]` is rid `rids[i]`'s new token, or with `counts` set, `counts[i]` consecutive
+    tokens are. The rest is sparse: logprobs for the rows that asked; lifecycle events (queued,
+    admitted, resumed, prefill_chunk, first_token, preempted, finished); drafted and accepted
+    prompt-lookup tokens; and on a request's last tick how it ended."""
+
+    rids: list[int] = msgspec.field(default_factory=list)
+    tokens: list[int] = msgspec.field(default_factory=list)
+    counts: list[int] | None = None
+    logprobs: dict[int, list[TokenLogprob]] = msgspec.field(default_factory=dict)
+    events: dict[int, list[Event]] = msgspec.field(default_factory=dict)
+    drafts: dict[int, tuple[int, int]] = msgspec.field(default_factory=dict)  # (drafted, accepted)
+    finals: dict[int, Final] = msgspec.field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.rids or self.events or self.finals)
+
+
+class SlotView(msgspec.Struct, array_like=True):
+    """One running request in a stats reply."""
+
+    request_id: str
+    state: str  # "prefilling" or "decoding"
+    generated_tokens: int
+    context_tokens: int  # tokens in its KV cache
+    priority: int
+
+
+class CacheCounters(msgspec.Struct):
+    """The engine core's KV cache and batch state at one moment (what CacheStats answers; the
+    front end makes the protobuf). Field names are CacheStatsResponse's."""
+
+    storage_backend: str = ""
+    block_size: int = 0
+    total_blocks: int = 0
+    allocated_blocks: int = 0
+    active_blocks: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    reserved_bytes: int = 0
+    used_bytes: int = 0
+    budget_bytes: int = 0
+    capacity_bytes: int = 0
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    evictions: int = 0
+    active_sequences: int = 0
+    queued_requests: int = 0
+    total_completed: int = 0
+    total_failed: int = 0
+    preemptions: int = 0
+    slot_context_tokens: int = 0
+    max_batch_size: int = 0
+    slots: list[SlotView] = msgspec.field(default_factory=list)
+
+
+class Quantization(msgspec.Struct):
+    mode: str = ""
+    bits: int = 0
+    group_size: int = 0
+    overrides: int = 0
+
+
+class Speculation(msgspec.Struct):
+    draft_kind: str = "none"
+    num_draft_tokens: int = 0
+    max_batch: int = 0
+    min_ngram: int = 0
+    max_ngram: int = 0
+
+
+class ModelInfo(msgspec.Struct):
+    """The served model, as GetModelInfo describes it (field names are its response's)."""
+
+    model_id: str = ""
+    architecture: str = ""
+    vocab_size: int = 0
+    num_layers: int = 0
+    dtype: str = ""
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    decode_path: str = ""
+    slot_context_tokens: int = 0
+    max_batch_size: int = 0
+    storage_backend: str = ""
+    family: str = ""
+    quantization: Quantization = msgspec.field(default_factory=Quantization)
+    cache_layers: str = ""
+    tensor_parallel: int = 1
+    speculation: Speculation = msgspec.field(default_factory=Speculation)
 
 
 # -- front end -> core -------------------------------------------------------------------------
@@ -152,7 +230,7 @@ ToCore = Hello | Add | Abort | StatsQuery
 
 
 class Ready(msgspec.Struct, tag=True):
-    model_info: bytes  # a serialized GetModelInfoResponse
+    model_info: ModelInfo
     tokenizer_dir: str  # the model's tokenizer, saved for the front ends to load
     eos_token_ids: list[int]
     slot_context: int
@@ -172,7 +250,7 @@ class Rejected(msgspec.Struct, tag=True):
 
 class StatsReply(msgspec.Struct, tag=True):
     qid: int
-    stats: bytes  # a serialized CacheStatsResponse
+    stats: CacheCounters
 
 
 class Health(msgspec.Struct, tag=True):
@@ -180,13 +258,6 @@ class Health(msgspec.Struct, tag=True):
 
 
 FromCore = Ready | LoadFailed | Rejected | StatsReply | Health
-
-# -- core -> front end (one message per engine step) -------------------------------------------
-
-
-class Outputs(msgspec.Struct, tag=True):
-    items: list[StepOutput]  # every request of the front end that produced something
-
 
 _to_core = msgspec.msgpack.Decoder(ToCore)
 _from_core = msgspec.msgpack.Decoder(FromCore)

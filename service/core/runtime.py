@@ -1,9 +1,10 @@
-"""The engine core's contents, wired once: model, engine config, KV storage and manager, engine,
-scheduler.
+"""The engine core's contents, wired once: model, engine config, KV storage and manager, model
+runner, scheduler and the loop that drives them.
 
 Lives in the engine-core process (service.core.server), or in-process for `python -m service
-generate`. Other threads read only what the scheduler thread publishes: the model's
-description (fixed once loaded) and a CacheStats snapshot refreshed after ticks."""
+generate`. The loop thread is the only one that touches the scheduler and the runner; other
+threads talk to it through the loop's inbox, and read only what does not change once loaded
+(the model's description)."""
 
 from __future__ import annotations
 
@@ -17,39 +18,34 @@ import mlx.core as mx
 import structlog
 from mlx.utils import tree_flatten
 
-from mlxserve.v1 import generation_pb2 as pb
 from service.common.config import ConfigError, CoreConfig
 from service.core.engine import paged_attention
 from service.core.engine.config import EngineConfig, resolve
-from service.core.engine.engine import Engine, EngineSequence, FaultInjector, StepRow
-from service.core.engine.sampler import SamplingParams
+from service.core.engine.runner import FaultInjector, ModelRunner, Row
 from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
 from service.core.kv.block_pool import KVCacheManager, KVManager, UnpagedKV
 from service.core.kv.budget import parse_budget
+from service.core.loop import CoreLoop, slot_views
 from service.core.models import activations, rope
-from service.core.models.families import family
+from service.core.models.families import Family, family
 from service.core.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.core.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
-from service.core.scheduler.request import SequenceStatus
+from service.core.scheduler.plan import Chunk, RowJoin, RowLeave, StepPlan
+from service.core.scheduler.request import Request
 from service.core.scheduler.scheduler import Scheduler, SchedulerConfig, SpeculationConfig
 from service.core.tensor_parallel import (
-    ReplicatedEngine,
+    ReplicatedRunner,
     TensorParallelError,
     agree,
     check_shardable,
     init_group,
 )
+from service.protocol import CacheCounters, ModelInfo, Quantization, SamplingParams, Speculation
 
 log = structlog.get_logger(__name__)
 PAGED_BLOCK_SIZE = 16
 SPECULATION_MAX_CONTEXT = 4608  # whole context at most for a verification round (paged)
-STATS_INTERVAL_S = 0.02  # CacheStats snapshots while requests run
 DETERMINISTIC_CHUNK = 2048
-
-_SLOT_STATE = {
-    SequenceStatus.PREFILLING: pb.SLOT_STATE_PREFILLING,
-    SequenceStatus.DECODING: pb.SLOT_STATE_DECODING,
-}
 
 
 def fault_injector_from_env() -> FaultInjector | None:
@@ -63,8 +59,8 @@ def fault_injector_from_env() -> FaultInjector | None:
     build = [m.removeprefix("build:") for m in markers if m.startswith("build:")]
     evaluate = [m for m in markers if not m.startswith("build:")]
 
-    def inject(seq: EngineSequence, stage: str) -> bool:
-        return any(m in seq.seq_id for m in (build if stage == "build" else evaluate))
+    def inject(row: Row, stage: str) -> bool:
+        return any(m in row.seq_id for m in (build if stage == "build" else evaluate))
 
     return inject
 
@@ -76,27 +72,26 @@ class Runtime:
         self.run_dir = run_dir or Path(".")
         # Tensor parallel: this process's rank of the mx.distributed group (service.launcher
         # set the backend's environment before MLX was imported).
-        self.group = (
-            init_group(config.model.resolved_backend())
-            if config.model.tensor_parallel > 1
-            else None
-        )
+        model = config.model
+        self.group = init_group(model.resolved_backend()) if model.tensor_parallel > 1 else None
         self.rank = self.group.rank() if self.group is not None else 0
         self.serving = False
         self.loaded: LoadedModel | None = None
         self.layout: CacheLayout | None = None
+        self.engine_config: EngineConfig | None = None
+        self.runner: ModelRunner | ReplicatedRunner | None = None
         self.scheduler: Scheduler | None = None
+        self.loop: CoreLoop | None = None
         self.slot_context = 0
-        self.batch_size = config.scheduling.batch_size  # clamped to 1 for a model that cannot batch
+        self.batch_size = config.scheduling.batch_size  # 1 for a model that cannot batch
         self.kv_budget_unlimited = True
-        # Told (from the engine thread) when the engine turns unhealthy or healthy again.
+        # Told (from the loop thread) when the engine turns unhealthy or healthy again, and
+        # when a request's final output has been delivered.
         self.on_engine_health: Callable[[bool], object] | None = None
-        self._stats = pb.CacheStatsResponse(max_batch_size=self.batch_size)
-        self._stats_at = 0.0
+        self.on_request_finished: Callable[[Request], None] | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.engine: Engine | ReplicatedEngine | None = None
         # The scheduler's KV manager; the same object typed as the paged pool's, or None.
         self.kv: KVManager = UnpagedKV()
         self.block_manager: KVCacheManager | None = None
@@ -104,10 +99,10 @@ class Runtime:
 
     # -- start-up --------------------------------------------------------------------
     def start(self) -> None:
-        """Load and serve on one engine thread: MLX binds arrays and compiled graphs to the
-        streams of the thread that makes them, so the thread that loads the model (and
-        evaluates what mlx-lm creates lazily) is the one that runs every forward."""
-        self._thread = threading.Thread(target=self._engine_main, name="engine", daemon=True)
+        """Load and serve on one thread: MLX binds arrays and compiled graphs to the streams of
+        the thread that makes them, so the thread that loads the model (and evaluates what
+        mlx-lm creates lazily) is the one that runs every forward."""
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._thread.start()
 
     @property
@@ -116,13 +111,13 @@ class Runtime:
 
     @property
     def load_error(self) -> BaseException | None:
-        """What loading raised, once the engine thread has ended; else None."""
+        """What loading raised, once the loop thread has ended; else None."""
         if self._load_error is not None and self._thread is not None:
             self._thread.join()
         return self._load_error
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the model is loaded; raises what loading raised (once the engine thread
+        """Block until the model is loaded; raises what loading raised (once the loop thread
         has ended: MLX aborts a process that exits while a thread still holds its streams)."""
         self._ready.wait(timeout)
         if self._load_error is not None:
@@ -130,7 +125,7 @@ class Runtime:
                 self._thread.join()
             raise self._load_error
 
-    def _engine_main(self) -> None:
+    def _main(self) -> None:
         try:
             self.load()
         except BaseException as exc:
@@ -139,14 +134,46 @@ class Runtime:
             self._ready.set()
             return
         self._ready.set()
-        assert self.scheduler is not None
-        self.scheduler.run_forever()
+        assert self.loop is not None
+        try:
+            self.loop.run()
+        finally:
+            # MLX wants each thread that used it to release its streams before exiting
+            # (otherwise the process can abort at exit).
+            mx.clear_streams()
 
     def load(self) -> None:
-        """Load the model and build storage, engine and scheduler on the calling thread (which
-        then serves: `start` does both on the engine thread)."""
-        cfg = self.config
+        """Load the model and build storage, runner, scheduler and loop on the calling thread
+        (which then serves: `start` does both on the loop thread)."""
         started = time.monotonic()
+        lm = self._load_model()
+        fam = family(lm.family)
+        engine_config = self._engine_config(lm, fam)
+        fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
+        self.runner = self._build_runner(lm, fam, engine_config)
+        if self.group is not None and self.rank > 0:
+            # A follower: no scheduler; it replays rank 0's plans (tensor_parallel).
+            self.serving = True
+            return
+        if self.group is not None:
+            assert isinstance(self.runner, ModelRunner)
+            self.runner = ReplicatedRunner(self.runner, self.run_dir, self.group.size())
+        self.scheduler = self._build_scheduler(engine_config)
+        self.loop = CoreLoop(
+            self.scheduler,
+            self.runner,
+            overlap_steps=engine_config.overlap_steps,
+            counters=self.counters,
+            on_finished=self.on_request_finished,
+            # Tensor parallel: the other ranks cannot follow a step rank 0 gave up on.
+            fatal_errors=self.group is not None,
+        )
+        warm_up_seconds = self._warm_up(engine_config)
+        self._log_loaded(lm, fam, engine_config, fast_mlp_layers, warm_up_seconds, started)
+        self.serving = True
+
+    def _load_model(self) -> LoadedModel:
+        cfg = self.config
         lm = load_model(cfg.model.path, cfg.model.dtype, cfg.model.load_format)
         if self.group is not None:
             self._shard(lm)
@@ -158,8 +185,6 @@ class Runtime:
             ) from exc
         self.loaded, self.layout = lm, layout
         self.slot_context = cfg.slot_context(lm.max_context)
-        fam = family(lm.family)
-        self.batch_size = cfg.scheduling.batch_size
         if layout.native and self.group is not None:
             raise ModelLoadError(
                 f"{lm.model_id}: tensor parallel needs caches the engine can view"
@@ -173,20 +198,31 @@ class Runtime:
                 f" from {cfg.scheduling.batch_size} to 1",
                 reason=layout.native_reason,
             )
+        return lm
+
+    def _engine_config(self, lm: LoadedModel, fam: Family) -> EngineConfig:
+        cfg = self.config
+        assert self.layout is not None
         backend = cfg.kv.decode_storage_backend
         if backend == "auto":
             backend = "paged" if fam.verified else "dense"
-        engine_config = resolve(
+        self.engine_config = resolve(
             fam,
-            layout,
+            self.layout,
             paged=backend == "paged",
             batched=not cfg.scheduling.no_batch and fam.verified,
-            head_dim_supported=paged_attention.kernel_supports(layout.head_dim),
+            head_dim_supported=paged_attention.kernel_supports(self.layout.head_dim),
             float32=lm.dtype == mx.float32,
-            grouped_heads=lm.num_heads > layout.kv_heads,
+            grouped_heads=lm.num_heads > self.layout.kv_heads,
             compilable=not rope.reads_offsets_on_host(lm.model),
         )
-        fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
+        return self.engine_config
+
+    def _build_runner(
+        self, lm: LoadedModel, fam: Family, engine_config: EngineConfig
+    ) -> ModelRunner:
+        layout = self.layout
+        assert layout is not None
         pool = self._pool_shape(lm, layout) if engine_config.paged else None
         storage = make_storage(engine_config, lm.model, layout, pool)
         if pool is not None:
@@ -194,61 +230,66 @@ class Runtime:
                 pool.num_blocks,
                 pool.block_size,
                 # A recurrent state cannot be rebuilt from shared K/V blocks.
-                enable_prefix_caching=not cfg.kv.no_prompt_cache and not layout.stateful,
+                enable_prefix_caching=not self.config.kv.no_prompt_cache and not layout.stateful,
                 capacity=min(pool.num_blocks, pool.initial_blocks),
             )
             self.kv = self.block_manager
-        self.engine = Engine(
+        max_blocks = -(-(self.slot_context + 64) // PAGED_BLOCK_SIZE) if pool is not None else 0
+        return ModelRunner(
             lm.model,
             storage,
             layout,
             engine_config,
+            max_rows=self.batch_size,
+            max_blocks_per_row=max_blocks,
             split_head=fam.split_head,
             fault_injector=fault_injector_from_env(),
             contain_failures=self.group is None,
         )
-        if self.group is not None and self.rank > 0:
-            # A follower: no scheduler; it replays rank 0's engine calls (tensor_parallel).
-            self.serving = True
-            return
-        if self.group is not None:
-            self.engine = ReplicatedEngine(self.engine, self.run_dir, self.group.size())
-        batch_size = self.batch_size
-        self.scheduler = Scheduler(
-            self.engine,
+
+    def _build_scheduler(self, engine_config: EngineConfig) -> Scheduler:
+        cfg = self.config.scheduling
+        assert self.layout is not None
+        deterministic = cfg.deterministic
+        return Scheduler(
             SchedulerConfig(
-                max_batch_size=batch_size,
-                max_queue_depth=cfg.scheduling.max_queue_depth,
+                max_batch_size=self.batch_size,
+                max_queue_depth=cfg.max_queue_depth,
                 slot_context=self.slot_context,
                 # Deterministic mode: the prefill plan must not depend on what else runs, so the
                 # chunk size is fixed and every prompt is prefilled alone.
                 prefill_chunk_size=(
-                    cfg.scheduling.prefill_chunk_size
-                    if cfg.scheduling.prefill_chunk_size is not None
-                    or not cfg.scheduling.deterministic
+                    cfg.prefill_chunk_size
+                    if cfg.prefill_chunk_size is not None or not deterministic
                     else DETERMINISTIC_CHUNK
                 ),
-                max_prefill_stall_ms=cfg.scheduling.max_prefill_stall_ms,
+                max_prefill_stall_ms=cfg.max_prefill_stall_ms,
                 max_batch_prefill=1
-                if cfg.scheduling.no_batch
-                or cfg.scheduling.deterministic
-                or engine_config.single_row_prefill
+                if cfg.no_batch or deterministic or engine_config.single_row_prefill
                 else self._batch_prefill(),
-                max_batch_prefill_tokens=cfg.scheduling.max_batch_prefill_tokens,
-                prefill_grant_interval=cfg.scheduling.prefill_grant_interval,
-                enable_preemption=cfg.scheduling.enable_preemption,
-                preemption_policy=cfg.scheduling.preemption_policy,
-                kv_admission_watermark=cfg.kv.kv_admission_watermark,
-                speculation=self._speculation(layout, engine_config.paged),
+                max_batch_prefill_tokens=cfg.max_batch_prefill_tokens,
+                prefill_grant_interval=cfg.prefill_grant_interval,
+                enable_preemption=cfg.enable_preemption,
+                preemption_policy=cfg.preemption_policy,
+                kv_admission_watermark=self.config.kv.kv_admission_watermark,
+                speculation=self._speculation(self.layout, engine_config.paged),
             ),
-            eos_token_ids=self.eos_token_ids,
+            self.eos_token_ids,
             kv=self.kv,
+            batched=engine_config.batched,
             on_health=self._engine_health,
-            on_tick=self._publish_stats,
-            # Tensor parallel: the other ranks cannot follow a step rank 0 gave up on.
-            fatal_errors=self.group is not None,
         )
-        warm_up_seconds = self._warm_up(engine_config)
+
+    def _log_loaded(
+        self,
+        lm: LoadedModel,
+        fam: Family,
+        engine_config: EngineConfig,
+        fast_mlp_layers: int,
+        warm_up_seconds: float,
+        started: float,
+    ) -> None:
+        assert self.layout is not None and self.runner is not None
         self._log_decode_path(lm, fam.verified)
         log.info(
             "model loaded",
@@ -257,21 +298,19 @@ class Runtime:
             family=lm.family,
             dtype=str(lm.dtype),
             quantization=lm.quantization.describe(),
-            layers=layout.describe(),
+            layers=self.layout.describe(),
             decode_path=engine_config.decode_path,
-            storage_backend=storage.name,
+            storage_backend=self.runner.storage.name,
             decode_attention=engine_config.decode_attention,
             overlap_steps=engine_config.overlap_steps,
             compiled_decode=engine_config.compile_decode,
             shape_buckets=engine_config.shape_buckets,
             fast_swiglu_layers=fast_mlp_layers,
-            max_batch_size=batch_size,
+            max_batch_size=self.batch_size,
             slot_context=self.slot_context,
             warm_up_seconds=warm_up_seconds,
             seconds=round(time.monotonic() - started, 2),
         )
-        self._stats = self._build_stats(self.scheduler)
-        self.serving = True
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -288,8 +327,8 @@ class Runtime:
 
     def _speculation(self, layout: CacheLayout, paged: bool) -> SpeculationConfig | None:
         """--draft-kind prompt-lookup, where drafts can be rolled back (attention caches)."""
-        cfg = self.config
-        if cfg.scheduling.draft_kind == "none":
+        cfg = self.config.scheduling
+        if cfg.draft_kind == "none":
             return None
         if layout.stateful or layout.native:
             log.warning(
@@ -298,10 +337,10 @@ class Runtime:
             )
             return None
         return SpeculationConfig(
-            num_draft_tokens=cfg.scheduling.num_draft_tokens,
-            max_batch=cfg.scheduling.prompt_lookup_max_batch,
-            min_ngram=cfg.scheduling.prompt_lookup_min_ngram,
-            max_ngram=cfg.scheduling.prompt_lookup_max_ngram,
+            num_draft_tokens=cfg.num_draft_tokens,
+            max_batch=cfg.prompt_lookup_max_batch,
+            min_ngram=cfg.prompt_lookup_min_ngram,
+            max_ngram=cfg.prompt_lookup_max_ngram,
             # Paged storage gathers a row's whole context for a verification forward.
             max_context=SPECULATION_MAX_CONTEXT if paged else None,
         )
@@ -330,7 +369,7 @@ class Runtime:
         )
 
     def _log_decode_path(self, lm: LoadedModel, verified: bool) -> None:
-        """The design document's start-up line: how this model's decode steps run."""
+        """The start-up line that says how this model's decode steps run."""
         if self.config.scheduling.no_batch:
             log.info(f"Model {lm.model_id} decode path: sequential worker (--no-batch)")
         elif self.layout is not None and self.layout.native:
@@ -353,31 +392,37 @@ class Runtime:
 
     def _warm_up(self, config: EngineConfig) -> float:
         """With shape buckets or direct decode attention (CUDA), run the first prefill buckets
-        (16 … 128 tokens) and a decode step on a throwaway sequence before serving: the
-        attention plans and the decode kernel are compiled on first use (~0.6 s per bucket on a
-        GPU), which the first requests would otherwise wait for."""
-        engine, kv = self.engine, self.kv
-        assert engine is not None
+        (16 … 128 tokens) and a decode step on a throwaway row before serving: the attention
+        plans and the decode kernel are compiled on first use, which the first requests would
+        otherwise wait for."""
+        runner, kv = self.runner, self.kv
+        assert runner is not None
         if not (config.shape_buckets or config.decode_attention == "direct"):
             return 0.0
         started = time.monotonic()
+        step = -1
         for width in (16, 32, 64, 128):
             blocks = kv.new_sequence(cache_prefix=False)
-            seq = engine.add_sequence("warm-up", SamplingParams(), [0])
-            try:
-                if not kv.ensure_slots(blocks, width + 1):
-                    break  # a pool too small to warm up in: the first requests pay instead
-                engine.prefill(
-                    [StepRow(seq, [0] * width, True, blocks.block_ids)], kv.take_update()
-                )
-                engine.step([StepRow(seq, block_ids=blocks.block_ids)], kv.take_update())
-            finally:
-                kv.free_sequence(blocks)
-                engine.release(seq)
+            if not kv.ensure_slots(blocks, width + 1):
+                break  # a pool too small to warm up in: the first requests pay instead
+            update = kv.take_update()
+            join = RowJoin(0, "warm-up", SamplingParams(), [0], 0)
+            prefill = StepPlan(
+                step,
+                joins=[join],
+                tables=[(0, list(blocks.block_ids))],
+                capacity=update.capacity,
+                copies=list(update.copies),
+                prefill=[[Chunk(0, [0] * width, True)]],
+            )
+            runner.collect(runner.submit(prefill))
+            runner.collect(runner.submit(StepPlan(step, decode=[0])))
+            kv.free_sequence(blocks)
+            runner.collect(runner.submit(StepPlan(step, leaves=[RowLeave(0, True)])))
         return round(time.monotonic() - started, 2)
 
     def _batch_prefill(self) -> int:
-        """--max-batch-prefill, default by device: a GPU prefills 16 short prompts in about
+        """--max-batch-prefill, default by device: a GPU prefills many short prompts in about
         the time of one, a CPU's prefill cost grows with every prompt added."""
         if self.config.scheduling.max_batch_prefill is not None:
             return self.config.scheduling.max_batch_prefill
@@ -392,7 +437,7 @@ class Runtime:
         weights = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
         budget = parse_budget(cfg.kv.kv_cache_budget, weights)
         slot_blocks = -(-self.slot_context // PAGED_BLOCK_SIZE)
-        most = 2 * cfg.scheduling.batch_size * slot_blocks
+        most = 2 * self.batch_size * slot_blocks
         blocks = most if budget is None else min(most, budget // per_block)
         if self.group is not None:
             # Every rank's pool must be the same size: rank 0's (it decides from its memory).
@@ -411,79 +456,54 @@ class Runtime:
         self.bytes_per_block = per_block
         return PoolShape(blocks, PAGED_BLOCK_SIZE)
 
-    def cache_stats(self) -> pb.CacheStatsResponse:
-        """The latest CacheStats snapshot (published by the scheduler thread; safe anywhere)."""
-        return self._stats
-
-    def _publish_stats(self, sched: Scheduler, changed: bool) -> None:
-        """After a tick, on the scheduler thread: refresh the snapshot, at most every
-        STATS_INTERVAL_S while requests only decode (it walks every running row); always after
-        a tick that admitted, started, preempted or ended a request, and when idle."""
-        now = time.monotonic()
-        if sched.busy and not changed and now - self._stats_at < STATS_INTERVAL_S:
-            return
-        self._stats_at = now
-        self._stats = self._build_stats(sched)
-
-    def _build_stats(self, sched: Scheduler) -> pb.CacheStatsResponse:
-        response = pb.CacheStatsResponse(
-            slot_context_tokens=self.slot_context, max_batch_size=self.batch_size
+    # -- what the front ends are told ---------------------------------------------------
+    def counters(self, sched: Scheduler) -> CacheCounters:
+        """The cache and batch state now (on the loop thread: a stats query's reply)."""
+        assert self.runner is not None
+        storage = self.runner.storage
+        out = CacheCounters(
+            storage_backend=storage.name,
+            reserved_bytes=storage.reserved_bytes,
+            slot_context_tokens=self.slot_context,
+            max_batch_size=self.batch_size,
+            active_sequences=len(sched.running),
+            queued_requests=self.loop.queue_depth if self.loop is not None else 0,
+            total_completed=sched.stats.total_completed,
+            total_failed=sched.stats.total_failed,
+            preemptions=sched.stats.preemptions,
+            slots=slot_views(sched),
         )
-        assert self.engine is not None
-        storage = self.engine.storage
-        response.storage_backend = storage.name
-        response.reserved_bytes = storage.reserved_bytes
-        running = sched.running
         manager = self.block_manager
         if manager is not None:
             stats = manager.stats()
-            response.block_size = stats.block_size
-            response.total_blocks = stats.num_total_blocks
-            response.active_blocks = stats.num_active_blocks
-            response.free_blocks = stats.num_free_blocks
-            response.cached_blocks = stats.num_cached_blocks
-            # Allocated: holding data, in use or kept as an evictable cached prefix.
-            response.allocated_blocks = (
-                stats.num_active_blocks + manager.pool.num_free_cached_blocks
-            )
             budget_bytes = stats.num_total_blocks * self.bytes_per_block
-            response.used_bytes = stats.num_active_blocks * self.bytes_per_block
-            response.budget_bytes = 0 if self.kv_budget_unlimited else budget_bytes
-            response.capacity_bytes = budget_bytes
-            response.prefix_lookups = stats.prefix_lookups
-            response.prefix_hits = stats.prefix_hits
-            response.prefix_hit_tokens = stats.prefix_hit_tokens
-            response.evictions = stats.evictions
-        elif self.engine.config.native_caches:
-            response.used_bytes = storage.reserved_bytes
+            out.block_size = stats.block_size
+            out.total_blocks = stats.num_total_blocks
+            out.active_blocks = stats.num_active_blocks
+            out.free_blocks = stats.num_free_blocks
+            out.cached_blocks = stats.num_cached_blocks
+            # Allocated: holding data, in use or kept as an evictable cached prefix.
+            out.allocated_blocks = stats.num_active_blocks + manager.pool.num_free_cached_blocks
+            out.used_bytes = stats.num_active_blocks * self.bytes_per_block
+            out.budget_bytes = 0 if self.kv_budget_unlimited else budget_bytes
+            out.capacity_bytes = budget_bytes
+            out.prefix_lookups = stats.prefix_lookups
+            out.prefix_hits = stats.prefix_hits
+            out.prefix_hit_tokens = stats.prefix_hit_tokens
+            out.evictions = stats.evictions
+        elif self.runner.config.native_caches:
+            out.used_bytes = storage.reserved_bytes
         else:
-            used = sum(s.engine_seq.num_cached for s in running if s.engine_seq is not None)
-            response.used_bytes = used * storage.bytes_per_token
-            response.capacity_bytes = self.batch_size * self.slot_context * storage.bytes_per_token
-        response.active_sequences = len(running)
-        response.queued_requests = sched.queue_depth
-        response.total_completed = sched.stats.total_completed
-        response.total_failed = sched.stats.total_failed
-        response.preemptions = sched.stats.preemptions
-        for seq in running:
-            if seq.status not in _SLOT_STATE:
-                continue
-            response.slots.append(
-                pb.SlotInfo(
-                    request_id=seq.request_id,
-                    state=_SLOT_STATE[seq.status],
-                    generated_tokens=seq.num_generated,
-                    context_tokens=seq.engine_seq.num_cached if seq.engine_seq else 0,
-                    priority=seq.request.priority,
-                )
-            )
-        return response
+            used = sum(sched.context_tokens(s) for s in sched.running)
+            out.used_bytes = used * storage.bytes_per_token
+            out.capacity_bytes = self.batch_size * self.slot_context * storage.bytes_per_token
+        return out
 
-    def model_info(self) -> pb.GetModelInfoResponse:
+    def model_info(self) -> ModelInfo:
         lm = self.loaded
-        if lm is None:
-            return pb.GetModelInfoResponse()
-        return pb.GetModelInfoResponse(
+        if lm is None or self.runner is None:
+            return ModelInfo()
+        return ModelInfo(
             model_id=lm.model_id,
             architecture=lm.architecture,
             vocab_size=lm.vocab_size,
@@ -492,38 +512,38 @@ class Runtime:
             eos_token_ids=sorted(lm.tokenizer.eos_token_ids),
             decode_path="sequential worker"
             if self.config.scheduling.no_batch
-            else self.engine.decode_path,
+            else self.runner.decode_path,
             slot_context_tokens=self.slot_context,
             max_batch_size=self.batch_size,
-            storage_backend=self.engine.storage.name,
+            storage_backend=self.runner.storage.name,
             family=lm.family,
-            quantization=pb.Quantization(
-                mode=lm.quantization.mode,
-                bits=lm.quantization.bits,
-                group_size=lm.quantization.group_size,
-                overrides=lm.quantization.overrides,
+            quantization=Quantization(
+                lm.quantization.mode,
+                lm.quantization.bits,
+                lm.quantization.group_size,
+                lm.quantization.overrides,
             ),
             cache_layers=self.layout.describe() if self.layout is not None else "",
             tensor_parallel=self.group.size() if self.group is not None else 1,
             speculation=self._speculation_info(),
         )
 
-    def _speculation_info(self) -> pb.Speculation:
+    def _speculation_info(self) -> Speculation:
         spec = self.scheduler.config.speculation if self.scheduler is not None else None
         if spec is None:
-            return pb.Speculation(draft_kind="none")
-        return pb.Speculation(
-            draft_kind=self.config.scheduling.draft_kind,
-            num_draft_tokens=spec.num_draft_tokens,
-            max_batch=spec.max_batch,
-            min_ngram=spec.min_ngram,
-            max_ngram=spec.max_ngram,
+            return Speculation()
+        return Speculation(
+            self.config.scheduling.draft_kind,
+            spec.num_draft_tokens,
+            spec.max_batch,
+            spec.min_ngram,
+            spec.max_ngram,
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop(timeout)
+        if self.loop is not None:
+            self.loop.stop()
         if self._thread is not None:
             self._thread.join(timeout)
-        if isinstance(self.engine, ReplicatedEngine):
-            self.engine.close()  # the followers stop too
+        if isinstance(self.runner, ReplicatedRunner):
+            self.runner.close()  # the followers stop too

@@ -1,11 +1,11 @@
 """The engine-core process: the only process that imports MLX.
 
-It loads the model and runs the scheduler, the KV cache manager and the model runner
-(service.core.runtime) on its engine thread. Its main thread serves the front ends over ZeroMQ
-(service.protocol): it registers them, queues their requests into the scheduler, cancels what they
-abort, and answers their stats queries from the snapshot the scheduler publishes. The engine
-thread sends each front end one `Outputs` message per tick, straight from the scheduler's
-outbox (`FrontendSink`).
+It loads the model and runs the scheduler, the KV cache manager and the model runner on the
+loop thread (service.core.runtime, service.core.loop). Its main thread serves the front ends over
+ZeroMQ (service.protocol): it registers them and passes their requests, aborts and stats queries
+to the loop's inbox; it keeps no per-request state. The loop thread sends each front end one
+`Outputs` message per tick (`FrontendSink`), and hands stats replies and health notices back to
+the main thread, which wakes at once to send them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from service.common import trace_ids
 from service.common.backend import mlx_error
 from service.common.config import CoreConfig
 from service.common.logging import configure_logging
-from service.protocol import StepOutput
 
 if TYPE_CHECKING:
     from service.core.runtime import Runtime
@@ -39,28 +38,23 @@ POLL_MS = 50  # how often the main thread looks up from its socket when nothing 
 
 class FrontendSink:
     """Where the requests of one front end deliver their outputs: a PUSH socket to its PULL,
-    made and used on the engine thread only (zmq sockets are not thread-safe)."""
+    made and used on the loop thread only (zmq sockets are not thread-safe)."""
 
-    def __init__(self, frontend: str, address: str, core: CoreServer) -> None:
+    def __init__(self, frontend: str, address: str, context: Any) -> None:
         self.batch_key = frontend
         self._address = address
-        self._core = core
+        self._context = context
         self._socket: Any = None
 
-    def deliver(self, outputs: list[StepOutput]) -> None:
+    def deliver(self, outputs: protocol.Outputs) -> None:
         if self._socket is None:
-            self._socket = self._core.context.socket(zmq.PUSH)
+            self._socket = self._context.socket(zmq.PUSH)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self._address)
-        self._socket.send(protocol.encode(protocol.Outputs(outputs)), copy=False)
-        for out in outputs:
-            if out.final is not None:
-                req = self._core.requests.pop((self.batch_key, out.rid), None)
-                if req is not None:
-                    trace_ids.unregister(req.request_id, linger=True)
+        self._socket.send(protocol.encode(outputs), copy=False)
 
     def close(self) -> None:
-        """After the engine thread has ended."""
+        """After the loop thread has ended."""
         if self._socket is not None:
             self._socket.close(linger=0)
 
@@ -73,14 +67,15 @@ class CoreServer:
         self.run_dir = run_dir
         self.runtime: Runtime = Runtime(config, run_dir)
         self.context = zmq.Context()
-        # (front end, rid) -> request, until its final output
-        self.requests: dict[tuple[str, int], Request] = {}
         self._sinks: dict[str, FrontendSink] = {}
         self._peers: dict[str, bytes] = {}  # front end -> its ROUTER identity
-        self._notices: queue.SimpleQueue[protocol.FromCore] = queue.SimpleQueue()
+        # Messages for the front ends made on the loop thread, sent from this one.
+        self._outgoing: queue.SimpleQueue[tuple[bytes | None, bytes]] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
         self._ready_sent = False
         self._stopping = threading.Event()
-        self.runtime.on_engine_health = lambda ok: self._notices.put(protocol.Health(ok))
+        self.runtime.on_engine_health = lambda ok: self._send_later(None, protocol.Health(ok))
+        self.runtime.on_request_finished = forget_trace
 
     def serve(self) -> int:
         router = self.context.socket(zmq.ROUTER)
@@ -90,22 +85,22 @@ class CoreServer:
         parent = os.getppid()
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         try:
             while not self._stopping.is_set():
                 if os.getppid() != parent:
                     log.error("the server process is gone; the engine core stops")
                     break
-                if dict(poller.poll(POLL_MS)).get(router):
-                    while True:
-                        try:
-                            peer, data = router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._handle(router, peer, protocol.decode_to_core(data))
+                events = dict(poller.poll(POLL_MS))
+                if events.get(router):
+                    self._receive(router)
+                if events.get(self._wake_read):
+                    os.read(self._wake_read, 4096)
+                self._send_outgoing(router)
                 if self._load_failed(router):
                     return 2
                 if self._ready_sent and not self.runtime.engine_running:
-                    log.error("the engine thread stopped: the engine core exits")
+                    log.error("the loop thread stopped: the engine core exits")
                     return 4
                 self._announce(router)
         finally:
@@ -114,25 +109,39 @@ class CoreServer:
                 sink.close()
             router.close(linger=0)
             self.context.term()
+            os.close(self._wake_read)
+            os.close(self._wake_write)
         return 0
 
     def stop(self) -> None:
         self._stopping.set()
 
     # -- messages ----------------------------------------------------------------------
+    def _receive(self, router: Any) -> None:
+        while True:
+            try:
+                peer, data = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(router, peer, protocol.decode_to_core(data))
+
     def _handle(self, router: Any, peer: bytes, message: protocol.ToCore) -> None:
+        loop = self.runtime.loop
         if isinstance(message, protocol.Add):
             self._add(router, peer, message)
-        elif isinstance(message, protocol.Abort):
-            req = self.requests.get((self._frontend_of(peer), message.rid))
-            if req is not None and self.runtime.scheduler is not None:
-                self.runtime.scheduler.cancel(req)
+        elif isinstance(message, protocol.Abort) and loop is not None:
+            loop.abort(self._frontend_of(peer), message.rid)
         elif isinstance(message, protocol.StatsQuery):
-            stats = self.runtime.cache_stats().SerializeToString()
-            router.send_multipart([peer, protocol.encode(protocol.StatsReply(message.qid, stats))])
+            if loop is None:
+                self._reply_stats(peer, message.qid, protocol.CacheCounters())
+            else:
+                qid = message.qid
+                loop.query_stats(lambda counters: self._reply_stats(peer, qid, counters))
         elif isinstance(message, protocol.Hello):
             self._peers[message.frontend] = peer
-            self._sinks[message.frontend] = FrontendSink(message.frontend, message.outputs, self)
+            self._sinks[message.frontend] = FrontendSink(
+                message.frontend, message.outputs, self.context
+            )
             if self._ready_sent:
                 router.send_multipart([peer, protocol.encode(self._ready())])
 
@@ -140,32 +149,46 @@ class CoreServer:
         from service.core.scheduler.request import Request
         from service.core.scheduler.scheduler import QueueFullError
 
+        loop = self.runtime.loop
+        assert loop is not None
         frontend = self._frontend_of(peer)
         req = Request(message.request, self._sinks[frontend], rid=message.rid)
-        assert self.runtime.scheduler is not None
-        self.requests[frontend, message.rid] = req
         if message.trace is not None:
             trace_ids.register(req.request_id, message.trace)
         try:
-            self.runtime.scheduler.submit(req)
+            loop.submit(req)
         except QueueFullError as exc:
-            self.requests.pop((frontend, message.rid), None)
-            router.send_multipart([peer, protocol.encode(protocol.Rejected(message.rid, str(exc)))])
+            rejected = protocol.Rejected(message.rid, str(exc))
+            router.send_multipart([peer, protocol.encode(rejected)])
+
+    def _reply_stats(self, peer: bytes, qid: int, counters: protocol.CacheCounters) -> None:
+        """On the loop thread: queue the reply for this thread to send."""
+        self._send_later(peer, protocol.StatsReply(qid, counters))
+
+    def _send_later(self, peer: bytes | None, message: Any) -> None:
+        """Queue a message for a front end (None: every front end) and wake the main thread."""
+        self._outgoing.put((peer, protocol.encode(message)))
+        os.write(self._wake_write, b"\0")
+
+    def _send_outgoing(self, router: Any) -> None:
+        while True:
+            try:
+                peer, data = self._outgoing.get_nowait()
+            except queue.Empty:
+                return
+            for target in self._peers.values() if peer is None else (peer,):
+                router.send_multipart([target, data])
 
     def _frontend_of(self, peer: bytes) -> str:
         return next(f for f, p in self._peers.items() if p == peer)
 
     def _announce(self, router: Any) -> None:
-        """Once loaded, tell every front end the model is ready; pass on health notices."""
+        """Once loaded, tell every front end the model is ready."""
         if not self._ready_sent and self.runtime.serving:
             ready = protocol.encode(self._ready())
             for peer in self._peers.values():
                 router.send_multipart([peer, ready])
             self._ready_sent = True
-        while not self._notices.empty():
-            notice = protocol.encode(self._notices.get())
-            for peer in self._peers.values():
-                router.send_multipart([peer, notice])
 
     def _load_failed(self, router: Any) -> bool:
         error = self.runtime.load_error
@@ -185,7 +208,7 @@ class CoreServer:
         if not tokenizer_dir.exists():
             rt.loaded.tokenizer.save(tokenizer_dir)
         return protocol.Ready(
-            model_info=rt.model_info().SerializeToString(),
+            model_info=rt.model_info(),
             tokenizer_dir=str(tokenizer_dir),
             eos_token_ids=sorted(rt.eos_token_ids),
             slot_context=rt.slot_context,
@@ -193,6 +216,11 @@ class CoreServer:
             pid=os.getpid(),
             prompt_cache=not self.config.kv.no_prompt_cache,
         )
+
+
+def forget_trace(seq: Request) -> None:
+    """A request's final output went out: its log lines no longer need its trace ids."""
+    trace_ids.unregister(seq.request_id, linger=True)
 
 
 def run(
@@ -225,7 +253,7 @@ def _follow(config: CoreConfig, run_dir: Path, rank: int) -> int:
     try:
         runtime = Runtime(config, run_dir)
         runtime.load()
-        follow(runtime.engine, run_dir, rank)
+        follow(runtime.runner, run_dir, rank)
     except Exception as exc:
         log.error("tensor-parallel rank failed", rank=rank, error=str(exc))
         return 4

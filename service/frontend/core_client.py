@@ -22,10 +22,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from mlxserve.v1 import generation_pb2 as pb
 from service import protocol
 from service.common.tokenizer import Tokenizer
-from service.frontend.stream import Failure, RequestStream
+from service.frontend.stream import Failure, RequestStream, push_outputs
 from service.protocol import GenerationRequest
 
 log = structlog.get_logger(__name__)
@@ -45,7 +44,7 @@ class CoreClient:
         self._pull: Any = None
         self._streams: dict[int, RequestStream] = {}  # by rid, while their RPC runs
         self._request_ids: set[str] = set()  # the callers' ids of those requests
-        self._stats: dict[int, asyncio.Future[pb.CacheStatsResponse]] = {}
+        self._stats: dict[int, asyncio.Future[protocol.CacheCounters]] = {}
         self._ids = itertools.count()
         self._ready: asyncio.Future[protocol.Ready] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -113,9 +112,9 @@ class CoreClient:
                 stream.end()
                 self._abort(stream.rid)
 
-    async def stats(self, timeout: float = 5.0) -> pb.CacheStatsResponse:
+    async def stats(self, timeout: float = 5.0) -> protocol.CacheCounters:
         qid = next(self._ids)
-        future: asyncio.Future[pb.CacheStatsResponse] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[protocol.CacheCounters] = asyncio.get_running_loop().create_future()
         self._stats[qid] = future
         try:
             await self._send(protocol.StatsQuery(qid))
@@ -169,7 +168,7 @@ class CoreClient:
             elif isinstance(message, protocol.StatsReply):
                 future = self._stats.get(message.qid)
                 if future is not None and not future.done():
-                    future.set_result(pb.CacheStatsResponse.FromString(message.stats))
+                    future.set_result(message.stats)
             elif isinstance(message, protocol.Health) and self.on_health is not None:
                 self.on_health(message.healthy)
 
@@ -183,12 +182,8 @@ class CoreClient:
                     break
             touched: dict[int, RequestStream] = {}
             for frame in frames:
-                for out in protocol.decode_outputs(frame).items:
-                    stream = self._streams.get(out.rid)
-                    if stream is None:
-                        continue  # its RPC is over
-                    if stream.push(out):
-                        self._abort(out.rid)  # a stop string ended it here
-                    touched[out.rid] = stream
+                out = protocol.decode_outputs(frame)
+                for rid in push_outputs(out, self._streams, touched):
+                    self._abort(rid)  # a stop string ended it here
             for stream in touched.values():
                 stream.wake()

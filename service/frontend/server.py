@@ -25,6 +25,7 @@ from service.common.config import ConfigError, FrontendProcessConfig
 from service.frontend import transport
 from service.frontend.core_client import CoreClient, LoadFailedError
 from service.frontend.introspection import HealthServicer, enable_server_reflection
+from service.frontend.messages import cache_stats_response
 from service.frontend.request_decoding import DecodeErrorInterceptor
 from service.frontend.servicer import GenerationServicer, served_model
 from service.frontend.telemetry.telemetry import Telemetry
@@ -204,7 +205,7 @@ def _serve_metrics(
         if not client.gone.is_set():
             with contextlib.suppress(Exception):
                 future = asyncio.run_coroutine_threadsafe(client.stats(), loop)
-                latest[0] = future.result(STATS_TIMEOUT_S)
+                latest[0] = cache_stats_response(future.result(STATS_TIMEOUT_S))
         return latest[0]
 
     try:

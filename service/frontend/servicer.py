@@ -28,6 +28,7 @@ from service.common.config import FrontendProcessConfig
 from service.common.tokenizer import Tokenizer
 from service.frontend import errors
 from service.frontend.core_client import CoreClient
+from service.frontend.messages import cache_stats_response, model_info_response
 from service.frontend.stream import Delta, Failure, RequestStream
 from service.frontend.telemetry.telemetry import Telemetry
 from service.frontend.validation import (
@@ -172,7 +173,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if self.model is None or self.client.gone.is_set():
             return pb.CacheStatsResponse()
         try:
-            return await self.client.stats()
+            return cache_stats_response(await self.client.stats())
         except TimeoutError:
             status = errors.rich_status(
                 Code.UNAVAILABLE,
@@ -401,5 +402,5 @@ def served_model(ready: protocol.Ready) -> ServedModel:
         slot_context=ready.slot_context,
         capacity_tokens=ready.capacity_tokens,
         prompt_cache=ready.prompt_cache,
-        info=pb.GetModelInfoResponse.FromString(ready.model_info),
+        info=model_info_response(ready.model_info),
     )

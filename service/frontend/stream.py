@@ -20,14 +20,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from service.common.tokenizer import Tokenizer
 from service.frontend.detokenizer import IncrementalDetokenizer
-from service.protocol import Final, FinishReason, GenerationRequest, StepOutput, TokenLogprob
-
-Event = tuple[str, dict[str, Any]]
+from service.protocol import Event, Final, FinishReason, GenerationRequest, Outputs, TokenLogprob
 
 
 class Failure(enum.Enum):
@@ -87,34 +85,47 @@ class RequestStream:
         return self.final is not None or self.failure is not None
 
     # -- what arrives ------------------------------------------------------------------
-    def push(self, out: StepOutput) -> bool:
-        """Take one engine output of this request (tokens, events, maybe its Final). True when
-        a stop string ended it here: the core must be told to free the sequence."""
+    def add_events(self, events: list[Event]) -> None:
         if self.ended:
+            return
+        self._pending.events.extend(events)
+        for name, attrs in events:
+            if name in ("admitted", "resumed") and self._admitted_at is None:
+                self._admitted_at = time.monotonic()
+                self._cached_tokens = int(attrs.get("prefix_hit_tokens", 0))
+
+    def add_tokens(self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> bool:
+        """New tokens of this request. True when a stop string ended it here: the core must be
+        told to free the sequence."""
+        if self.ended or not token_ids:
             return False
-        pending = self._pending
-        pending.events.extend(out.events)
-        self._note_events(out.events)
-        self._drafted += out.drafted
-        self._accepted += out.accepted
-        if out.token_ids and self._first_token_at is None:
+        if self._first_token_at is None:
             self._first_token_at = time.monotonic()
-        for i, token in enumerate(out.token_ids):
+        pending = self._pending
+        for i, token in enumerate(token_ids):
             self.token_ids.append(token)
             pending.token_ids.append(token)
-            if i < len(out.logprobs):
-                pending.logprobs.append(out.logprobs[i])
+            if logprobs is not None and i < len(logprobs):
+                pending.logprobs.append(logprobs[i])
             if token not in self._no_text:
                 pending.text += self._detok.push(token)
                 if self._detok.stopped:
                     self._finish(self._final_here(FinishReason.STOP))
                     pending.stop_string = self._detok.matched_stop
                     return True
-        if out.final is not None:
-            if out.final.reason != FinishReason.ERROR.value:
-                pending.text += self._detok.flush()
-            self._finish(out.final)
         return False
+
+    def add_drafts(self, drafted: int, accepted: int) -> None:
+        self._drafted += drafted
+        self._accepted += accepted
+
+    def adopt(self, final: Final) -> None:
+        """The core ended the request."""
+        if self.ended:
+            return
+        if final.reason != FinishReason.ERROR.value:
+            self._pending.text += self._detok.flush()
+        self._finish(final)
 
     def end(self) -> None:
         """The server's drain timeout passed: the held-back text, then CANCELLED."""
@@ -148,12 +159,6 @@ class RequestStream:
         self._pending.final = final
         self._wake.set()
 
-    def _note_events(self, events: list[Event]) -> None:
-        for name, attrs in events:
-            if name in ("admitted", "resumed") and self._admitted_at is None:
-                self._admitted_at = time.monotonic()
-                self._cached_tokens = int(attrs.get("prefix_hit_tokens", 0))
-
     def _final_here(self, reason: FinishReason) -> Final:
         """The Final of a request this front end ended, from what it has seen of it."""
         now = time.monotonic()
@@ -170,3 +175,41 @@ class RequestStream:
             self._drafted,
             self._accepted,
         )
+
+
+def push_outputs(
+    out: Outputs, streams: Mapping[int, RequestStream], touched: dict[int, RequestStream]
+) -> list[int]:
+    """One tick's outputs into their streams (events, tokens, drafts, then the finals); the
+    streams that got something go into `touched`. Returns the rids a stop string ended here."""
+    stopped = []
+    for rid, events in out.events.items():
+        stream = streams.get(rid)
+        if stream is not None:
+            stream.add_events(events)
+            touched[rid] = stream
+    counts, tokens, logprobs = out.counts, out.tokens, out.logprobs
+    offset = 0
+    taken: dict[int, int] = {}  # per rid, its logprobs handed out (a rid may recur)
+    for i, rid in enumerate(out.rids):
+        n = 1 if counts is None else counts[i]
+        stream = streams.get(rid)
+        if stream is not None:
+            lps = logprobs.get(rid)
+            if lps is not None:
+                first = taken.get(rid, 0)
+                lps, taken[rid] = lps[first : first + n], first + n
+            if stream.add_tokens(tokens[offset : offset + n], lps):
+                stopped.append(rid)
+            touched[rid] = stream
+        offset += n
+    for rid, (drafted, accepted) in out.drafts.items():
+        stream = streams.get(rid)
+        if stream is not None:
+            stream.add_drafts(drafted, accepted)
+    for rid, final in out.finals.items():
+        stream = streams.get(rid)
+        if stream is not None:
+            stream.adopt(final)
+            touched[rid] = stream
+    return stopped

@@ -17,11 +17,11 @@ Nothing of another row is copied or touched when a row joins or leaves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
 from service.core.engine.state_store import StateView, StepStates
@@ -30,15 +30,19 @@ from service.core.models.layout import AttentionEntry, CacheLayout, ListEntry, S
 
 @dataclass
 class StepLayout:
-    """The shape of one forward: which sequences, where each row starts, how many new tokens."""
+    """The shape of one forward: which rows, where each starts, how many new tokens. Arrays
+    over the rows, so a step of any size is described with a few array operations."""
 
     handles: list[Any]  # storage-specific per-sequence handles
-    starts: list[int]
-    lengths: list[int]
-    # Paged storage: each row's block table (from the scheduler's KVCacheManager).
-    block_tables: list[Sequence[int]] = field(default_factory=list)
+    starts: np.ndarray  # int32 [B] tokens cached before this forward
+    lengths: np.ndarray  # int32 [B] new tokens
+    # Paged storage: the rows' block tables (from the scheduler's KVCacheManager), [B, nb],
+    # and how many entries of each are real.
+    block_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    table_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # the runner's slots
     # Shape buckets: pad the step to at least this many new tokens per row (width) and this
-    # many key positions (span); the padding is masked out. See Engine's shape_buckets.
+    # many key positions (span); the padding is masked out. See the runner's shape_buckets.
     pad_width: int = 0
     pad_span: int = 0
 
@@ -48,20 +52,20 @@ class StepLayout:
 
     @property
     def width(self) -> int:
-        return max(max(self.lengths), self.pad_width)
+        return max(int(self.lengths.max()), self.pad_width)
 
     @property
-    def total_lengths(self) -> list[int]:
-        return [s + n for s, n in zip(self.starts, self.lengths)]
+    def total_lengths(self) -> np.ndarray:
+        return self.starts + self.lengths
 
     @property
     def span(self) -> int:
         """Key positions attention sees: the longest row's, or the bucket's when padded."""
-        return max(max(self.total_lengths), self.pad_span)
+        return max(int(self.total_lengths.max()), self.pad_span)
 
     @property
     def padded(self) -> bool:
-        return self.width > max(self.lengths) or self.span > max(self.total_lengths)
+        return self.width > int(self.lengths.max()) or self.span > int(self.total_lengths.max())
 
 
 class DirectAttention(Protocol):
@@ -165,11 +169,11 @@ class _StepShared:
         # the masks mlx-lm's own KVCache would give.
         self.single = b == 1 and not layout.padded and mode == "gather"
         if b == 1 and mode != "gather":
-            self.offset: int | mx.array = layout.starts[0]
+            self.offset: int | mx.array = int(layout.starts[0])
         elif self.single:
-            self.offset = layout.starts[0]
+            self.offset = int(layout.starts[0])
         else:
-            self.offset = mx.array(layout.starts, dtype=mx.int32)
+            self.offset = mx.array(layout.starts.astype(np.int32))
 
     def mask(self, return_array: bool, window: int | None) -> mx.array | str | None:
         key = (return_array, window)
@@ -186,7 +190,7 @@ class _StepShared:
             mask = self._mirror_mask
             return mask[:, None] if self._grouped and mask is not None else mask
         if self.single:
-            start = layout.starts[0]
+            start = int(layout.starts[0])
             if window is not None or (return_array and n > 1):
                 return create_causal_mask(n, start, window_size=window)
             return "causal" if n > 1 else None

@@ -50,10 +50,8 @@ class SlotsNotReservedError(RuntimeError):
 
 @dataclass(eq=False)
 class PagedSequenceKV:
-    """One sequence's handle: the slots of its latest block table (the table itself comes with
-    each step, from the scheduler's KVCacheManager)."""
-
-    slot_cache: tuple[tuple[int, ...], np.ndarray] | None = None  # (block table, its slots)
+    """One sequence's handle (its block table comes with each step, from the scheduler's
+    KVCacheManager)."""
 
 
 @dataclass
@@ -145,7 +143,7 @@ class PagedKVStorage:
     def release(self, handle: PagedSequenceKV) -> None:
         """Forget the sequence (its blocks are the scheduler's to free)."""
         self._live.discard(id(handle))
-        if self.mirror is not None and any(h is handle for h in self.mirror.handles):
+        if self.mirror is not None and id(handle) in self.mirror.handle_ids:
             self.mirror.clear()  # the batch changed: free the copy now, rebuild when needed
 
     def apply(self, update: BlockUpdate) -> None:
@@ -302,7 +300,7 @@ class PagedKVStorage:
         width = -(-t // bucket) * bucket
         slots = np.full((b, width), self.scratch_slot, dtype=np.int32)
         slots[:, :t] = plan.slot_table
-        offsets = mx.array(np.asarray(batch.starts, dtype=np.int32))
+        offsets = mx.array(batch.starts.astype(np.int32))
         span = mx.array([width], dtype=mx.int32)
         return [offsets, mx.array(slots), plan.lengths, plan.write, span]
 
@@ -313,7 +311,9 @@ class PagedKVStorage:
     def gather(self, block_ids: Sequence[int], layer: int, num_tokens: int) -> tuple[mx.array, ...]:
         """The first num_tokens K and V of one layer of the sequence with this block table,
         [kv_heads, num_tokens, head_dim] (for tests and debugging)."""
-        slots = mx.array(self.slots_of(PagedSequenceKV(), block_ids, num_tokens))
+        table = np.asarray(block_ids, dtype=np.int32)
+        slots = (table[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        slots = mx.array(slots[:num_tokens])
         k = mx.take(self._keys[layer], slots, axis=0).transpose(1, 0, 2)
         v = mx.take(self._values[layer], slots, axis=0).transpose(1, 0, 2)
         return k, v
@@ -328,19 +328,43 @@ class PagedKVStorage:
         self._plan_layer = layer
         if cached is batch and self._plan is not None and not fresh_pass:
             return self._plan
+        read = self.slot_table(batch)
         b, n = batch.batch_size, batch.width
-        totals = batch.total_lengths
-        t = batch.span
         write = np.full((b, n), self.scratch_slot, dtype=np.int32)
-        read = np.full((b, t), self.scratch_slot, dtype=np.int32)  # slots, expanded below
-        for i, handle in enumerate(batch.handles):
-            start, count, end = batch.starts[i], batch.lengths[i], totals[i]
-            slots = self.slots_of(handle, batch.block_tables[i], end)
-            read[i, :end] = slots
-            write[i, :count] = slots[start:end]
-        self._plan = _StepPlan(mx.array(write.reshape(-1)), read, totals, self.kv_heads)
+        cols = batch.starts[:, None] + np.arange(n, dtype=np.int32)[None, :]  # [B, N]
+        new = np.arange(n)[None, :] < batch.lengths[:, None]
+        rows = np.broadcast_to(np.arange(b)[:, None], (b, n))
+        write[new] = read[rows[new], cols[new]]
+        self._plan = _StepPlan(
+            mx.array(write.reshape(-1)), read, batch.total_lengths.tolist(), self.kv_heads
+        )
         self._plan_layout = weakref.ref(batch)
         return self._plan
+
+    def slot_table(self, batch: StepLayout) -> np.ndarray:
+        """[B, span] slot of each row's positions 0..end-1 under its block table; the scratch
+        slot past each row's end. Refuses positions the tables do not cover."""
+        totals = batch.total_lengths
+        size = self.block_size
+        covered = batch.table_lengths * size
+        if (totals > covered).any():
+            i = int(np.argmax(totals > covered))
+            raise SlotsNotReservedError(
+                f"positions up to {int(totals[i])} used but only {int(batch.table_lengths[i])}"
+                " blocks reserved: reserve slots before the forward"
+            )
+        table = batch.block_table
+        if table.size and int(table.max()) >= self._capacity_blocks:
+            raise SlotsNotReservedError(
+                f"block {int(table.max())} is past the arrays' {self._capacity_blocks} blocks:"
+                " apply the KV manager's update before the forward"
+            )
+        span = batch.span
+        positions = np.arange(span, dtype=np.int32)
+        blocks = table[:, np.minimum(positions // size, max(0, table.shape[1] - 1))]
+        read = blocks * size + positions % size
+        read[positions[None, :] >= totals[:, None]] = self.scratch_slot
+        return read.astype(np.int32, copy=False)
 
     def _grow(self, capacity_blocks: int) -> None:
         """Reallocate the per-layer arrays for `capacity_blocks` (+ scratch), keeping data.
@@ -361,29 +385,6 @@ class PagedKVStorage:
         self._keys, self._values = grown
         self._capacity_blocks = capacity_blocks
         release_freed_memory()  # the old arrays: else the process keeps their pages
-
-    def slots_of(
-        self, handle: PagedSequenceKV, block_ids: Sequence[int], num_tokens: int
-    ) -> np.ndarray:
-        """Slot of each of the sequence's first num_tokens positions under its block table
-        (cached in its handle: a decode step reuses it until the table changes)."""
-        if num_tokens > len(block_ids) * self.block_size:
-            raise SlotsNotReservedError(
-                f"positions up to {num_tokens} used but only {len(block_ids)} blocks reserved:"
-                " reserve slots before the forward"
-            )
-        key = tuple(block_ids)
-        if handle.slot_cache is None or handle.slot_cache[0] != key:
-            if key and max(key) >= self._capacity_blocks:
-                raise SlotsNotReservedError(
-                    f"block {max(key)} is past the arrays' {self._capacity_blocks} blocks:"
-                    " apply the KV manager's update before the forward"
-                )
-            size = self.block_size
-            table = np.asarray(key, dtype=np.int32)
-            slots = (table[:, None] * size + np.arange(size, dtype=np.int32)).reshape(-1)
-            handle.slot_cache = (key, slots)
-        return handle.slot_cache[1][:num_tokens]
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every layer: one gather + one scatter per array.

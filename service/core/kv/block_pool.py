@@ -301,6 +301,14 @@ class KVManager(Protocol):
         ...
 
     @property
+    def paged(self) -> bool:
+        """Whether positions live in blocks (else every reservation succeeds)."""
+        ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
     def num_blocks(self) -> int: ...
     @property
     def num_free_blocks(self) -> int: ...
@@ -339,6 +347,10 @@ class KVCacheManager:
     @property
     def prefix_caching(self) -> bool:
         return self.enable_prefix_caching
+
+    @property
+    def paged(self) -> bool:
+        return True
 
     @property
     def num_blocks(self) -> int:
@@ -531,6 +543,8 @@ class UnpagedKV:
     every reservation succeeds and no block is ever needed, free or cached."""
 
     prefix_caching = False
+    paged = False
+    block_size = 1
     num_blocks = 0
     num_free_blocks = 0
 

@@ -6,10 +6,12 @@ import enum
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from service.core.kv.block_pool import SequenceBlocks
-from service.protocol import FinishReason, GenerationRequest, StepOutput
+from service.core.scheduler.prefill_plan import PrefillPlan
+from service.core.scheduler.prompt_lookup import NgramIndex
+from service.protocol import FinishReason, GenerationRequest, Outputs
 
 
 class SequenceStatus(enum.Enum):
@@ -20,12 +22,12 @@ class SequenceStatus(enum.Enum):
 
 
 class OutputSink(Protocol):
-    """Where a request's outputs go. The sinks that share a `batch_key` get one `deliver` call
-    per tick with all their requests' outputs (one message to a front end, one wake-up)."""
+    """Where a request's outputs go: one `deliver` call per tick with the outputs of every
+    request that shares the sink (one message to a front end, one wake-up)."""
 
     batch_key: Hashable
 
-    def deliver(self, outputs: list[StepOutput]) -> None: ...
+    def deliver(self, outputs: Outputs) -> None: ...
 
 
 @dataclass(eq=False)
@@ -40,8 +42,9 @@ class Request:
     status: SequenceStatus = SequenceStatus.QUEUED
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens (prompt + generated) whose K/V are in the cache
+    in_flight: int = 0  # decode tokens submitted and not yet read
     cached_tokens: int = 0  # prompt tokens adopted from the prefix cache
-    engine_seq: Any = None
+    slot: int = -1  # its row in the model runner's table while running
     blocks: SequenceBlocks | None = None  # its KV block table (the scheduler's KVManager)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -49,16 +52,20 @@ class Request:
     cancel_requested: bool = False
     preemptions: int = 0
     arrival_order: int = 0
-    plan: Any = None  # PrefillPlan of the current admission
+    plan: PrefillPlan | None = None  # the prefill of the current admission
     parked_ticks: int = 0  # consecutive ticks this prefill was passed over
-    sampler_state: Any = None  # kept across preemption: seeded draws continue unchanged
-    lookup: Any = None  # prompt-lookup n-gram index of its tokens (speculative decoding)
+    lookup: NgramIndex | None = None  # prompt-lookup n-gram index (speculative decoding)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def seq_id(self) -> str:
+        """Unique among the scheduler's sequences (a caller's request_id may be reused)."""
+        return f"{self.request.request_id}#{self.arrival_order}"
 
     @property
     def prompt_len(self) -> int:

@@ -1,51 +1,45 @@
-"""The iteration-level scheduler: decides, tick by tick, what the engine runs.
+"""The iteration-level scheduler: decides, step by step, what the model runner runs.
 
-Each tick: drain the inbox without blocking; end cancelled sequences; admit
-waiting requests in priority order while the batch has room; run one prefill
-pass (the next chunk of each admitted prompt, batched); run one batched decode
-step for every decoding row; finish completed sequences at once. With nothing
-running and nothing waiting, the loop blocks on the inbox (no busy loop).
+`schedule()` returns the next step as data (service.core.scheduler.plan): it ends cancelled
+sequences, admits waiting requests in priority order while the batch has room, picks one prefill
+pass (the next chunk of each admitted prompt, batched), and one decode step for every decoding
+row (or, while few rows decode with prompt-lookup speculation on, a verification of their
+drafted tokens). `update(plan, result)` takes what the runner read back: it appends the sampled
+tokens, finishes completed sequences at once and gathers each front end's outputs (Outbox).
 
-Decode is pipelined: when a tick only decodes, step N+1 is built while step N runs
-and dispatched as soon as N's tokens are read, or before they are read where the
-engine's overlap_steps allows it (in-place pool writes on CUDA), so Python
-bookkeeping overlaps device work.
+The core loop (service.core.loop) pipelines the two: while a step runs, the next one may be
+planned (`decode_only()`: nothing but decode rows that will surely need another token), so
+Python bookkeeping overlaps device work. Per-row state the hot path reads lives in arrays over
+the runner's slots; rows are Python objects only for what is per request anyway.
 
-The scheduler owns the KV cache manager (service.core.kv.block_pool), as vLLM v1's and nano-vllm's
-schedulers do: it adopts cached prefixes and reserves a prompt's slots at admission, reserves
-each decode step's slot (preempting when blocks run short), registers computed full blocks in
-the prefix cache, gives back the slots of rejected draft tokens, and frees a sequence's blocks
-when it finishes or is preempted. Each forward gets its rows' block tables and the manager's
-pending `BlockUpdate`; the engine only runs forwards.
+The scheduler owns the KV cache manager (service.core.kv.block_pool), as vLLM v1's and
+nano-vllm's schedulers do: it adopts cached prefixes and reserves a prompt's slots at admission,
+reserves each decode step's slot (preempting when blocks run short), registers computed full
+blocks in the prefix cache, gives back the slots of rejected draft tokens, and frees a
+sequence's blocks when it finishes or is preempted. Each plan carries the block tables that
+changed and the manager's pending `BlockUpdate`; the runner only runs forwards.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import mlx.core as mx
+import numpy as np
 import structlog
 
-from service.core.engine.engine import (
-    DraftRow,
-    ForwardEngine,
-    PendingStep,
-    RowResult,
-    StepRow,
-)
 from service.core.kv.block_pool import KVManager
+from service.core.scheduler.outbox import Outbox
+from service.core.scheduler.plan import Chunk, Draft, RowJoin, RowLeave, StepPlan, StepResult
 from service.core.scheduler.prefill_cost import PrefillCostModel, RowShape, RunningMedian
 from service.core.scheduler.prefill_plan import PrefillPlan
 from service.core.scheduler.prompt_lookup import NgramIndex
-from service.core.scheduler.request import OutputSink, Request, SequenceStatus
-from service.protocol import Final, FinishReason, StepOutput, TokenLogprob
+from service.core.scheduler.request import Request, SequenceStatus
+from service.protocol import Final, FinishReason, TokenLogprob
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +51,9 @@ STALL_BOUND_STEPS = 4
 # progresses. Two, not one: a one-token row would run as a decode-shaped step, which on the CPU
 # path drops the decode batch's contiguous K/V copy.
 MIN_PREFILL_CHUNK = 2
+# Engine steps in a row whose every row failed before the engine counts as unhealthy (health
+# NOT_SERVING) until a step succeeds again.
+UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
 class QueueFullError(RuntimeError):
@@ -94,16 +91,9 @@ class SpeculationConfig:
 
 @dataclass
 class SchedulerStats:
-    active_sequences: int = 0
-    queued_requests: int = 0
     total_completed: int = 0  # finished with a result: stop, length or cancelled
     total_failed: int = 0  # finished with an error
     preemptions: int = 0
-
-
-# Engine steps in a row whose every row failed before the engine counts as unhealthy (health
-# NOT_SERVING) until a step succeeds again.
-UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
 @dataclass
@@ -137,182 +127,162 @@ class PrefillCosts:
         self.prefill_since_read = 0.0
 
 
+@dataclass
+class _PlannedPass:
+    """What the scheduler planned for one prefill forward (for the cost model at update)."""
+
+    seqs: list[Request]
+    shape: list[RowShape]
+    predicted: float | None
+    budget: float | None
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
-
-
-class _Cancel:
-    """Cancel this sequence object, not "whatever now has its request_id": a client may reuse
-    the id of a cancelled request before the scheduler has ended it."""
-
-    def __init__(self, seq: Request) -> None:
-        self.seq = seq
-
-
-_STOP = object()
 
 
 class Scheduler:
     def __init__(
         self,
-        engine: ForwardEngine,
         config: SchedulerConfig,
         eos_token_ids: frozenset[int],
         *,
         kv: KVManager,
+        batched: bool = True,
         on_health: Callable[[bool], None] | None = None,
-        on_tick: Callable[[Scheduler, bool], None] | None = None,
-        fatal_errors: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """kv: the KV manager of the engine's storage (a KVCacheManager for the paged pool,
-        UnpagedKV for storage without blocks); on_health: told (on the scheduler thread) when
-        the engine turns unhealthy or healthy again; on_tick: called after each tick, just before
-        its outputs are delivered, on the scheduler thread, with whether any request's
-        lifecycle changed in it: where stats are published."""
-        self.engine = engine
-        self.kv = kv
-        self._clock = clock  # times forwards for the stall bound (a fake one in tests)
-        self.costs = PrefillCosts()
-        self._on_health = on_health
-        self.healthy = True
-        self._failed_steps = 0  # consecutive engine steps in which every row failed
-        self._touched: list[Request] = []  # the sequences of the engine call under way
-        self._on_tick = on_tick
-        self._fatal_errors = fatal_errors  # an engine fault ends the loop (tensor parallel)
+        """kv: the KV manager of the runner's storage (a KVCacheManager for the paged pool,
+        UnpagedKV for storage without blocks); batched: rows share a forward (else each
+        prefill row is a forward of its own); on_health: told when the engine turns
+        unhealthy or healthy again; clock: times decode steps for the stall bound."""
         self.config = config
-        self._eos = eos_token_ids
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.kv = kv
+        self.batched = batched
+        self._on_health = on_health
+        self._clock = clock
+        self.costs = PrefillCosts()
+        self.healthy = True
+        self._failed_steps = 0  # consecutive steps in which every row failed
+        self.stats = SchedulerStats()
         self._waiting: list[tuple[int, int, Request]] = []  # heap: (-priority, order, seq)
         self._running: list[Request] = []
-        self._inflight: PendingStep | None = None
         self._order = itertools.count()
-        self._lock = threading.Lock()
-        self._pending_admissions = 0  # submitted, not yet admitted: the queue depth
-        self._outbox: dict[Request, StepOutput] = {}  # this tick's output of each request
-        self._thread: threading.Thread | None = None
-        self.stats = SchedulerStats()
+        self._step = 0
+        n = config.max_batch_size
+        self._free_slots = list(range(n - 1, -1, -1))  # pop() hands out the lowest first
+        self._owner: list[Request | None] = [None] * n
+        self.outbox = Outbox(n)
+        # Per slot, what the decode path reads each step.
+        self._decoding = np.zeros(n, bool)
+        self._fed = np.zeros(n, np.int64)  # positions submitted to the runner
+        self._generated = np.zeros(n, np.int64)  # tokens read back
+        self._prompt_len = np.zeros(n, np.int64)
+        self._max_tokens = np.zeros(n, np.int64)
+        self._ignore_eos = np.zeros(n, bool)
+        self._stop_ids = np.zeros(n, bool)  # the request has stop_token_ids
+        self._eos = np.asarray(sorted(eos_token_ids), np.int64)
+        self._leaves: list[RowLeave] = []
+        self._forget: list[str] = []
+        self._dirty: set[int] = set()  # slots whose block table the runner has not seen
+        self._passes: dict[int, list[_PlannedPass]] = {}  # step -> its prefill forwards
 
-    # -- called from other threads ------------------------------------------------------
-    def submit(self, seq: Request) -> None:
-        """Queue a request; raises QueueFullError at once when the queue is full."""
-        # Requests that free slots will take at the next tick are not waiting: a burst that
-        # fits the batch is never refused.
-        free_slots = max(0, self.config.max_batch_size - len(self._running))
-        with self._lock:
-            if self._pending_admissions >= self.config.max_queue_depth + free_slots:
-                raise QueueFullError("Server is busy. Retry later.")
-            self._pending_admissions += 1
-        self._inbox.put(seq)
+    # -- requests ----------------------------------------------------------------------
+    def add(self, seq: Request) -> None:
+        seq.arrival_order = next(self._order)
+        heapq.heappush(self._waiting, (-seq.request.priority, seq.arrival_order, seq))
+        self._event(seq, "queued", queue_depth=len(self._waiting))
 
     def cancel(self, seq: Request) -> None:
-        """End `seq` (queued or running) as cancelled at the next tick; no-op once finished."""
-        self._inbox.put(_Cancel(seq))
-
-    @property
-    def queue_depth(self) -> int:
-        return self._pending_admissions
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.run_forever, name="scheduler", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._inbox.put(_STOP)
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """End `seq` (queued or running) as cancelled at the next plan; no-op once finished."""
+        if not seq.is_finished:
+            seq.cancel_requested = True
 
     @property
     def running(self) -> list[Request]:
-        """The running requests (scheduler thread only: other threads read published stats)."""
         return self._running
 
     @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def free_slots(self) -> int:
+        return self.config.max_batch_size - len(self._running)
+
+    def context_tokens(self, seq: Request) -> int:
+        """Tokens in a running sequence's KV cache (its steps submitted so far)."""
+        return int(self._fed[seq.slot]) if seq.slot >= 0 else seq.num_computed
+
+    @property
     def busy(self) -> bool:
-        return bool(self._running or self._waiting or self._inflight is not None)
+        return bool(self._running or self._waiting)
 
-    # -- the loop -------------------------------------------------------------------
-    def run_forever(self) -> None:
-        try:
-            self._loop()
-        finally:
-            # MLX wants each thread that used it to release its streams before exiting
-            # (otherwise the process can abort at exit).
-            mx.clear_streams()
+    # -- the plan ----------------------------------------------------------------------
+    def decode_only(self) -> bool:
+        """Whether the next plan is nothing but decode steps of rows already decoding (so it
+        may be planned while the current step runs): no cancellation, admission, prefill,
+        preemption or speculation pending."""
+        if self._waiting and self.free_slots > 0:
+            return False
+        if self.config.enable_preemption and self._waiting and self._preemptible():
+            return False
+        spec = self.config.speculation
+        decoding = int(self._decoding.sum())
+        if spec is not None and 0 < decoding <= spec.max_batch:
+            return False
+        return decoding > 0 and all(
+            s.status is SequenceStatus.DECODING and not s.cancel_requested for s in self._running
+        )
 
-    def _loop(self) -> None:
-        while True:
-            idle = not self._running and not self._waiting and self._inflight is None
-            if not self._drain(block=idle):
-                break
-            try:
-                self.tick()
-            except Exception:
-                if self._fatal_errors:
-                    raise
-                # A fault outside the engine's own per-row containment: end what it touched.
-                touched = [s for s in self._touched if not s.is_finished] or list(self._running)
-                log.exception("scheduler tick failed", request_ids=[s.request_id for s in touched])
-                self._inflight = None
-                for seq in touched:
-                    self._finish(seq, FinishReason.ERROR, error="inference backend error")
-                self._record_step(failed=True)
-            self._touched = []
-            self._flush_outbox()
-        self._fail_all_on_stop()
-        self._flush_outbox()
-
-    def _drain(self, block: bool) -> bool:
-        """Move inbox items into the scheduler; False when asked to stop."""
-        try:
-            item = self._inbox.get(block=block, timeout=None)
-        except queue.Empty:
-            return True
-        while True:
-            if item is _STOP:
-                return False
-            if isinstance(item, _Cancel):
-                if not item.seq.is_finished:
-                    item.seq.cancel_requested = True
-            else:
-                item.arrival_order = next(self._order)
-                heapq.heappush(self._waiting, (-item.request.priority, item.arrival_order, item))
-                self._event(item, "queued", queue_depth=len(self._waiting))
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
-
-    def tick(self) -> None:
+    def schedule(self) -> StepPlan | None:
+        """The next step; None when there is nothing to run."""
+        self._step += 1
+        plan = StepPlan(self._step)
         self._end_cancelled()
         if self.config.enable_preemption:
             self._preempt_for_waiting()
-        self._admit()
+        self._admit(plan)
         prefilling = [s for s in self._running if s.status is SequenceStatus.PREFILLING]
         if prefilling:
-            self._complete_inflight()
-            self._prefill(prefilling)
-        self._decode_step()
+            self._prefill(plan, prefilling)
+        self._decode(plan)
+        self._seal(plan)
+        if not plan.has_forward and not plan.changes:
+            self._step -= 1
+            return None
+        return plan
 
-    # -- actions ----------------------------------------------------------------------
-    def _admit(self) -> list[Request]:
-        admitted = []
-        while self._waiting and len(self._running) < self.config.max_batch_size:
+    def _seal(self, plan: StepPlan) -> None:
+        """The plan's membership and table changes, and the pool's pending update."""
+        plan.leaves, self._leaves = self._leaves, []
+        plan.forget, self._forget = self._forget, []
+        for slot in sorted(self._dirty):
+            seq = self._owner[slot]
+            if seq is not None and seq.blocks is not None:
+                plan.tables.append((slot, list(seq.blocks.block_ids)))
+        self._dirty.clear()
+        update = self.kv.take_update()
+        plan.capacity, plan.copies = update.capacity, list(update.copies)
+
+    # -- admission -----------------------------------------------------------------------
+    def _admit(self, plan: StepPlan) -> None:
+        while self._waiting and self._free_slots:
             seq = self._waiting[0][2]
             if seq.cancel_requested:
-                self._pop_waiting()
+                heapq.heappop(self._waiting)
                 self._finish(seq, FinishReason.CANCELLED)
                 continue
-            if not self._start_sequence(seq):
+            if not self._start_sequence(seq, plan):
                 break  # not enough KV blocks yet: the head of the queue waits for them
-            self._pop_waiting()
+            heapq.heappop(self._waiting)
             seq.status = SequenceStatus.PREFILLING
             seq.parked_ticks = 0
             first = seq.admitted_at is None
             seq.admitted_at = seq.admitted_at or time.monotonic()
             self._running.append(seq)
-            admitted.append(seq)
             # The prefix-cache lookup of this admission, in tokens (what the metrics count).
+            assert seq.plan is not None
             looked_up = seq.request.cache_prompt and self.kv.prefix_caching
             self._event(
                 seq,
@@ -320,40 +290,45 @@ class Scheduler:
                 prefix_query_tokens=seq.plan.total_tokens if looked_up else 0,
                 prefix_hit_tokens=seq.plan.cached_tokens,
             )
-        return admitted
 
-    def _pop_waiting(self) -> Request:
-        _, _, seq = heapq.heappop(self._waiting)
-        with self._lock:
-            self._pending_admissions -= 1
-        return seq
-
-    def _start_sequence(self, seq: Request) -> bool:
-        """Give a waiting sequence its KV blocks and engine state: adopt a cached prefix,
-        reserve the rest of its prompt's slots now (prefill chunks then never run out), plan its
-        prefill. While a batch decodes, --kv-admission-watermark of the pool stays free for the
-        running rows. False (nothing held) if blocks are short."""
+    def _start_sequence(self, seq: Request, plan: StepPlan) -> bool:
+        """Give a waiting sequence its KV blocks and a runner slot: adopt a cached prefix,
+        reserve the rest of its prompt's slots now (prefill chunks then never run out), plan
+        its prefill. While a batch decodes, --kv-admission-watermark of the pool stays free
+        for the running rows. False (nothing held) if blocks are short."""
         req = seq.request
         tokens = seq.all_token_ids
         blocks = self.kv.new_sequence(cache_prefix=req.cache_prompt)
         keep_free = 0
-        if any(s.status is SequenceStatus.DECODING for s in self._running):
+        if self._decoding.any():
             keep_free = int(self.config.kv_admission_watermark * self.kv.num_blocks)
         cached = self.kv.admit(blocks, tokens, req.cache_prompt, keep_free)
         if cached is None:
             return False
-        engine_seq = self.engine.add_sequence(
-            req.request_id,
-            req.sampling,
-            req.prompt_token_ids,
-            want_logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs,
-            sampler=seq.sampler_state,
-            num_cached=cached,
+        slot = self._free_slots.pop()
+        seq.slot, seq.blocks = slot, blocks
+        self._owner[slot] = seq
+        self.outbox.bind(slot, seq.sink, seq.rid)
+        self._fed[slot] = cached
+        self._generated[slot] = seq.num_generated
+        self._prompt_len[slot] = seq.prompt_len
+        self._max_tokens[slot] = req.max_tokens
+        self._ignore_eos[slot] = req.ignore_eos
+        self._stop_ids[slot] = bool(req.stop_token_ids)
+        self._decoding[slot] = False
+        self._dirty.add(slot)
+        plan.joins.append(
+            RowJoin(
+                slot,
+                seq.seq_id,
+                req.sampling,
+                list(req.prompt_token_ids),
+                cached,
+                req.logprobs,
+                req.top_logprobs,
+                resume=seq.preemptions > 0,
+            )
         )
-        seq.engine_seq = engine_seq
-        seq.blocks = blocks
-        seq.sampler_state = engine_seq.sampler  # survives a preemption
         if seq.admitted_at is None:
             seq.cached_tokens = cached
         seq.plan = PrefillPlan(total_tokens=len(tokens), cached_tokens=cached)
@@ -362,19 +337,18 @@ class Scheduler:
 
     def _commit(self, seq: Request) -> None:
         """Offer the sequence's computed full blocks to the prefix cache."""
-        if seq.request.cache_prompt:
-            assert seq.blocks is not None
-            computed = seq.all_token_ids[: seq.engine_seq.num_cached]
+        if seq.request.cache_prompt and seq.blocks is not None:
+            computed = seq.all_token_ids[: int(self._fed[seq.slot])]
             self.kv.register_full_blocks(seq.blocks, computed)
 
+    # -- prefill -------------------------------------------------------------------------
     def chunk_size(self) -> int | None:
         """Tokens per prefill chunk now (at most, while the stall bound sizes the chunks);
         None means the whole remainder at once."""
         fixed = self.config.prefill_chunk_size
         if fixed is not None:
             return fixed or None
-        decoding = any(s.status is SequenceStatus.DECODING for s in self._running)
-        if not decoding or self.prefill_budget() is not None:
+        if not self._decoding.any() or self.prefill_budget() is not None:
             return ADAPTIVE_CHUNK_IDLE
         return ADAPTIVE_CHUNK_BUSY
 
@@ -391,11 +365,10 @@ class Scheduler:
         return None if step is None else STALL_BOUND_STEPS * step
 
     def prefill_budget(self) -> float | None:
-        """Seconds this tick's prefill pass may take; None = not limited by the stall bound:
-        it is off, nothing decodes, or no decode step has been measured yet (the first tick
-        of a server's first decode batch: token-count chunks, as with the bound off). A stream
-        waits a decode step plus the pass, so the pass gets the bound less a decode step."""
-        if not any(s.status is SequenceStatus.DECODING for s in self._running):
+        """Seconds this plan's prefill pass may take; None = not limited by the stall bound:
+        it is off, nothing decodes, or no decode step has been measured yet. A stream waits a
+        decode step plus the pass, so the pass gets the bound less a decode step."""
+        if not self._decoding.any():
             return None
         bound, step = self.stall_bound(), self.costs.decode_step.value
         if bound is None or step is None:
@@ -412,144 +385,141 @@ class Scheduler:
             ordered = overdue + [s for s in ordered if s.parked_ticks < grant]
         return ordered
 
-    def _prefill(self, prefilling: list[Request]) -> None:
+    def _prefill(self, plan: StepPlan, prefilling: list[Request]) -> None:
         """One prefill pass: the next chunk of up to --max-batch-prefill sequences."""
         chunk = self.chunk_size()
         budget = self.prefill_budget()
         cap = self.config.max_batch_prefill_tokens
         if cap is None:
             cap = 2 * self.config.max_batch_prefill * min(chunk or 512, 512)
-        rows: list[StepRow] = []
+        chunks: list[Chunk] = []
         chosen: list[Request] = []
         planned: list[RowShape] = []
         total = 0
         for seq in self._prefill_order(prefilling):
-            if len(rows) >= max(1, self.config.max_batch_prefill):
+            if len(chunks) >= max(1, self.config.max_batch_prefill):
                 break
+            assert seq.plan is not None
             start, end = seq.plan.next_chunk(seq.num_computed, chunk)
             if budget is not None:
-                # The most tokens whose predicted time, with the rows already in the pass,
-                # stays within the budget; the first row always gets a minimum chunk. On the
-                # per-row path each row is a forward of its own.
-                if self.engine.batched:
-                    fit = self.costs.model.max_tokens(planned, start, budget, end - start)
-                else:
-                    left = budget - sum(self.costs.model.predict([row]) for row in planned)
-                    fit = self.costs.model.max_tokens([], start, left, end - start)
-                if fit < min(MIN_PREFILL_CHUNK, end - start):
-                    if rows:
-                        continue  # parked this tick: the pass's time budget is spent
-                    fit = MIN_PREFILL_CHUNK
-                end = min(end, start + fit)
-            if rows and cap and total + (end - start) > cap:
+                end = self._fit_budget(planned, start, end, budget, first=not chunks)
+                if end is None:
+                    continue  # parked this tick: the pass's time budget is spent
+            if chunks and cap and total + (end - start) > cap:
                 continue  # parked this tick: the batch's token budget is spent
             tokens = seq.all_token_ids[start:end]
-            done = end >= seq.plan.total_tokens
-            assert seq.blocks is not None  # the whole prompt was reserved at admission
-            rows.append(StepRow(seq.engine_seq, tokens, done, seq.blocks.block_ids))
+            chunks.append(Chunk(seq.slot, tokens, end >= seq.plan.total_tokens))
             chosen.append(seq)
             planned.append((len(tokens), start))
             total += len(tokens)
         for seq in prefilling:
             seq.parked_ticks = 0 if seq in chosen else seq.parked_ticks + 1
-        if not rows:
+        if not chunks:
             return
-        self._touched = chosen
-        results = self._prefill_rows(rows, budget)
-        self._record_results(results)
-        by_seq = {id(r.seq): r for r in results}
-        for seq, row in zip(chosen, rows):
-            result = by_seq.get(id(seq.engine_seq))
-            if result is not None and result.error is not None:
-                self._finish(seq, FinishReason.ERROR, error=result.error)
-                continue
-            seq.num_computed += len(row.tokens or ())
-            self._commit(seq)
-            self._event(
-                seq, "prefill_chunk", tokens=len(row.tokens or ()), context=seq.num_computed
-            )
-            if row.sample:
-                seq.status = SequenceStatus.DECODING
-                self._accept(seq, by_seq[id(seq.engine_seq)])
-
-    def _prefill_rows(self, rows: list[StepRow], budget: float | None) -> list[RowResult]:
-        """Run the pass (one forward, or one per row on the per-row path), timing each forward
-        for the cost model."""
-        forwards = [rows] if self.engine.batched or len(rows) == 1 else [[r] for r in rows]
-        bound = self.stall_bound() if budget is not None else None
-        results: list[RowResult] = []
-        for group in forwards:
-            shape = [(len(r.tokens or ()), r.seq.num_cached) for r in group]
+        groups = [list(range(len(chunks)))] if self.batched else [[i] for i in range(len(chunks))]
+        passes = []
+        for group in groups:
+            shape = [planned[i] for i in group]
             predicted = self.costs.model.predict(shape) if budget is not None else None
-            started = self._clock()
-            out = self.engine.prefill(group, self.kv.take_update())
-            seconds = self._clock() - started
-            results += out
-            self.costs.prefill_since_read += seconds
-            if any(r.error is not None for r in out):
-                continue  # a failed or retried forward says nothing about the cost
-            self.costs.model.observe(shape, seconds)
-            record = PrefillPass([r.seq.seq_id for r in group], shape, seconds, predicted, budget)
-            self.costs.passes.append(record)
-            log.debug(
-                "prefill pass",
-                request_ids=record.request_ids,
-                tokens=[n for n, _ in shape],
-                context=[c for _, c in shape],
-                ms=round(seconds * 1000, 1),
-                predicted_ms=_ms(predicted),
-                budget_ms=_ms(budget),
-                bound_ms=_ms(bound),
-                step_ms=_ms(self.costs.decode_step.value),
-            )
-        return results
+            plan.prefill.append([chunks[i] for i in group])
+            passes.append(_PlannedPass([chosen[i] for i in group], shape, predicted, budget))
+        self._passes[plan.step] = passes
+        for c in chunks:
+            self._fed[c.slot] += len(c.tokens)
 
-    def _decode_step(self) -> None:
-        self._reserve_decode_blocks()
-        rows = [s for s in self._running if s.status is SequenceStatus.DECODING]
-        if not rows and self._inflight is None:
+    def _fit_budget(
+        self, planned: list[RowShape], start: int, end: int, budget: float, first: bool
+    ) -> int | None:
+        """The chunk's end within the pass's time budget: the most tokens whose predicted
+        time, with the rows already in the pass, stays within it; the first row always gets
+        a minimum chunk. On the per-row path each row is a forward of its own. None: parked."""
+        model = self.costs.model
+        if self.batched:
+            fit = model.max_tokens(planned, start, budget, end - start)
+        else:
+            left = budget - sum(model.predict([row]) for row in planned)
+            fit = model.max_tokens([], start, left, end - start)
+        if fit < min(MIN_PREFILL_CHUNK, end - start):
+            if not first:
+                return None
+            fit = MIN_PREFILL_CHUNK
+        return min(end, start + fit)
+
+    # -- decode --------------------------------------------------------------------------
+    def _decode(self, plan: StepPlan) -> None:
+        """One decode step for every decoding row that needs another token (the rows whose
+        prefill ends in this plan included: they feed the token it samples)."""
+        self._reserve_decode_blocks(plan)
+        slots = self._decode_slots(plan)
+        if not len(slots):
             self.costs.last_decode_read = None  # the next read starts a new run of steps
-        spec = self.config.speculation
-        if spec is not None and 0 < len(rows) <= spec.max_batch:
-            # Drafts depend on the last token: the lookahead pipeline pauses for small batches.
-            self._complete_inflight()
-            rows = [s for s in self._running if s.status is SequenceStatus.DECODING]
-            drafts = [self._draft(s, spec) for s in rows]
-            if any(drafts):
-                self._verify(rows, drafts)
-                return
-        if self._inflight is None:
-            if rows:
-                self._touched = rows
-                self._inflight = self.engine.submit(
-                    [self._decode_row(s) for s in rows], update=self.kv.take_update()
-                )
             return
-        # Queue the next step for rows that will surely need one, then read the current step.
-        inflight_ids = {id(r.seq) for r in self._inflight.rows}
-        continuing = [
-            s
-            for s in rows
-            if id(s.engine_seq) in inflight_ids
-            and s.num_generated + 1 < s.request.max_tokens
-            and s.prompt_len + s.num_generated + 1 < self.config.slot_context
-        ]
-        rows_next = [self._decode_row(s) for s in continuing]
-        self._touched = rows
-        overlap = self.engine.config.overlap_steps
-        nxt = None
-        if continuing:
-            nxt = self.engine.submit(rows_next, dispatch=overlap, update=self.kv.take_update())
-        self._complete_inflight(then_dispatch=None if overlap else nxt)
-        self._inflight = nxt
+        spec = self.config.speculation
+        if spec is not None and len(slots) <= spec.max_batch and not plan.prefill:
+            drafts = [self._draft(self._owner[s], spec) for s in slots.tolist()]
+            if any(drafts):
+                self._verify(plan, slots, drafts)
+                return
+        plan.decode = slots.tolist()
+        self._fed[slots] += 1
 
-    @staticmethod
-    def _decode_row(seq: Request) -> StepRow:
-        assert seq.blocks is not None
-        return StepRow(seq.engine_seq, block_ids=seq.blocks.block_ids)
+    def _decode_slots(self, plan: StepPlan) -> np.ndarray:
+        """Slots of the rows that need another token: decoding, or ending their prefill in
+        this plan, with room left for one more (max_tokens, the slot context)."""
+        rows = self._decoding.copy()
+        for forward in plan.prefill:
+            for c in forward:
+                rows[c.slot] |= c.sample
+        slots = np.flatnonzero(rows)
+        # Tokens generated once the steps submitted so far are read.
+        total = self._fed[slots] - self._prompt_len[slots] + 1
+        room = (total < self._max_tokens[slots]) & (
+            self._prompt_len[slots] + total < self.config.slot_context
+        )
+        return slots[room].astype(np.int32)
 
-    def _draft(self, seq: Request, spec: SpeculationConfig) -> list[int]:
+    def _reserve_decode_blocks(self, plan: StepPlan) -> None:
+        """Each decoding row needs a slot for its next token before the forward. Short of
+        blocks (cold prefixes are evicted by the pool first), preempt the lowest-priority
+        running sequence with the least progress until the rest fit. Rows whose next position
+        lies in a block they hold need nothing but a count."""
+        if not self.kv.paged:
+            return
+        while True:
+            slots = self._decode_slots(plan)
+            need = self._fed[slots] + 1
+            crossing = need > self._capacity(slots)
+            if int(crossing.sum()) <= self.kv.num_free_blocks or len(self._running) <= 1:
+                break
+            victim = min(
+                self._running,
+                key=lambda s: (s.request.priority, s.num_generated, -s.arrival_order),
+            )
+            log.info("KV blocks short: preempting", request_id=victim.request_id)
+            self.preempt(victim)
+        for slot, n, grow in zip(slots.tolist(), need.tolist(), crossing.tolist()):
+            seq = self._owner[slot]
+            assert seq is not None and seq.blocks is not None
+            if not grow:
+                seq.blocks.num_tokens = max(seq.blocks.num_tokens, n)
+            elif self.kv.ensure_slots(seq.blocks, n):
+                self._dirty.add(slot)
+            else:
+                self._finish(seq, FinishReason.ERROR, error="KV cache exhausted")
+
+    def _capacity(self, slots: np.ndarray) -> np.ndarray:
+        size = self.kv.block_size
+        out = np.empty(len(slots), np.int64)
+        for i, slot in enumerate(slots.tolist()):
+            seq = self._owner[slot]
+            out[i] = len(seq.blocks.block_ids) * size if seq is not None and seq.blocks else 0
+        return out
+
+    # -- speculative decoding ----------------------------------------------------------
+    def _draft(self, seq: Request | None, spec: SpeculationConfig) -> list[int]:
         """Prompt-lookup draft tokens for a decoding row (none when it may not speculate)."""
+        if seq is None or seq.status is not SequenceStatus.DECODING:
+            return []
         req = seq.request
         if req.sampling.has_penalties:
             return []  # penalties follow each token: they cannot score a draft in one pass
@@ -567,93 +537,228 @@ class Scheduler:
             seq.lookup.extend(seq.all_token_ids)
         return seq.lookup.propose(room)
 
-    def _verify(self, rows: list[Request], drafts: list[list[int]]) -> None:
+    def _verify(self, plan: StepPlan, slots: np.ndarray, drafts: list[list[int]]) -> None:
         """One forward checks every row's draft (rows without one take a plain step in it).
-        A draft gets slots if the pool has them (else the row takes a plain step); the slots
-        of the drafts the model rejects go back to the pool."""
-        self._touched = rows
-        draft_rows = []
-        for s, draft in zip(rows, drafts):
-            assert s.blocks is not None
-            if not self.kv.ensure_slots(s.blocks, s.engine_seq.num_cached + 1 + len(draft)):
+        A draft gets slots if the pool has them (else the row takes a plain step)."""
+        for slot, draft in zip(slots.tolist(), drafts):
+            seq = self._owner[slot]
+            assert seq is not None and seq.blocks is not None
+            if draft and not self.kv.ensure_slots(
+                seq.blocks, int(self._fed[slot]) + 1 + len(draft)
+            ):
                 draft = []  # the next token's slot is reserved already
-            draft_rows.append(
-                DraftRow(s.engine_seq, s.output_token_ids[-1], draft, s.blocks.block_ids)
-            )
-        results = self.engine.verify(draft_rows, self.kv.take_update())
-        self.costs.decode_read(self._clock())  # a verify round is one step as the streams see it
-        self._record_results([r for v in results for r in v.results])
-        by_engine_seq = {id(s.engine_seq): s for s in rows}
-        for verified in results:
-            seq = by_engine_seq[id(verified.seq)]
-            assert seq.blocks is not None
-            self.kv.truncate(seq.blocks, verified.seq.num_cached)
-        for verified in results:
-            seq = by_engine_seq[id(verified.seq)]
-            seq.drafted_tokens += verified.drafted
-            seq.accepted_tokens += verified.accepted
-            for result in verified.results:
-                if seq.is_finished:
-                    break  # e.g. EOS among the accepted tokens: the rest is dropped
-                self._accept(seq, result)
+            self._dirty.add(slot)
+            plan.verify.append(Draft(slot, draft))
+            self._fed[slot] += 1 + len(draft)
 
-    def _reserve_decode_blocks(self) -> None:
-        """Each decoding row needs a slot for its next token before the forward. Short of
-        blocks (cold prefixes are evicted by the pool first), preempt the lowest-priority
-        running sequence with the least progress until the rest fit."""
-        while True:
-            decoding = [s for s in self._running if s.status is SequenceStatus.DECODING]
-            if not decoding:
-                return
-            needed = sum(self._blocks_for_next_token(s) for s in decoding)
-            if needed <= self.kv.num_free_blocks or len(self._running) <= 1:
-                break
-            victim = min(
-                self._running,
-                key=lambda s: (s.request.priority, s.num_generated, -s.arrival_order),
-            )
-            log.info("KV blocks short: preempting", request_id=victim.request_id)
-            self.preempt(victim)
-        for seq in decoding:
-            assert seq.blocks is not None
-            if not self.kv.ensure_slots(seq.blocks, seq.engine_seq.num_cached + 1):
-                self._finish(seq, FinishReason.ERROR, error="KV cache exhausted")
-
-    def _blocks_for_next_token(self, seq: Request) -> int:
-        """New blocks a decoding row's next step needs: a slot for the position after those
-        already fed (the step in flight included)."""
-        assert seq.blocks is not None
-        return self.kv.blocks_needed(seq.blocks, seq.engine_seq.num_cached + 1)
-
-    def _complete_inflight(self, then_dispatch: PendingStep | None = None) -> None:
-        """Read the in-flight step's tokens; queue `then_dispatch` as soon as they are read."""
-        if self._inflight is None:
-            if then_dispatch is not None:
-                self.engine.dispatch(then_dispatch)
+    # -- results -------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> None:
+        """Take a step's results: prefill progress, the sampled tokens (ending the sequences
+        that are done), the rejected drafts' slots, engine health and the stall bound's
+        timings."""
+        self._prefilled(plan, result)
+        self._record_step(result)
+        if plan.decode or plan.verify:
+            self.costs.decode_read(self._clock())
+        if plan.verify:
+            self._verified(plan, result)
             return
-        pending, self._inflight = self._inflight, None
-        by_engine_seq = {id(s.engine_seq): s for s in self._running}
-        self._touched = [
-            by_engine_seq[id(r.seq)] for r in pending.rows if id(r.seq) in by_engine_seq
-        ]
-        results = self.engine.finish_rows(pending)
-        self.costs.decode_read(self._clock())
-        self._record_results(results)
-        if then_dispatch is not None:
-            self.engine.dispatch(then_dispatch)
-        for result in results:
-            seq = by_engine_seq.get(id(result.seq))
+        self._fail_rows(result.errors)
+        # A row whose prefill ended in this step may have decoded in it too: its prefill
+        # token first (it may end the row).
+        k = result.prefill_rows
+        if 0 < k < len(result.slots):
+            head, tail = np.arange(k), np.arange(k, len(result.slots))
+            self._accept(result.slots[:k], result.tokens[:k], _subset(result, head, head))
+            self._accept(result.slots[k:], result.tokens[k:], _subset(result, tail, tail))
+        else:
+            self._accept(result.slots, result.tokens, result)
+
+    def _prefilled(self, plan: StepPlan, result: StepResult) -> None:
+        passes = self._passes.pop(plan.step, [])
+        for forward, planned, seconds in zip(plan.prefill, passes, result.prefill_seconds):
+            failed = any(c.slot in result.errors for c in forward)
+            if not failed and seconds == seconds:  # NaN: a forward that was redone
+                self._observe_pass(planned, seconds)
+            self.costs.prefill_since_read += seconds if seconds == seconds else 0.0
+            for c, seq in zip(forward, planned.seqs):
+                if seq.is_finished or self._owner[c.slot] is not seq:
+                    continue
+                if c.slot in result.errors:
+                    self._finish(seq, FinishReason.ERROR, error=result.errors[c.slot])
+                    continue
+                seq.num_computed += len(c.tokens)
+                self._commit(seq)
+                self._event(seq, "prefill_chunk", tokens=len(c.tokens), context=seq.num_computed)
+                if c.sample:
+                    seq.status = SequenceStatus.DECODING
+                    self._decoding[c.slot] = True
+
+    def _observe_pass(self, planned: _PlannedPass, seconds: float) -> None:
+        self.costs.model.observe(planned.shape, seconds)
+        record = PrefillPass(
+            [s.request_id for s in planned.seqs],
+            planned.shape,
+            seconds,
+            planned.predicted,
+            planned.budget,
+        )
+        self.costs.passes.append(record)
+        log.debug(
+            "prefill pass",
+            request_ids=record.request_ids,
+            tokens=[n for n, _ in planned.shape],
+            context=[c for _, c in planned.shape],
+            ms=round(seconds * 1000, 1),
+            predicted_ms=_ms(planned.predicted),
+            budget_ms=_ms(planned.budget),
+            bound_ms=_ms(self.stall_bound()),
+            step_ms=_ms(self.costs.decode_step.value),
+        )
+
+    def _fail_rows(self, errors: dict[int, str]) -> None:
+        for slot, message in errors.items():
+            seq = self._owner[slot]
+            if seq is not None:
+                self._finish(seq, FinishReason.ERROR, error=message)
+
+    def _accept(self, slots: np.ndarray, tokens: np.ndarray, result: StepResult) -> None:
+        """Append one sampled token to each row, stream it, and finish the rows it ends: EOS, a
+        stop token, max_tokens or the slot context."""
+        if not len(slots):
+            return
+        owners = [self._owner[s] for s in slots.tolist()]
+        live = np.asarray([s is not None and not s.is_finished for s in owners], bool)
+        if not live.all():  # rows that ended while their step ran: drop their tokens
+            slots, tokens, result = slots[live], tokens[live], _subset(result, live, live)
+            owners = [s for s, ok in zip(owners, live.tolist()) if ok]
+            if not len(slots):
+                return
+        self.outbox.tokens(slots, tokens, None)
+        if result.logprobs is not None:
+            self._logprobs(owners, result, None)
+        for seq, token in zip(owners, tokens.tolist()):
+            seq.output_token_ids.append(token)
+            if seq.lookup is not None:
+                seq.lookup.extend((token,))
+        self._first_tokens(owners)
+        stop = np.isin(tokens, self._eos) & ~self._ignore_eos[slots]
+        for i in np.flatnonzero(self._stop_ids[slots]).tolist():
+            stop[i] |= int(tokens[i]) in owners[i].request.stop_token_ids
+        self._generated[slots] += 1
+        generated = self._generated[slots]
+        length = (generated >= self._max_tokens[slots]) | (
+            self._prompt_len[slots] + generated >= self.config.slot_context
+        )
+        for i in np.flatnonzero(stop | length).tolist():
+            self._finish(owners[i], FinishReason.STOP if stop[i] else FinishReason.LENGTH)
+
+    def _accept_verified(self, result: StepResult) -> None:
+        """A verification step's emitted tokens, row by row (few rows verify): each is taken
+        in order until one ends the row; the rest is dropped."""
+        assert result.counts is not None
+        offset = 0
+        kept_slots, kept_tokens, kept_counts, kept_rows = [], [], [], []
+        for i, slot in enumerate(result.slots.tolist()):
+            n = int(result.counts[i])
+            emitted = result.tokens[offset : offset + n].tolist()
+            rows = np.arange(offset, offset + n)
+            offset += n
+            seq = self._owner[slot]
             if seq is None or seq.is_finished:
-                continue  # ended while its step was in flight: drop the extra token
-            self._accept(seq, result)
+                continue
+            req = seq.request
+            ends = set(req.stop_token_ids)
+            if not req.ignore_eos:
+                ends |= set(self._eos.tolist())
+            taken = []
+            reason = None
+            for token in emitted:
+                taken.append(token)
+                if token in ends:
+                    reason = FinishReason.STOP
+                elif seq.num_generated + len(taken) >= req.max_tokens or (
+                    seq.prompt_len + seq.num_generated + len(taken) >= self.config.slot_context
+                ):
+                    reason = FinishReason.LENGTH
+                if reason is not None:
+                    break
+            seq.output_token_ids.extend(taken)
+            self._generated[slot] = seq.num_generated
+            if seq.lookup is not None:
+                seq.lookup.extend(taken)
+            kept_slots.append(slot)
+            kept_tokens.extend(taken)
+            kept_counts.append(len(taken))
+            kept_rows.extend(rows[: len(taken)].tolist())
+            self._first_tokens([seq])
+            if seq.request.logprobs and result.logprobs is not None:
+                sub = _subset(result, np.ones(0, bool), np.asarray(rows[: len(taken)]))
+                self._logprobs([seq], sub, np.asarray([len(taken)]))
+            if reason is not None:
+                self._finish(seq, reason)
+        self.outbox.tokens(
+            np.asarray(kept_slots, np.int32),
+            np.asarray(kept_tokens, np.int32),
+            np.asarray(kept_counts, np.int32),
+        )
 
-    def _record_results(self, results: list[RowResult]) -> None:
-        if results:
-            self._record_step(failed=all(r.error is not None for r in results))
+    def _first_tokens(self, owners: list[Request]) -> None:
+        for seq in owners:
+            if seq.first_token_at is None:
+                now = time.monotonic()
+                seq.first_token_at = now
+                self._event(seq, "first_token", ttft_seconds=now - seq.arrival)
 
-    def _record_step(self, failed: bool) -> None:
+    def _logprobs(
+        self, owners: list[Request], result: StepResult, counts: np.ndarray | None
+    ) -> None:
+        assert result.logprobs is not None
+        offset = 0
+        for i, seq in enumerate(owners):
+            n = 1 if counts is None else int(counts[i])
+            if seq.request.logprobs:
+                k = seq.request.top_logprobs
+                entries = []
+                for j in range(offset, offset + n):
+                    top: list[tuple[int, float]] = []
+                    if k and result.top_ids is not None and result.top_logprobs is not None:
+                        top = list(
+                            zip(result.top_ids[j, :k].tolist(), result.top_logprobs[j, :k].tolist())
+                        )
+                    entries.append(
+                        TokenLogprob(int(result.tokens[j]), float(result.logprobs[j]), top)
+                    )
+                self.outbox.logprobs(seq.sink, seq.rid, entries)
+            offset += n
+
+    def _verified(self, plan: StepPlan, result: StepResult) -> None:
+        """A verification step: roll each row's KV back to what it accepted, then take its
+        emitted tokens."""
+        assert result.counts is not None and result.drafted is not None
+        self._fail_rows(result.errors)
+        starts = {d.slot: int(self._fed[d.slot]) - 1 - len(d.tokens) for d in plan.verify}
+        for i, slot in enumerate(result.slots.tolist()):
+            seq = self._owner[slot]
+            if seq is None or seq.is_finished:
+                continue
+            self._fed[slot] = starts[slot] + int(result.counts[i])
+            assert seq.blocks is not None
+            self.kv.truncate(seq.blocks, int(self._fed[slot]))
+            self._dirty.add(slot)
+            drafted, accepted = int(result.drafted[i]), int(result.counts[i]) - 1
+            seq.drafted_tokens += drafted
+            seq.accepted_tokens += accepted
+            if drafted:
+                self.outbox.drafts(seq.sink, seq.rid, drafted, accepted)
+        self._accept_verified(result)
+
+    def _record_step(self, result: StepResult) -> None:
         """Track engine health: several steps in a row whose every row failed mean the engine
         (not a request) is broken; one good step clears it."""
+        if not len(result.slots) and not result.errors:
+            return
+        failed = bool(result.errors) and not len(result.slots)
         self._failed_steps = self._failed_steps + 1 if failed else 0
         healthy = self._failed_steps < UNHEALTHY_AFTER_FAILED_STEPS
         if healthy != self.healthy:
@@ -665,7 +770,18 @@ class Scheduler:
             if self._on_health is not None:
                 self._on_health(healthy)
 
-    # -- preemption -------------------------------------------------------------------
+    def fail_running(self, touched: list[Request] | None = None) -> None:
+        """A step failed outside the runner's per-row containment: end what it touched."""
+        for seq in list(touched if touched is not None else self._running):
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ERROR, error="inference backend error")
+        self._failed_steps += 1
+
+    # -- preemption -----------------------------------------------------------------------
+    def _preemptible(self) -> bool:
+        top_priority = -self._waiting[0][0]
+        return any(s.request.priority < top_priority for s in self._running)
+
     def _preempt_for_waiting(self) -> None:
         """A higher-priority arrival on a full batch evicts a victim (policy-chosen)."""
         while self._waiting and len(self._running) >= self.config.max_batch_size:
@@ -683,61 +799,44 @@ class Scheduler:
     def preempt(self, seq: Request) -> None:
         """Free a running sequence's KV and re-queue it; it keeps its generated tokens and
         is re-prefilled (prompt + generated so far) when admitted again."""
-        self._complete_inflight()
         if seq.is_finished:
             return
-        self._release_kv(seq)
+        self._commit(seq)  # its computed full blocks stay in the prefix cache (evictable)
+        self._release(seq, final=False)
         seq.status = SequenceStatus.QUEUED
         seq.num_computed = 0
         seq.preemptions += 1
         self.stats.preemptions += 1
-        self._running.remove(seq)
-        with self._lock:
-            self._pending_admissions += 1
         heapq.heappush(self._waiting, (-seq.request.priority, seq.arrival_order, seq))
         self._event(seq, "preempted", generated=seq.num_generated)
         log.info("preempted", request_id=seq.request_id, generated=seq.num_generated)
 
-    # -- results -------------------------------------------------------------------
-    def _accept(self, seq: Request, result: RowResult) -> None:
-        """Take one sampled token: stream it, and finish the sequence if it is done."""
-        if result.error is not None:
-            self._finish(seq, FinishReason.ERROR, error=result.error)
-            return
-        token = result.token_id
-        assert token is not None
-        now = time.monotonic()
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            self._event(seq, "first_token", ttft_seconds=now - seq.arrival)
-        seq.output_token_ids.append(token)
-        if seq.lookup is not None:
-            seq.lookup.extend((token,))
-        req = seq.request
-        out = self._output(seq)
-        out.token_ids.append(token)
-        if req.logprobs and result.logprob is not None:
-            out.logprobs.append(TokenLogprob(token, result.logprob, result.top_logprobs))
-        if (token in self._eos and not req.ignore_eos) or token in req.stop_token_ids:
-            self._finish(seq, FinishReason.STOP)
-        elif (
-            seq.num_generated >= req.max_tokens
-            or seq.prompt_len + seq.num_generated >= self.config.slot_context
-        ):
-            self._finish(seq, FinishReason.LENGTH)
+    # -- ending ---------------------------------------------------------------------------
+    def _release(self, seq: Request, final: bool) -> None:
+        """Free the sequence's KV and its slot (the runner is told in the next plan)."""
+        if seq.blocks is not None:
+            self.kv.free_sequence(seq.blocks)
+            seq.blocks = None
+        if seq.slot >= 0:
+            slot = seq.slot
+            self._leaves.append(RowLeave(slot, final))
+            self._owner[slot] = None
+            self._decoding[slot] = False
+            self._dirty.discard(slot)
+            self._free_slots.append(slot)
+            self._free_slots.sort(reverse=True)
+            seq.slot = -1
+        if seq in self._running:
+            self._running.remove(seq)
 
     def _finish(self, seq: Request, reason: FinishReason, error: str | None = None) -> None:
         if seq.is_finished:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if seq.blocks is not None:
-            self.kv.free_sequence(seq.blocks)
-            seq.blocks = None
-        if seq.engine_seq is not None:
-            self.engine.release(seq.engine_seq)
-        if seq in self._running:
-            self._running.remove(seq)
+        if seq.slot < 0 and seq.preemptions:
+            self._forget.append(seq.seq_id)  # the runner still keeps its sampler
+        self._release(seq, final=True)
         if reason is FinishReason.ERROR:
             self.stats.total_failed += 1
         else:
@@ -752,7 +851,7 @@ class Scheduler:
             cached_tokens=seq.cached_tokens,
             preemptions=seq.preemptions,
         )
-        self._output(seq).final = Final(
+        final = Final(
             reason.value,
             error,
             seq.prompt_len,
@@ -764,6 +863,7 @@ class Scheduler:
             seq.drafted_tokens,
             seq.accepted_tokens,
         )
+        self.outbox.final(seq.sink, seq.rid, final)
         log.info(
             "request finished",
             request_id=seq.request_id,
@@ -773,16 +873,6 @@ class Scheduler:
             error=error,
         )
 
-    def _release_kv(self, seq: Request) -> None:
-        """Free a preempted sequence's KV; its computed full blocks stay in the prefix cache
-        (evictable) so the resumed request (or a follow-up) can adopt them."""
-        assert seq.blocks is not None
-        self._commit(seq)
-        self.kv.free_sequence(seq.blocks)
-        seq.blocks = None
-        self.engine.release(seq.engine_seq, final=False)
-        seq.engine_seq = None
-
     def _end_cancelled(self) -> None:
         for seq in [s for s in self._running if s.cancel_requested]:
             self._finish(seq, FinishReason.CANCELLED)
@@ -790,52 +880,29 @@ class Scheduler:
             keep = []
             for item in self._waiting:
                 if item[2].cancel_requested:
-                    with self._lock:
-                        self._pending_admissions -= 1
                     self._finish(item[2], FinishReason.CANCELLED)
                 else:
                     keep.append(item)
             heapq.heapify(keep)
             self._waiting = keep
 
-    def _fail_all_on_stop(self) -> None:
+    def cancel_all(self) -> None:
         """The server stops: what still runs or waits is cancelled (not failed)."""
-        self._inflight = None
         for seq in list(self._running):
             self._finish(seq, FinishReason.CANCELLED, error="server shutting down")
         while self._waiting:
             _, _, seq = heapq.heappop(self._waiting)
             self._finish(seq, FinishReason.CANCELLED)
 
-    def _output(self, seq: Request) -> StepOutput:
-        """The request's output of this tick (made on first use)."""
-        out = self._outbox.get(seq)
-        if out is None:
-            out = self._outbox[seq] = StepOutput(seq.rid)
-        return out
-
     def _event(self, seq: Request, name: str, **attrs: int | float | str) -> None:
-        self._output(seq).events.append((name, attrs))
+        self.outbox.event(seq.sink, seq.rid, (name, attrs))
 
-    def _flush_outbox(self) -> None:
-        """Publish the tick's stats (on_tick), then deliver its outputs: one `deliver` call
-        per group of sinks that share a batch key (e.g. all requests of one front end: one
-        message)."""
-        outbox, self._outbox = self._outbox, {}
-        self.stats.active_sequences = len(self._running)
-        self.stats.queued_requests = self._pending_admissions
-        if self._on_tick is not None:
-            # Before delivery: whoever has seen a request's lifecycle change (admitted, first
-            # token, finished, ...) finds it in the stats published from here.
-            self._on_tick(self, any(out.events or out.finished for out in outbox.values()))
-        groups: dict[object, tuple[OutputSink, list[StepOutput]]] = {}
-        for seq, out in outbox.items():
-            key = seq.sink.batch_key
-            if key not in groups:
-                groups[key] = (seq.sink, [])
-            groups[key][1].append(out)
-        for sink, outputs in groups.values():
-            try:
-                sink.deliver(outputs)
-            except Exception:
-                log.exception("delivering outputs failed")
+
+def _subset(result: StepResult, rows: np.ndarray, tokens: np.ndarray) -> StepResult:
+    """The result's entries of the kept rows (`rows`: per row, `tokens`: per token)."""
+    out = StepResult(result.step, result.slots[rows], result.tokens[tokens])
+    if result.logprobs is not None:
+        out.logprobs = result.logprobs[tokens]
+    if result.top_ids is not None and result.top_logprobs is not None:
+        out.top_ids, out.top_logprobs = result.top_ids[tokens], result.top_logprobs[tokens]
+    return out

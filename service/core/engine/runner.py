@@ -1,0 +1,714 @@
+"""The model runner: executes the scheduler's step plans. Mechanism, no policy.
+
+It keeps a table of rows, indexed by slot (service.core.scheduler.plan), from the plan a row
+joins in to the plan it leaves in: each row's storage handle, sampler state, position and block
+table. Positions and block tables are arrays over the slots, so a decode step's inputs (tokens,
+offsets, slot tables) are gathered with a few array operations whatever the batch size.
+
+`submit(plan)` applies the plan's changes, runs its prefill forwards (each read at once: the
+scheduler times them), and builds its decode (or verification) forward, queued on the device
+without waiting unless `dispatch=False`. `collect(pending)` is the evaluation boundary: it
+reads the sampled tokens into a `StepResult`. A decode row feeds the token its previous step
+sampled before that token is read: that is what lets the core loop queue step N+1 before it
+reads step N.
+
+If building or evaluating a batched forward raises, its rows are run one by one, so that only
+the failing rows end (the result's `errors`); under tensor parallel (`contain_failures=False`)
+the error propagates instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import structlog
+
+from service.core.engine import paged_attention
+from service.core.engine.batch_view import StepLayout
+from service.core.engine.compiled_decode import DecodeGraph
+from service.core.engine.config import EngineConfig
+from service.core.engine.kv_paged import SlotsNotReservedError
+from service.core.engine.sampler import RowSamplerState, sample, verify_draft
+from service.core.engine.state_store import SequenceState, StateStore, StateUndo
+from service.core.engine.storage import KVStorage
+from service.core.models import rope
+from service.core.models.layout import CacheLayout
+from service.core.scheduler.plan import Chunk, Draft, RowJoin, StepPlan, StepResult
+
+log = structlog.get_logger(__name__)
+
+BACKEND_ERROR = "inference backend error"  # what a failed request's caller is told
+
+
+class EngineError(RuntimeError):
+    """An evaluation failed for a row; the message is safe to show to the caller."""
+
+
+@dataclass(eq=False)
+class Row:
+    """The runner's state of one row (a sequence) while it is in the table."""
+
+    slot: int
+    seq_id: str
+    kv: Any  # the storage's handle
+    sampler: RowSamplerState
+    want_logprobs: bool = False
+    top_logprobs: int = 0
+    state: SequenceState | None = None  # recurrent state (stateful models)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing per row to apply: sampled by one argmax over the batch."""
+        p = self.sampler.params
+        return p.greedy and not p.logit_bias and not p.has_penalties and not self.want_logprobs
+
+
+@dataclass
+class _Forward:
+    """One built forward: its rows, what it sampled (device arrays) and how to undo it."""
+
+    slots: np.ndarray  # int32 [B]
+    rows: list[Row]  # the rows as they were when it was built
+    lengths: np.ndarray  # int32 [B] tokens fed per row
+    sampled: np.ndarray  # int32 [S] indices into slots of the rows that sampled
+    tokens: mx.array | None  # [S] sampled
+    logprobs: mx.array | None = None  # [S]
+    top: tuple[mx.array, mx.array] | None = None  # ([S, K] ids, [S, K] logprobs)
+    hidden: mx.array | None = None  # when no row sampled: what must be evaluated
+    undo: StateUndo | None = None
+    inputs: list[list[int] | None] = field(default_factory=list)  # per row, for a redo alone
+    errors: dict[int, str] = field(default_factory=dict)  # rows that failed (slot -> message)
+    read: StepResult | None = None  # rows run one by one: already read
+
+
+@dataclass
+class Pending:
+    """A submitted plan: its prefill forwards' results (read already) and its decode forward."""
+
+    plan: StepPlan
+    prefill: list[StepResult]
+    decode: _Forward | None
+    verified: StepResult | None = None
+
+
+# Test hook: (row, "build" | "evaluate") -> whether that stage fails for it.
+FaultInjector = Callable[[Row, str], bool]
+
+
+def shape_bucket(n: int) -> int:
+    """Round a multi-token forward's length up: powers of two from 16 to 1024, then multiples
+    of 1024. Few distinct shapes means few per-shape attention plans."""
+    if n <= 1024:
+        return max(16, 1 << (n - 1).bit_length())
+    return -(-n // 1024) * 1024
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        storage: KVStorage,
+        cache: CacheLayout,
+        config: EngineConfig | None = None,
+        *,
+        max_rows: int,
+        max_blocks_per_row: int = 0,
+        split_head: bool = False,
+        fault_injector: FaultInjector | None = None,
+        contain_failures: bool = True,
+    ) -> None:
+        """`cache`: what the model keeps per sequence (service.core.models.layout); `config`:
+        how its forwards run (service.core.engine.config, resolved before the runner is
+        built); `max_rows`: slots in the row table; `max_blocks_per_row`: the widest block
+        table (paged storage)."""
+        self.model = model
+        self.storage = storage
+        self.cache = cache
+        self.config = config = config or EngineConfig()
+        self.states = StateStore(cache.states) if cache.stateful else None
+        if storage.name != config.storage:
+            raise ValueError(f"the config runs {config.storage} storage, not {storage.name}")
+        if config.decode_attention == "direct" and not paged_attention.install(model):
+            raise ValueError("direct decode attention needs the model's attention function")
+        self._fault_injector = fault_injector
+        # Redo a failed step row by row, so only the failing rows end. Off under tensor
+        # parallel, where the other ranks could not follow the redo.
+        self._contain = contain_failures
+        self._head = ModelHead(model, split_head)
+        self.decode_graph = (
+            DecodeGraph(self._head, storage, cache) if config.compile_decode else None
+        )
+        self.rows: list[Row | None] = [None] * max_rows
+        self._parked: dict[str, RowSamplerState] = {}  # preempted rows' samplers, by seq_id
+        self.positions = np.zeros(max_rows, np.int32)  # tokens whose K/V are stored, per slot
+        self.tables = np.zeros((max_rows, max(1, max_blocks_per_row)), np.int32)
+        self.table_lengths = np.zeros(max_rows, np.int32)
+        self.plain = np.zeros(max_rows, bool)  # Row.plain, per slot
+        # Where each row's next input is: the sampled array of step `source_step`, at index.
+        self._source_step = np.full(max_rows, -1, np.int64)
+        self._source_index = np.zeros(max_rows, np.int32)
+        self._sampled: dict[int, mx.array] = {}  # recent forwards' sampled tokens, by forward id
+        self._forward_id = 0
+
+    @property
+    def batched(self) -> bool:
+        return self.config.batched
+
+    @property
+    def decode_path(self) -> str:
+        return self.config.decode_path
+
+    # -- the plan --------------------------------------------------------------------
+    def submit(self, plan: StepPlan, dispatch: bool = True) -> Pending:
+        """Apply the plan's changes, run its prefill forwards, build its decode (or
+        verification) forward and (unless dispatch=False) queue it. A pending step built with
+        dispatch=False is queued by `dispatch`: on storage whose writes are not in place, step
+        N+1 must not run while step N still reads the pool."""
+        self._apply(plan)
+        prefill = [self._prefill(forward) for forward in plan.prefill]
+        pending = Pending(plan, prefill, None)
+        if plan.verify:
+            pending.verified = self._verify(plan.verify)
+        elif plan.decode:
+            pending.decode = self._decode(np.asarray(plan.decode, np.int32), dispatch)
+        return pending
+
+    @staticmethod
+    def dispatch(pending: Pending) -> Pending:
+        forward = pending.decode
+        if forward is not None and forward.read is None:
+            if forward.tokens is None:
+                mx.async_eval(forward.hidden)
+            else:
+                extra = [x for x in (forward.logprobs, *(forward.top or ())) if x is not None]
+                mx.async_eval([forward.tokens, *extra])
+        return pending
+
+    def collect(self, pending: Pending) -> StepResult:
+        """Read the step's tokens (the evaluation boundary) into one result."""
+        parts = list(pending.prefill)
+        if pending.verified is not None:
+            parts.append(pending.verified)
+        elif pending.decode is not None:
+            parts.append(self._read(pending.decode))
+        result = _merge(pending.plan.step, parts)
+        result.prefill_rows = sum(len(p.slots) for p in pending.prefill)
+        return result
+
+    # -- row table -------------------------------------------------------------------
+    def _apply(self, plan: StepPlan) -> None:
+        for leave in plan.leaves:
+            self._leave(leave.slot, leave.final)
+        for seq_id in plan.forget:
+            self._parked.pop(seq_id, None)
+        for join in plan.joins:
+            self._join(join)
+        for slot, table in plan.tables:
+            n = len(table)
+            if n > self.tables.shape[1]:
+                grown = np.zeros((self.tables.shape[0], n), np.int32)
+                grown[:, : self.tables.shape[1]] = self.tables
+                self.tables = grown
+            self.tables[slot, :n] = table
+            self.table_lengths[slot] = n
+        if plan.capacity or plan.copies:
+            self.storage.apply(plan.update)
+
+    def _join(self, join: RowJoin) -> None:
+        if self.rows[join.slot] is not None:
+            raise ValueError(f"slot {join.slot} is taken")
+        if join.num_cached and self.states is not None:
+            raise ValueError("a recurrent state cannot be adopted from a cached prefix")
+        sampler = self._parked.pop(join.seq_id, None) if join.resume else None
+        if sampler is None:
+            sampler = RowSamplerState(join.params, prompt_token_ids=list(join.prompt))
+        row = Row(
+            join.slot,
+            join.seq_id,
+            self.storage.new_sequence(),
+            sampler,
+            join.want_logprobs,
+            join.top_logprobs,
+            self.states.new_sequence() if self.states is not None else None,
+        )
+        self.rows[join.slot] = row
+        self.positions[join.slot] = join.num_cached
+        self.table_lengths[join.slot] = 0
+        self.plain[join.slot] = row.plain
+        self._source_step[join.slot] = -1
+
+    def _leave(self, slot: int, final: bool) -> None:
+        row = self.rows[slot]
+        if row is None:
+            raise ValueError(f"slot {slot} is empty")
+        self.storage.release(row.kv)
+        if row.state is not None and self.states is not None:
+            self.states.release(row.state)
+        if not final:
+            self._parked[row.seq_id] = row.sampler
+        else:
+            self._parked.pop(row.seq_id, None)
+        self.rows[slot] = None
+        self.positions[slot] = 0
+        self._source_step[slot] = -1
+
+    # -- forwards --------------------------------------------------------------------
+    def _prefill(self, chunks: list[Chunk]) -> StepResult:
+        """One prefill forward, read at once."""
+        if not self.batched and len(chunks) > 1:
+            raise ValueError("this runner runs one row per forward (per-row path)")
+        if self.config.single_row_prefill and len(chunks) > 1:
+            raise ValueError("a recurrent model's multi-token forward carries one row")
+        slots = np.asarray([c.slot for c in chunks], np.int32)
+        inputs: list[list[int] | None] = [list(c.tokens) for c in chunks]
+        samples = np.asarray([c.sample for c in chunks], bool)
+        started = time.perf_counter()
+        forward = self._build(slots, inputs, samples)
+        redone = forward.read is not None
+        result = self._read(self._dispatch(forward))
+        # A forward redone row by row says nothing about the cost of one: NaN.
+        seconds = float("nan") if redone or result.errors else time.perf_counter() - started
+        result.prefill_seconds = [seconds]
+        return result
+
+    def _decode(self, slots: np.ndarray, dispatch: bool) -> _Forward:
+        if not self.batched and len(slots) > 1:
+            # The per-row path: each row alone, read at once.
+            parts = []
+            for slot in slots:
+                one = np.asarray([slot], np.int32)
+                parts.append(self._read(self._dispatch(self._build(one, [None], None))))
+            forward = _Forward(
+                slots, [], np.ones(len(slots), np.int32), np.zeros(0, np.int32), None
+            )
+            forward.read = _merge(-1, parts)
+            return forward
+        forward = self._build(slots, [None] * len(slots), None)
+        return self._dispatch(forward) if dispatch else forward
+
+    def _build(
+        self, slots: np.ndarray, inputs: list[list[int] | None], samples: np.ndarray | None
+    ) -> _Forward:
+        """Build one forward; rows fed None take their last sampled token. `samples`: which
+        rows sample (None: all). A build that raises runs its rows one by one."""
+        try:
+            return self._build_batch(slots, inputs, samples)
+        except SlotsNotReservedError:
+            raise  # the scheduler's bug, not the rows': nothing to contain
+        except Exception as exc:
+            if not self._contain:
+                raise
+            if len(slots) == 1:
+                log.warning(
+                    "building a forward failed",
+                    request_id=self._row(slots[0]).seq_id,
+                    error=str(exc),
+                )
+                forward = _Forward(slots, [], np.ones(1, np.int32), np.zeros(0, np.int32), None)
+                forward.read = StepResult.empty(-1)
+                forward.read.errors[int(slots[0])] = BACKEND_ERROR
+                return forward
+            log.warning(
+                "building a batched forward failed; running its rows one by one", error=str(exc)
+            )
+            return self._rows_alone(slots, inputs, samples)
+
+    def _build_batch(
+        self, slots: np.ndarray, inputs: list[list[int] | None], samples: np.ndarray | None
+    ) -> _Forward:
+        rows = [self._row(s) for s in slots]
+        lengths = np.asarray([1 if x is None else len(x) for x in inputs], np.int32)
+        if lengths.min() < 1:
+            raise ValueError("a step row needs at least one token")
+        starts = self.positions[slots].copy()
+        layout = StepLayout(
+            [r.kv for r in rows],
+            starts,
+            lengths,
+            self.tables[slots, : max(1, int(self.table_lengths[slots].max()))],
+            self.table_lengths[slots],
+            slots,
+        )
+        width = int(lengths.max())
+        if self.config.shape_buckets and width > 1:
+            layout.pad_width = shape_bucket(width)
+            layout.pad_span = shape_bucket(int((starts + lengths).max()))
+        tokens = self._input_tokens(slots, inputs, layout.width)  # [B, N]
+        decode = layout.width == 1
+        sampled = (
+            np.arange(len(slots), dtype=np.int32)
+            if samples is None
+            else np.flatnonzero(samples).astype(np.int32)
+        )
+        states = self.states.begin([r.state for r in rows]) if self.states is not None else None
+        last_logits: mx.array | None = None
+        hidden: mx.array | None = None
+        if decode and self.decode_graph is not None and len(sampled) == len(rows):
+            last_logits = self.decode_graph.logits(tokens, layout)  # [B, V]
+        else:
+            views = self.storage.views(layout, self.cache, states, self.config.grouped_query_mask)
+            self._check_faults(rows, "build")
+            row_lengths = rope.ROW_LENGTHS.set(lengths.tolist())
+            try:
+                hidden = self._head.hidden(tokens, views)  # [B, N, H] (logits if not split)
+            finally:
+                rope.ROW_LENGTHS.reset(row_lengths)
+        if states is not None:
+            states.commit()
+        self.positions[slots] += lengths
+        undo = states.undo if states is not None else None
+        if last_logits is None:
+            if not len(sampled):
+                # Evaluating the last hidden state forces every layer's K/V write.
+                return _Forward(
+                    slots, lengths, sampled, None, hidden=hidden, undo=undo, inputs=inputs
+                )
+            assert hidden is not None
+            if decode:
+                last_hidden = (
+                    hidden[:, 0] if len(sampled) == len(rows) else hidden[mx.array(sampled), 0]
+                )
+            else:
+                last = mx.array(lengths[sampled] - 1)
+                last_hidden = hidden[mx.array(sampled), last]  # [S, H]
+            last_logits = self._head.logits(last_hidden)  # [S, V]
+        forward = self._sample(slots, sampled, rows, last_logits)
+        forward.lengths, forward.undo, forward.inputs = lengths, undo, inputs
+        return forward
+
+    def _sample(
+        self, slots: np.ndarray, sampled: np.ndarray, rows: list[Row], logits: mx.array
+    ) -> _Forward:
+        sampled_slots = slots[sampled]
+        if self.plain[sampled_slots].all():
+            drawn = mx.argmax(logits, axis=-1).astype(mx.int32)
+            logprobs = top = None
+        else:
+            picked = [rows[i] for i in sampled]
+            drawn, processed = sample(logits, [r.sampler for r in picked])
+            logprobs = top = None
+            if any(r.want_logprobs for r in picked):
+                all_lp = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
+                logprobs = mx.take_along_axis(all_lp, drawn[:, None], axis=-1)[:, 0]
+                k = max(r.top_logprobs for r in picked)
+                if k > 0:
+                    top_ids = mx.argsort(-all_lp, axis=-1)[:, :k]
+                    top = (top_ids, mx.take_along_axis(all_lp, top_ids, axis=-1))
+        fid = self._next_forward_id()
+        self._sampled[fid] = drawn
+        self._source_step[sampled_slots] = fid
+        self._source_index[sampled_slots] = np.arange(len(sampled), dtype=np.int32)
+        return _Forward(slots, rows, np.ones(len(slots), np.int32), sampled, drawn, logprobs, top)
+
+    def _next_forward_id(self) -> int:
+        self._forward_id += 1
+        # Only the last few forwards' tokens can still be a row's next input.
+        for old in [k for k in self._sampled if k < self._forward_id - 4]:
+            live = self._source_step == old
+            if not live.any():
+                del self._sampled[old]
+        return self._forward_id
+
+    def _input_tokens(
+        self, slots: np.ndarray, inputs: list[list[int] | None], width: int
+    ) -> mx.array:
+        """The step's [B, width] input ids. Decode rows take the token their last forward
+        sampled; when every row feeds from one forward in its order (the steady state), that
+        array is the input as it is."""
+        if width == 1 and all(x is None for x in inputs):
+            sources = self._source_step[slots]
+            if (sources < 0).any():
+                missing = self._row(slots[int(np.argmax(sources < 0))]).seq_id
+                raise ValueError(f"sequence {missing} has no sampled token to feed")
+            index = self._source_index[slots]
+            first = int(sources[0])
+            if (sources == first).all():
+                source = self._sampled[first]
+                if len(index) != source.shape[0] or (index != np.arange(len(index))).any():
+                    source = source[mx.array(index)]
+                return source.astype(mx.int32)[:, None]
+            return self._gather_tokens(sources, index)[:, None]
+        rows = []
+        for slot, x in zip(slots, inputs):
+            if x is None:
+                source = self._sampled[int(self._source_step[slot])]
+                j = int(self._source_index[slot])
+                token = source[j : j + 1].astype(mx.int32)
+                rows.append(
+                    token if width == 1 else mx.concatenate([token, mx.zeros(width - 1, mx.int32)])
+                )
+            else:
+                rows.append(mx.array(x + [0] * (width - len(x)), dtype=mx.int32))
+        return mx.stack(rows)
+
+    def _gather_tokens(self, sources: np.ndarray, index: np.ndarray) -> mx.array:
+        """Tokens sampled by several forwards (e.g. rows whose prefill just ended beside rows
+        that decoded): one concatenation and one take."""
+        ids = sorted(set(int(s) for s in sources))
+        offsets, arrays, total = {}, [], 0
+        for fid in ids:
+            offsets[fid] = total
+            arrays.append(self._sampled[fid])
+            total += self._sampled[fid].shape[0]
+        flat = np.asarray([offsets[int(s)] for s in sources], np.int32) + index
+        return mx.concatenate(arrays)[mx.array(flat)].astype(mx.int32)
+
+    def _dispatch(self, forward: _Forward) -> _Forward:
+        if forward.read is None:
+            if forward.tokens is None:
+                mx.async_eval(forward.hidden)
+            else:
+                extra = [x for x in (forward.logprobs, *(forward.top or ())) if x is not None]
+                mx.async_eval([forward.tokens, *extra])
+        return forward
+
+    def _read(self, forward: _Forward) -> StepResult:
+        """Read a forward's sampled tokens; a failure reruns its rows one by one."""
+        if forward.read is not None:
+            return forward.read
+        try:
+            if forward.tokens is None:
+                mx.eval(forward.hidden)
+                return StepResult.empty(-1)
+            if self._fault_injector is not None:
+                self._check_faults([forward.rows[i] for i in forward.sampled], "evaluate")
+            tokens = np.asarray(forward.tokens, dtype=np.int32)
+        except Exception as exc:
+            if not self._contain:
+                raise
+            log.warning("batched evaluation failed; retrying rows one by one", error=str(exc))
+            return self._redo_alone(forward)
+        sampled_slots = forward.slots[forward.sampled]
+        result = StepResult(-1, sampled_slots, tokens)
+        if forward.logprobs is not None:
+            result.logprobs = np.asarray(forward.logprobs, dtype=np.float32)
+            if forward.top is not None:
+                result.top_ids = np.asarray(forward.top[0], dtype=np.int32)
+                result.top_logprobs = np.asarray(forward.top[1], dtype=np.float32)
+        self._record(forward, tokens)
+        return result
+
+    @staticmethod
+    def _record(forward: _Forward, tokens: np.ndarray) -> None:
+        """Token counts for the rows whose penalties read them."""
+        for j, i in enumerate(forward.sampled.tolist()):
+            row = forward.rows[i]
+            if not row.plain and row.sampler.params.has_penalties:
+                row.sampler.record(int(tokens[j]))
+
+    # -- failures ----------------------------------------------------------------------
+    def _rows_alone(
+        self, slots: np.ndarray, inputs: list[list[int] | None], samples: np.ndarray | None
+    ) -> _Forward:
+        """Run each row as its own forward and read it now (after a batched build failed)."""
+        parts = []
+        for i, slot in enumerate(slots):
+            one = np.asarray([slot], np.int32)
+            sample_one = None if samples is None else samples[i : i + 1]
+            parts.append(self._read(self._dispatch(self._build(one, [inputs[i]], sample_one))))
+        forward = _Forward(slots, [], np.ones(len(slots), np.int32), np.zeros(0, np.int32), None)
+        forward.read = _merge(-1, parts)
+        return forward
+
+    def _redo_alone(self, forward: _Forward) -> StepResult:
+        """Redo a failed forward per row, so a failure ends only the rows that really fail.
+        Its K/V writes are redone by the retries; its recurrent states are put back."""
+        if self.config.native_caches:
+            # mlx-lm's caches appended the step already: a redo would append it twice.
+            result = StepResult.empty(-1)
+            result.errors = {int(s): BACKEND_ERROR for s in forward.slots}
+            return result
+        if forward.undo is not None and self.states is not None:
+            self.states.undo(forward.undo)
+        self.positions[forward.slots] -= forward.lengths
+        sampling = set(forward.sampled.tolist())
+        parts = []
+        for i, slot in enumerate(forward.slots):
+            row = forward.rows[i]
+            if self.rows[int(slot)] is not row:
+                continue  # it left since: nothing to redo
+            try:
+                if self._fault_injector is not None and self._fault_injector(row, "evaluate"):
+                    raise EngineError(f"injected evaluate fault for {row.seq_id}")
+                one = np.asarray([slot], np.int32)
+                sample_one = np.asarray([i in sampling])
+                part = self._read(self._dispatch(self._build(one, [forward.inputs[i]], sample_one)))
+            except Exception as exc:
+                log.warning("row evaluation failed", request_id=row.seq_id, error=str(exc))
+                part = StepResult.empty(-1)
+                part.errors[int(slot)] = BACKEND_ERROR
+            parts.append(part)
+        return _merge(-1, parts)
+
+    def _check_faults(self, rows: list[Row], stage: str) -> None:
+        if self._fault_injector is None:
+            return
+        for row in rows:
+            if self._fault_injector(row, stage):
+                raise EngineError(f"injected {stage} fault for {row.seq_id}")
+
+    def _row(self, slot: int | np.integer) -> Row:
+        row = self.rows[int(slot)]
+        if row is None:
+            raise ValueError(f"slot {slot} runs with no row in it")
+        return row
+
+    # -- speculative decoding ----------------------------------------------------------
+    def _verify(self, drafts: list[Draft]) -> StepResult:
+        """One forward over each row's last token and drafted tokens (rows with no draft take
+        a plain decode step in it); each row keeps the drafts the model agrees with plus one
+        token of its own (sampler.verify_draft). The rejected positions' K/V is left behind:
+        each row's position stops before it, and the scheduler gives their slots back. Read at
+        once: the next step depends on how much was accepted."""
+        if self.states is not None or self.config.native_caches:
+            raise ValueError("speculative decoding needs attention caches that can roll back")
+        slots = np.asarray([d.slot for d in drafts], np.int32)
+        rows = [self._row(s) for s in slots]
+        last_tokens = self._last_tokens(slots)
+        inputs = [[last, *d.tokens] for last, d in zip(last_tokens, drafts)]
+        lengths = np.asarray([len(x) for x in inputs], np.int32)
+        starts = self.positions[slots].copy()
+        layout = StepLayout(
+            [r.kv for r in rows],
+            starts,
+            lengths,
+            self.tables[slots, : max(1, int(self.table_lengths[slots].max()))],
+            self.table_lengths[slots],
+            slots,
+        )
+        width = layout.width
+        tokens = mx.array([x + [0] * (width - len(x)) for x in inputs], dtype=mx.int32)
+        views = self.storage.views(
+            layout, self.cache, None, self.config.grouped_query_mask, gather=True
+        )
+        hidden = self._head.hidden(tokens, views)  # [B, N, H]
+        row_idx = mx.array(np.repeat(np.arange(len(slots)), lengths))
+        col_idx = mx.array(np.concatenate([np.arange(n) for n in lengths]))
+        logits = self._head.logits(hidden[row_idx, col_idx])  # [sum(lengths), V]
+        mx.eval(logits)
+        emitted_all: list[int] = []
+        counts, drafted, lps = [], [], []
+        offset = 0
+        for row, start, n, d in zip(rows, starts, lengths, drafts):
+            emitted, processed = verify_draft(logits[offset : offset + n], d.tokens, row.sampler)
+            offset += int(n)
+            accepted = len(emitted) - 1
+            # Valid K/V: the last token and the accepted drafts; the last emitted token is the
+            # next step's input.
+            self.positions[row.slot] = int(start) + accepted + 1
+            fid = self._next_forward_id()
+            self._sampled[fid] = mx.array([emitted[-1]], dtype=mx.int32)
+            self._source_step[row.slot], self._source_index[row.slot] = fid, 0
+            if row.want_logprobs:
+                lp = processed[: len(emitted)] - mx.logsumexp(
+                    processed[: len(emitted)], axis=-1, keepdims=True
+                )
+                lps.extend(lp[j, t].item() for j, t in enumerate(emitted))
+            else:
+                lps.extend([0.0] * len(emitted))
+            for token in emitted:
+                row.sampler.record(token)
+            emitted_all.extend(emitted)
+            counts.append(len(emitted))
+            drafted.append(len(d.tokens))
+        result = StepResult(
+            -1,
+            slots,
+            np.asarray(emitted_all, np.int32),
+            counts=np.asarray(counts, np.int32),
+            drafted=np.asarray(drafted, np.int32),
+        )
+        if any(r.want_logprobs for r in rows):
+            result.logprobs = np.asarray(lps, np.float32)
+        return result
+
+    def _last_tokens(self, slots: np.ndarray) -> list[int]:
+        """The rows' last sampled tokens, read (a verification forward needs them as ids)."""
+        out = []
+        for slot in slots:
+            fid = int(self._source_step[slot])
+            if fid < 0:
+                raise ValueError(f"sequence {self._row(slot).seq_id} has no sampled token")
+            out.append(int(self._sampled[fid][int(self._source_index[slot])].item()))
+        return out
+
+
+def _merge(step: int, parts: Sequence[StepResult]) -> StepResult:
+    """One result from several forwards' (in order)."""
+    parts = [p for p in parts if len(p.slots) or p.errors or p.prefill_seconds]
+    if not parts:
+        return StepResult.empty(step)
+    if len(parts) == 1:
+        only = parts[0]
+        only.step = step
+        return only
+    result = StepResult(
+        step,
+        np.concatenate([p.slots for p in parts]).astype(np.int32),
+        np.concatenate([p.tokens for p in parts]).astype(np.int32),
+    )
+    if any(p.counts is not None for p in parts):
+        result.counts = np.concatenate(
+            [p.counts if p.counts is not None else np.ones(len(p.slots), np.int32) for p in parts]
+        )
+        result.drafted = np.concatenate(
+            [
+                p.drafted if p.drafted is not None else np.zeros(len(p.slots), np.int32)
+                for p in parts
+            ]
+        )
+    if any(p.logprobs is not None for p in parts):
+        result.logprobs = np.concatenate(
+            [
+                p.logprobs if p.logprobs is not None else np.zeros(len(p.tokens), np.float32)
+                for p in parts
+            ]
+        )
+        k = max((p.top_ids.shape[1] for p in parts if p.top_ids is not None), default=0)
+        if k:
+            result.top_ids = np.concatenate(
+                [_top(p.top_ids, len(p.tokens), k, np.int32) for p in parts]
+            )
+            result.top_logprobs = np.concatenate(
+                [_top(p.top_logprobs, len(p.tokens), k, np.float32) for p in parts]
+            )
+    for p in parts:
+        result.errors.update(p.errors)
+        result.prefill_seconds.extend(p.prefill_seconds)
+    return result
+
+
+def _top(values: np.ndarray | None, n: int, k: int, dtype: Any) -> np.ndarray:
+    out = np.zeros((n, k), dtype)
+    if values is not None:
+        out[:, : values.shape[1]] = values
+    return out
+
+
+class ModelHead:
+    """Splits a model into its trunk and its LM head, so only the rows' last positions are
+    projected to the vocabulary (a 2048-token prefill would otherwise spend most of its time
+    in the head). Families whose head is not a plain projection (service.core.models.families)
+    run whole and we slice the logits."""
+
+    def __init__(self, model: Any, split: bool) -> None:
+        self._model = model
+        self.split = split
+
+    def hidden(self, tokens: mx.array, views: list) -> mx.array:
+        if self.split:
+            return self._model.model(tokens, cache=views)
+        return self._model(tokens, cache=views)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if not self.split:
+            return hidden  # already logits
+        model = self._model
+        if "lm_head" in model:  # tied models have none (mlx-lm creates or drops it)
+            return model.lm_head(hidden)
+        return model.model.embed_tokens.as_linear(hidden)

@@ -1,0 +1,237 @@
+"""The engine-core loop: the one thread that runs the scheduler and the model runner.
+
+Each turn it takes what arrived (requests, cancellations, stats queries) without blocking,
+asks the scheduler for a plan, has the runner execute it, hands the result back to the scheduler
+and delivers the tick's outputs: one message per front end. With nothing running and nothing
+waiting it blocks until something arrives (no busy loop, no fixed delay).
+
+Steps are pipelined: while step N runs, step N+1 is planned and built when the scheduler says
+it is nothing but decode steps (`decode_only`), and N's tokens are read only once N+1 is queued
+(or, where the storage's writes are not in place, right before N+1 is dispatched). So the
+scheduler's and the runner's Python for N+1 overlaps the device's work on N.
+
+Everything per request lives on this thread: the table of running requests by front end and
+rid, the scheduler's rows, the outbox. Other threads only put messages into the inbox.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from service.core.scheduler.plan import StepPlan, StepResult
+from service.core.scheduler.request import Request, SequenceStatus
+from service.core.scheduler.scheduler import QueueFullError, Scheduler
+from service.protocol import CacheCounters, SlotView
+
+log = structlog.get_logger(__name__)
+
+
+class Runner(Protocol):
+    """What the loop calls on the model runner (`ModelRunner`, or service.core.tensor_parallel's
+    `ReplicatedRunner` under tensor parallel)."""
+
+    def submit(self, plan: StepPlan, dispatch: bool = True) -> Any: ...
+    def dispatch(self, pending: Any) -> Any: ...
+    def collect(self, pending: Any) -> StepResult: ...
+
+
+@dataclass
+class _Cancel:
+    """Cancel this sequence object, not "whatever now has its rid": a front end may reuse a
+    request_id before the loop has ended the cancelled one."""
+
+    seq: Request
+
+
+@dataclass
+class _Abort:
+    frontend: Hashable
+    rid: int
+
+
+@dataclass
+class _StatsQuery:
+    reply: Callable[[CacheCounters], None]
+
+
+_STOP = object()
+
+
+class CoreLoop:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        *,
+        overlap_steps: bool,
+        counters: Callable[[Scheduler], CacheCounters],
+        on_finished: Callable[[Request], None] | None = None,
+        fatal_errors: bool = False,
+    ) -> None:
+        """overlap_steps: step N+1 may be dispatched before N is read (in-place pool writes);
+        counters: the cache and batch counters of a stats reply (on this thread);
+        on_finished: told of each request whose final output was delivered;
+        fatal_errors: an error outside the runner's containment ends the loop (tensor
+        parallel: the other ranks could not follow)."""
+        self.scheduler = scheduler
+        self.runner = runner
+        self._overlap = overlap_steps
+        self._counters = counters
+        self._fatal = fatal_errors
+        self._on_finished = on_finished
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._undrained = 0  # submitted, not yet handed to the scheduler
+        self._requests: dict[tuple[Hashable, int], Request] = {}
+        self._inflight: tuple[StepPlan, Any] | None = None
+        self.stats_published = 0.0
+
+    # -- called from other threads ------------------------------------------------------
+    def submit(self, seq: Request) -> None:
+        """Queue a request; raises QueueFullError at once when the queue is full. Requests
+        that free slots will take at the next step are not waiting: a burst that fits the
+        batch is never refused."""
+        sched = self.scheduler
+        with self._lock:
+            waiting = self._undrained + sched.num_waiting
+            if waiting >= sched.config.max_queue_depth + max(0, sched.free_slots):
+                raise QueueFullError("Server is busy. Retry later.")
+            self._undrained += 1
+        self._inbox.put(seq)
+
+    def cancel(self, seq: Request) -> None:
+        self._inbox.put(_Cancel(seq))
+
+    def abort(self, frontend: Hashable, rid: int) -> None:
+        """End the request a front end knows as `rid` (its client left, a stop string)."""
+        self._inbox.put(_Abort(frontend, rid))
+
+    def query_stats(self, reply: Callable[[CacheCounters], None]) -> None:
+        """`reply` is called on this loop's thread with the counters after the current step."""
+        self._inbox.put(_StatsQuery(reply))
+
+    def stop(self) -> None:
+        self._inbox.put(_STOP)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._undrained + self.scheduler.num_waiting
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            idle = not self.scheduler.busy and self._inflight is None
+            if not self._drain(block=idle):
+                break
+            try:
+                self.turn()
+            except Exception:
+                if self._fatal:
+                    raise
+                log.exception("engine step failed")
+                self._inflight = None
+                self.scheduler.fail_running()
+            self._deliver()
+        self._finish_inflight()
+        self.scheduler.cancel_all()
+        self._deliver()
+
+    def turn(self) -> None:
+        """One step: plan, run, read. A plain decode step's successor is planned and queued
+        before its tokens are read."""
+        sched, runner = self.scheduler, self.runner
+        if self._inflight is not None and sched.decode_only():
+            plan = sched.schedule()
+            pending = runner.submit(plan, dispatch=self._overlap) if plan is not None else None
+            self._finish_inflight()
+            if pending is not None:
+                assert plan is not None
+                if not self._overlap:
+                    runner.dispatch(pending)
+                self._inflight = (plan, pending)
+            return
+        self._finish_inflight()
+        plan = sched.schedule()
+        if plan is None:
+            return
+        pending = runner.submit(plan)
+        if plan.overlappable:
+            self._inflight = (plan, pending)
+        else:
+            sched.update(plan, runner.collect(pending))
+
+    def _finish_inflight(self) -> None:
+        if self._inflight is not None:
+            plan, pending = self._inflight
+            self._inflight = None
+            self.scheduler.update(plan, self.runner.collect(pending))
+
+    def _drain(self, block: bool) -> bool:
+        """Hand what arrived to the scheduler; False when asked to stop."""
+        try:
+            item = self._inbox.get(block=block)
+        except queue.Empty:
+            return True
+        queries = []
+        while True:
+            if item is _STOP:
+                return False
+            if isinstance(item, Request):
+                with self._lock:
+                    self._undrained -= 1
+                self._requests[(item.sink.batch_key, item.rid)] = item
+                self.scheduler.add(item)
+            elif isinstance(item, _Cancel):
+                self.scheduler.cancel(item.seq)
+            elif isinstance(item, _Abort):
+                seq = self._requests.get((item.frontend, item.rid))
+                if seq is not None:
+                    self.scheduler.cancel(seq)
+            elif isinstance(item, _StatsQuery):
+                queries.append(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        if queries:
+            counters = self._counters(self.scheduler)
+            for query in queries:
+                query.reply(counters)
+        return True
+
+    def _deliver(self) -> None:
+        """The tick's outputs, one `deliver` per sink; finished requests leave the table."""
+        for sink, outputs in self.scheduler.outbox.take():
+            for rid in outputs.finals:
+                seq = self._requests.pop((sink.batch_key, rid), None)
+                if seq is not None and self._on_finished is not None:
+                    self._on_finished(seq)
+            try:
+                sink.deliver(outputs)
+            except Exception:
+                log.exception("delivering outputs failed")
+        self.stats_published = time.monotonic()
+
+
+def slot_views(scheduler: Scheduler) -> list[SlotView]:
+    """The per-slot view of a stats reply: every running request's state (built when asked)."""
+    views = []
+    for seq in scheduler.running:
+        if seq.status in (SequenceStatus.PREFILLING, SequenceStatus.DECODING):
+            views.append(
+                SlotView(
+                    seq.request_id,
+                    seq.status.value,
+                    seq.num_generated,
+                    scheduler.context_tokens(seq),
+                    seq.request.priority,
+                )
+            )
+    return views

@@ -1,0 +1,108 @@
+"""One engine step as data: what the scheduler decided (`StepPlan`) and what the model runner
+read back (`StepResult`).
+
+The runner keeps a table of rows indexed by a small integer, the row's *slot*, from the step it
+joins until the step it leaves. A plan names rows only by slot and carries only what changed:
+rows that join (with what their sampling needs), rows that leave, the block tables that changed,
+the pool's `BlockUpdate`, the step's prefill chunks, and the slots that take a decode step (or
+a verification of drafted tokens). Under tensor parallel, rank 0 sends each plan as it is to the
+other ranks, whose runners replay it.
+
+A result holds the step's sampled tokens (and logprobs) as arrays, in plan order: first each
+prefill forward's sampled rows, then the decode or verification rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from service.core.kv.block_pool import BlockUpdate
+from service.protocol import SamplingParams
+
+
+class RowJoin(msgspec.Struct, array_like=True):
+    """A row entering the runner's table (admitted, or resumed after a preemption)."""
+
+    slot: int
+    seq_id: str
+    params: SamplingParams
+    prompt: list[int]  # the request's prompt (repetition penalties read it)
+    num_cached: int  # positions stored already (an adopted prefix): prefill starts there
+    want_logprobs: bool = False
+    top_logprobs: int = 0
+    resume: bool = False  # back after a preemption: keeps its sampler state
+
+
+class RowLeave(msgspec.Struct, array_like=True):
+    slot: int
+    final: bool  # False: preempted, it comes back later (its sampler state is kept)
+
+
+class Chunk(msgspec.Struct, array_like=True):
+    """Prompt tokens of one row for one prefill forward."""
+
+    slot: int
+    tokens: list[int]
+    sample: bool  # the prompt's last chunk: sample the first token
+
+
+class Draft(msgspec.Struct, array_like=True):
+    slot: int
+    tokens: list[int]  # drafted tokens after the row's last one (empty: a plain decode step)
+
+
+class StepPlan(msgspec.Struct):
+    step: int
+    joins: list[RowJoin] = msgspec.field(default_factory=list)
+    leaves: list[RowLeave] = msgspec.field(default_factory=list)
+    forget: list[str] = msgspec.field(default_factory=list)  # preempted rows that end waiting
+    # Rows whose block table changed: (slot, the whole table).
+    tables: list[tuple[int, list[int]]] = msgspec.field(default_factory=list)
+    capacity: int = 0  # BlockUpdate: blocks the K/V arrays must cover
+    copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # BlockUpdate copies
+    prefill: list[list[Chunk]] = msgspec.field(default_factory=list)  # one list per forward
+    decode: list[int] = msgspec.field(default_factory=list)  # slots feeding their last token
+    verify: list[Draft] = msgspec.field(default_factory=list)  # instead of `decode`
+
+    @property
+    def update(self) -> BlockUpdate:
+        return BlockUpdate(self.capacity, tuple(self.copies))
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self.prefill or self.decode or self.verify)
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.joins or self.leaves or self.forget or self.tables or self.copies)
+
+    @property
+    def overlappable(self) -> bool:
+        """A plain decode step: the next one may be planned before its tokens are read."""
+        return bool(self.decode) and not self.prefill and not self.verify
+
+
+@dataclass
+class StepResult:
+    """What one step produced. `slots[i]` sampled `tokens[i]`; a verification row emits
+    `counts[i]` tokens (consecutive in `tokens`), every other row one. `errors`: rows whose
+    evaluation failed (slot -> message): they produced nothing."""
+
+    step: int
+    slots: np.ndarray  # int32 [S]
+    tokens: np.ndarray  # int32 [sum(counts)]
+    counts: np.ndarray | None = None  # int32 [S]; None: one token each
+    logprobs: np.ndarray | None = None  # float32, per token, when a row asked
+    top_ids: np.ndarray | None = None  # int32 [tokens, K]
+    top_logprobs: np.ndarray | None = None  # float32 [tokens, K]
+    drafted: np.ndarray | None = None  # int32 [S]: verification rows' drafted tokens
+    errors: dict[int, str] = field(default_factory=dict)
+    prefill_seconds: list[float] = field(default_factory=list)  # per prefill forward, measured
+    prefill_rows: int = 0  # the leading entries that prefill forwards sampled
+
+    @classmethod
+    def empty(cls, step: int) -> StepResult:
+        return cls(step, np.zeros(0, np.int32), np.zeros(0, np.int32))

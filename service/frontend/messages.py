@@ -1,0 +1,40 @@
+"""The protobufs the front end answers with, made from what the engine core reports (the core
+sends plain structs: service.protocol's CacheCounters and ModelInfo, whose field names are the
+responses')."""
+
+from __future__ import annotations
+
+import msgspec
+
+from mlxserve.v1 import generation_pb2 as pb
+from service.protocol import CacheCounters, ModelInfo
+
+_SLOT_STATE = {"prefilling": pb.SLOT_STATE_PREFILLING, "decoding": pb.SLOT_STATE_DECODING}
+
+
+def cache_stats_response(counters: CacheCounters) -> pb.CacheStatsResponse:
+    fields = msgspec.structs.asdict(counters)
+    slots = fields.pop("slots")
+    response = pb.CacheStatsResponse(**fields)
+    response.slots.extend(
+        pb.SlotInfo(
+            request_id=s.request_id,
+            state=_SLOT_STATE[s.state],
+            generated_tokens=s.generated_tokens,
+            context_tokens=s.context_tokens,
+            priority=s.priority,
+        )
+        for s in slots
+    )
+    return response
+
+
+def model_info_response(info: ModelInfo) -> pb.GetModelInfoResponse:
+    fields = msgspec.structs.asdict(info)
+    quantization = msgspec.structs.asdict(fields.pop("quantization"))
+    speculation = msgspec.structs.asdict(fields.pop("speculation"))
+    return pb.GetModelInfoResponse(
+        **fields,
+        quantization=pb.Quantization(**quantization),
+        speculation=pb.Speculation(**speculation),
+    )
