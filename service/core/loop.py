@@ -162,7 +162,11 @@ class CoreLoop:
         if plan is None:
             return
         pending = runner.submit(plan)
-        if plan.overlappable:
+        if plan.prefill and plan.decode:
+            # The prompts' first tokens go out now; the decode forward runs on meanwhile.
+            sched.update(plan, runner.take_prefill(pending))
+            self._deliver()
+        if plan.decode:
             self._inflight = (plan, pending)
         else:
             sched.update(plan, runner.collect(pending))

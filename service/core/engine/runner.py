@@ -189,15 +189,27 @@ class ModelRunner:
                 mx.async_eval([forward.tokens, *extra])
         return pending
 
+    def take_prefill(self, pending: Pending) -> StepResult:
+        """The step's prefill forwards' results (read already at submit), handed out once: the
+        first tokens of the prompts they ended can go out before the decode forward is read."""
+        parts, pending.prefill = pending.prefill, []
+        result = _merge(pending.plan.step, parts)
+        result.prefill_rows = len(result.slots)
+        return result
+
     def collect(self, pending: Pending) -> StepResult:
-        """Read the step's tokens (the evaluation boundary) into one result."""
+        """Read the step's tokens (the evaluation boundary) into one result: the prefill
+        forwards' not taken yet, then the decode or verification forward's."""
+        prefill_rows = sum(len(p.slots) for p in pending.prefill)
         parts = list(pending.prefill)
+        pending.prefill = []
         if pending.verified is not None:
             parts.append(pending.verified)
         elif pending.decode is not None:
             parts.append(self._read(pending.decode))
         result = _merge(pending.plan.step, parts)
-        result.prefill_rows = sum(len(p.slots) for p in pending.prefill)
+        result.prefill_rows = prefill_rows
+        result.decoded = pending.verified is not None or pending.decode is not None
         return result
 
     # -- row table -------------------------------------------------------------------

@@ -21,7 +21,9 @@ class Outbox:
         self.rid_of = np.zeros(max_rows, np.int64)  # per slot: its row's rid
         self._sinks: list[OutputSink] = []
         self._index: dict[Hashable, int] = {}
-        self._tokens: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+        # Per call of `tokens`: the rows' sinks and rids then (a slot may change hands before
+        # the tick's messages go out), their tokens and counts.
+        self._tokens: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
         self._sparse: dict[int, Outputs] = {}  # sink index -> events, logprobs, finals
 
     def sink_index(self, sink: OutputSink) -> int:
@@ -40,7 +42,7 @@ class Outbox:
     def tokens(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray | None) -> None:
         """`slots[i]`'s new token is `tokens[i]` (or `counts[i]` consecutive ones)."""
         if len(slots):
-            self._tokens.append((slots, tokens, counts))
+            self._tokens.append((self.sink_of[slots], self.rid_of[slots], tokens, counts))
 
     def _of(self, sink: OutputSink) -> Outputs:
         index = self.sink_index(sink)
@@ -69,35 +71,29 @@ class Outbox:
     def take(self) -> list[tuple[OutputSink, Outputs]]:
         """This tick's messages, one per sink that has something; the outbox starts over."""
         outputs = dict(self._sparse)
-        for slots, tokens, counts in self._tokens:
-            sinks = self.sink_of[slots]
+        for sinks, rids, tokens, counts in self._tokens:
             for index in np.unique(sinks).tolist():
                 mine = sinks == index
                 out = outputs.get(index)
                 if out is None:
                     out = outputs[index] = Outputs()
-                self._add_tokens(out, slots[mine], tokens, counts, mine)
+                _add_tokens(out, rids[mine].tolist(), tokens, counts, mine)
         self._tokens = []
         self._sparse = {}
         return [(self._sinks[i], out) for i, out in outputs.items() if out]
 
-    def _add_tokens(
-        self,
-        out: Outputs,
-        slots: np.ndarray,
-        tokens: np.ndarray,
-        counts: np.ndarray | None,
-        mine: np.ndarray,
-    ) -> None:
-        rids = self.rid_of[slots].tolist()
-        if counts is None:
-            if out.counts is not None:
-                out.counts.extend([1] * len(rids))
-            out.rids.extend(rids)
-            out.tokens.extend(tokens[mine].tolist())
-            return
-        if out.counts is None:
-            out.counts = [1] * len(out.rids)
+
+def _add_tokens(
+    out: Outputs, rids: list[int], tokens: np.ndarray, counts: np.ndarray | None, mine: np.ndarray
+) -> None:
+    if counts is None:
+        if out.counts is not None:
+            out.counts.extend([1] * len(rids))
         out.rids.extend(rids)
-        out.counts.extend(counts[mine].tolist())
-        out.tokens.extend(tokens[np.repeat(mine, counts)].tolist())
+        out.tokens.extend(tokens[mine].tolist())
+        return
+    if out.counts is None:
+        out.counts = [1] * len(out.rids)
+    out.rids.extend(rids)
+    out.counts.extend(counts[mine].tolist())
+    out.tokens.extend(tokens[np.repeat(mine, counts)].tolist())

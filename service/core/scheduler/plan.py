@@ -79,11 +79,6 @@ class StepPlan(msgspec.Struct):
     def changes(self) -> bool:
         return bool(self.joins or self.leaves or self.forget or self.tables or self.copies)
 
-    @property
-    def overlappable(self) -> bool:
-        """A plain decode step: the next one may be planned before its tokens are read."""
-        return bool(self.decode) and not self.prefill and not self.verify
-
 
 @dataclass
 class StepResult:
@@ -102,6 +97,7 @@ class StepResult:
     errors: dict[int, str] = field(default_factory=dict)
     prefill_seconds: list[float] = field(default_factory=list)  # per prefill forward, measured
     prefill_rows: int = 0  # the leading entries that prefill forwards sampled
+    decoded: bool = False  # the plan's decode or verification forward is in it
 
     @classmethod
     def empty(cls, step: int) -> StepResult:

@@ -553,14 +553,14 @@ class Scheduler:
 
     # -- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> None:
-        """Take a step's results: prefill progress, the sampled tokens (ending the sequences
-        that are done), the rejected drafts' slots, engine health and the stall bound's
-        timings."""
+        """Take a step's results (all of it, or its prefill part first and the rest later):
+        prefill progress, the sampled tokens (ending the sequences that are done), the
+        rejected drafts' slots, engine health and the stall bound's timings."""
         self._prefilled(plan, result)
         self._record_step(result)
-        if plan.decode or plan.verify:
+        if result.decoded:
             self.costs.decode_read(self._clock())
-        if plan.verify:
+        if plan.verify and result.decoded:
             self._verified(plan, result)
             return
         self._fail_rows(result.errors)
