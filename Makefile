@@ -57,7 +57,7 @@ smoke-dist:
 	bash scripts/smoke_dist.sh
 
 bench: install
-	env $(BLAS_ENV) $(PY) -m client bench --spawn-server --concurrency 1,4,8,16 --max-tokens 64 --peer mlx-lm-batch
+	env $(BLAS_ENV) $(PY) -m bench.compare --spawn-server --concurrency 1,4,8,16 --max-tokens 64 --peer mlx-lm-batch
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis dist gen

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-6 GPU sweep on one NVIDIA H200 (MLX CUDA, bf16, dummy weights), within one device call.
+# The GPU sweep on one NVIDIA H200 (MLX CUDA, bf16, dummy weights), within one device call.
 #
 # Expects MLX (mlx + mlx-cuda-13 + mlx-lm) and our pinned wheels installed under /tmp/site and
 # PYTHONPATH=/tmp/site:$PWD (see docs/gpu-runs.md for the two-call install). For each
@@ -56,7 +56,7 @@ for spec in $RUNS; do
   [ -n "${SERVER_ARGS:-}" ] && peer_args+=("--server-args=$SERVER_ARGS")
   for p in ${peers//,/ }; do peer_args+=(--peer "$p"); done
   echo "== $preset: ${left}s left (rounds $rounds, peers ${peers:-none})"
-  timeout --signal=TERM $((left - 5)) "$PY" -m client bench --spawn-server \
+  timeout --signal=TERM $((left - 5)) "$PY" -m bench.compare --spawn-server \
     --load-format "dummy:$preset" --dtype bfloat16 --concurrency "$CONC" \
     --max-tokens "$MAX_TOKENS" --rounds "$rounds" --min-requests 8 --warmup 2 --warmup-rounds 1 \
     "${peer_args[@]}" --targets gpu --deadline $((end - 60)) \

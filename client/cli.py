@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -163,7 +163,7 @@ def _generation_options() -> argparse.ArgumentParser:
 
 
 def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
-    from client.bench.cli import add_bench_arguments
+    from client.bench.cli import add_bench_arguments, checkout_peers
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -193,11 +193,11 @@ def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
     tokenize.add_argument("--raw", action="store_true", help="raw text instead of a chat turn")
     tokenize.add_argument("--system", help="a system chat turn before the prompt (chat mode)")
     bench = commands.add_parser(
-        "bench", help="load generator: concurrency sweep with TTFT/ITL, optional peer"
+        "bench", help="load generator: concurrency sweep with TTFT/ITL (peers from a checkout)"
     )
     bench.add_argument("--target", default=argparse.SUPPRESS, help="server address host:port")
     add_connection_arguments(bench, defaults=False)
-    add_bench_arguments(bench)
+    add_bench_arguments(bench, checkout_peers())
     return parser
 
 
@@ -426,18 +426,23 @@ def error_json(details: ErrorDetails) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m client") -> int:
-    args = build_parser(prog).parse_args(argv)
-    try:
-        if args.command == "bench":
-            from client.bench.cli import run_bench
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "bench":
+        from client.bench.cli import checkout_peers, run_bench
 
-            return run_bench(args)
-        with GenerationClient(args.target, **connection_kwargs(args)) as client:
-            return COMMANDS[args.command](client, args)
+        peers = checkout_peers()
+        return run_bench(args, peers.PEERS if peers else None)
+    with GenerationClient(args.target, **connection_kwargs(args)) as client:
+        return COMMANDS[args.command](client, args)
+
+
+def exit_status(call: Callable[[], int], *, json_errors: bool = False) -> int:
+    """Runs a command; a failure becomes its message on stderr and the exit status above."""
+    try:
+        return call()
     except grpc.RpcError as err:
         details = error_details(err)
-        if getattr(args, "json", False):
+        if json_errors:
             print(error_json(details), file=sys.stderr)
         else:
             print("\n".join(error_lines(details)), file=sys.stderr)
@@ -453,6 +458,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m client") -> i
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m client") -> int:
+    args = build_parser(prog).parse_args(argv)
+    return exit_status(lambda: _dispatch(args), json_errors=getattr(args, "json", False))
 
 
 def console_main() -> int:

@@ -313,8 +313,6 @@ def test_bench_runs_against_a_secured_server(secured, tmp_path) -> None:
         "--warmup",
         "0",
         "--no-plot",
-        "--targets",
-        "none",
         "--out",
         str(out),
     )

@@ -1,15 +1,17 @@
-"""`python -m client bench`: options and orchestration (workload -> plan -> targets -> report).
+"""`python -m client bench`: options and orchestration (workload -> plan -> runs -> report).
 
 One run measures our server (spawned, or at --target), then each --peer in turn on the identical
-plan, one at a time so they never share the machine:
-- `mlx-lm`: mlx-lm's HTTP server (`mlx_lm.server`) on the same weights, started by the harness;
-- `raw`: the raw mlx-lm batched forward loop, no server (the upper bound at each C);
-- `mlx-lm-batch`: mlx-lm's in-process `batch_generate`.
+plan, one at a time so they never share the machine. Peers (mlx-lm on the same weights) need MLX
+and the server's model loader, so they are not part of this package: they are the mapping of
+name -> `PeerRun` that a caller passes to `run_bench`. In a repository checkout they are
+bench/peers/, found here when importable (`checkout_peers`); `python -m bench.compare` is the
+checkout's own entry point for them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import shlex
@@ -17,8 +19,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -27,12 +30,37 @@ from google.protobuf import json_format
 from client.bench import report
 from client.bench.grpc_target import GrpcTarget, count_tokens_via_rpc
 from client.bench.metrics import LevelResult
-from client.bench.server import REPO_ROOT, ServerProcess
+from client.bench.server import CHECKOUT_ROOT, ServerProcess
 from client.bench.workload import ARRIVALS, LengthDist, Plan, Workload, build_plan
 from client.cli import connection_kwargs
 from client.client import GenerationClient
 
-PEERS = ("mlx-lm", "raw", "mlx-lm-batch")
+Progress = Callable[[str], None]
+# A peer: (plan, progress, the parsed options, the stem of its log paths) -> (its levels, notes
+# for the JSON's meta).
+PeerRun = Callable[
+    [Plan, Progress, argparse.Namespace, Path], tuple[list[LevelResult], dict[str, Any]]
+]
+
+# The repository's peers (bench/peers/): a module with `PEERS` (name -> PeerRun) and
+# `add_arguments(group)` for their options.
+PEERS_MODULE = "bench.peers"
+PEERS_HINT = (
+    "peers run mlx-lm on the server's weights and live in the mlxserve repository, not in the "
+    "client: in a checkout (`make install`), run `python -m bench.compare --spawn-server "
+    "--peer NAME ...` from its root"
+)
+
+
+def checkout_peers() -> ModuleType | None:
+    """The peers module of a repository checkout, or None where it is not importable."""
+    try:
+        module = importlib.import_module(PEERS_MODULE)
+    except ModuleNotFoundError as err:
+        if err.name in ("bench", PEERS_MODULE):
+            return None
+        raise
+    return module if isinstance(getattr(module, "PEERS", None), Mapping) else None
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -62,7 +90,8 @@ def _length(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+def add_bench_arguments(parser: argparse.ArgumentParser, peers: ModuleType | None = None) -> None:
+    """The harness's options; with `peers` (see PEERS_MODULE), --peer's choices and their own."""
     d = Workload()
     load = parser.add_argument_group("load pattern")
     load.add_argument(
@@ -152,38 +181,30 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto, or dummy:PRESET (random weights of a preset's shape)",
     )
     srv.add_argument("--dtype", default="auto", help="auto|float32|bfloat16 (server and peers)")
-    srv.add_argument(
-        "--peer",
-        action="append",
-        choices=PEERS,
-        default=[],
-        help="also measure a peer on the same plan, after ours (repeatable)",
-    )
-    srv.add_argument(
-        "--peer-args", default="", help="extra arguments for mlx_lm.server, one shell-quoted string"
-    )
-    srv.add_argument(
-        "--peer-keep-eos",
-        action="store_true",
-        help="do not patch mlx_lm.server to ignore EOS (tokens still counted)",
-    )
-    srv.add_argument(
-        "--export-dir",
-        type=Path,
-        default=REPO_ROOT / ".cache",
-        help="where the peer's mlx-lm copy of the weights is cached",
-    )
+    if peers is None:
+        # Accepted, so that run_bench can say where peers are instead of argparse's "unrecognized".
+        srv.add_argument(
+            "--peer",
+            action="append",
+            default=[],
+            metavar="NAME",
+            help="also measure a peer on the same plan (needs the repository checkout's "
+            "bench/peers/)",
+        )
+    else:
+        srv.add_argument(
+            "--peer",
+            action="append",
+            choices=sorted(peers.PEERS),
+            default=[],
+            help="also measure a peer on the same plan, after ours (repeatable)",
+        )
+        peers.add_arguments(srv)
 
     out = parser.add_argument_group("report")
     out.add_argument("--out", type=Path, help="JSON path (default bench/out/bench-TIME.json)")
     out.add_argument("--log-dir", type=Path, help="server logs (default: beside --out)")
     out.add_argument("--title", default="", help="plot title")
-    out.add_argument(
-        "--targets",
-        choices=("auto", "cpu", "gpu", "none"),
-        default="auto",
-        help="which issue-6 targets to check (auto: gpu for bfloat16, else cpu)",
-    )
     out.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     out.add_argument(
         "--deadline",
@@ -194,7 +215,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--request-timeout", type=float, default=600.0)
 
 
-def _progress_printer() -> Callable[[str], None]:
+def default_out_path() -> Path:
+    return Path("bench/out") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def _progress_printer() -> Progress:
     started = time.monotonic()
 
     def progress(line: str) -> None:
@@ -236,9 +261,18 @@ def _server_snapshot(target: str, connection: dict[str, Any]) -> dict[str, Any]:
 
 
 def _git_state() -> dict[str, Any]:
+    """The checkout's commit (the server's code when it is spawned from here); {} outside one."""
+    if CHECKOUT_ROOT is None:
+        return {}
+
     def git(*argv: str) -> str:
         done = subprocess.run(
-            ["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=False
+            ["git", *argv],
+            cwd=CHECKOUT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
         )
         return done.stdout.strip() if done.returncode == 0 else ""
 
@@ -267,13 +301,6 @@ def _plan_summary(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _check_kind(args: argparse.Namespace, meta: dict[str, Any]) -> str:
-    if args.targets != "auto":
-        return args.targets
-    dtype = meta.get("server_before", {}).get("model_info", {}).get("dtype", "")
-    return "gpu" if "bfloat16" in dtype or args.dtype == "bfloat16" else "cpu"
-
-
 def _exit_on_sigterm() -> None:
     """SIGTERM (e.g. from `timeout`) unwinds like an exception, so spawned servers are stopped."""
 
@@ -283,7 +310,11 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(args: argparse.Namespace, peers: Mapping[str, PeerRun] | None = None) -> int:
+    """One harness run from add_bench_arguments' options; `peers` are what --peer may name."""
+    unknown = [name for name in args.peer if name not in (peers or {})]
+    if unknown:
+        raise ValueError(f"--peer {', '.join(unknown)}: {PEERS_HINT}")
     _exit_on_sigterm()
     progress = _progress_printer()
     workload = Workload(
@@ -302,7 +333,7 @@ def run_bench(args: argparse.Namespace) -> int:
         cache_prompt=False if args.no_prompt_cache else None,
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out_path: Path = args.out or Path("bench/out") / f"bench-{stamp}.json"
+    out_path: Path = args.out or default_out_path()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log_dir: Path = args.log_dir or out_path.parent
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -353,10 +384,10 @@ def run_bench(args: argparse.Namespace) -> int:
             progress("stopping server")
             server.stop()
 
-    peers: dict[str, list[LevelResult]] = {}
+    peer_levels: dict[str, list[LevelResult]] = {}
     meta["peers"] = {}
     # Written after each stage, so a run cut short (a device time limit) keeps what it measured.
-    report.write_json(out_path, meta, ours, peers)
+    report.write_json(out_path, meta, ours, peer_levels)
     for name in dict.fromkeys(args.peer):
         if args.deadline is not None and time.time() > args.deadline:
             progress(f"{name}: skipped (past --deadline)")
@@ -364,28 +395,25 @@ def run_bench(args: argparse.Namespace) -> int:
             continue
         if server is None:
             progress(f"note: {target} stays up (idle) while {name} runs")
+        assert peers is not None  # checked above
         try:
-            peers[name], meta["peers"][name] = _run_peer(name, plan, progress, args, log_stem)
+            peer_levels[name], meta["peers"][name] = peers[name](plan, progress, args, log_stem)
         except Exception as err:  # a failed peer must not lose our results
             progress(f"{name} FAILED: {type(err).__name__}: {err}")
             meta["peers"][name] = {"error": f"{type(err).__name__}: {err}"}
-        report.write_json(out_path, meta, ours, peers)
+        report.write_json(out_path, meta, ours, peer_levels)
 
-    print(report.format_table(report.comparison_rows(ours, peers), list(peers)))
-    for name, levels in peers.items():
+    print(report.format_table(report.comparison_rows(ours, peer_levels), list(peer_levels)))
+    for name, levels in peer_levels.items():
         if any(level.requests for level in levels):
             print(report.format_target_table(name, levels))
     meta["host"]["loadavg_end"] = os.getloadavg()
-    kind = _check_kind(args, meta)
-    checks = report.target_checks(kind, ours, peers) if kind != "none" else []
-    if checks:
-        print(report.format_checks(kind, checks))
-    report.write_json(out_path, meta, ours, peers, checks)
+    report.write_json(out_path, meta, ours, peer_levels)
     print(f"wrote {out_path}")
     if not args.no_plot:
         plot_path = out_path.with_suffix(".png")
         title = args.title or _default_title(args, workload)
-        if report.write_plot(plot_path, ours, peers, title):
+        if report.write_plot(plot_path, ours, peer_levels, title):
             print(f"wrote {plot_path}")
     return 0
 
@@ -396,49 +424,3 @@ def _default_title(args: argparse.Namespace, workload: Workload) -> str:
         f"{model}, dtype {args.dtype}, {workload.arrival} arrivals, "
         f"max_tokens {workload.max_tokens}, {platform.node()}"
     )
-
-
-def _run_peer(
-    name: str,
-    plan: Plan,
-    progress: Callable[[str], None],
-    args: argparse.Namespace,
-    log_stem: Path,
-) -> tuple[list[LevelResult], dict[str, Any]]:
-    dtype = None if args.dtype == "auto" else args.dtype
-    if name == "mlx-lm":
-        from client.bench.export import ensure_model_dir
-        from client.bench.peer_mlx_lm_server import run_peer
-
-        model_dir = ensure_model_dir(
-            model=args.model,
-            load_format=args.load_format,
-            dtype=args.dtype,
-            progress=progress,
-            cache_root=args.export_dir,
-        )
-        return run_peer(
-            plan,
-            progress,
-            model_dir=model_dir,
-            decode_concurrency=max(plan.workload.concurrency),
-            log_path=Path(f"{log_stem}.mlx-lm.log"),
-            extra_args=shlex.split(args.peer_args),
-            ignore_eos=not args.peer_keep_eos,
-            request_timeout=args.request_timeout,
-        )
-    if name == "raw":
-        from client.bench.peer_raw import run_peer as run_raw
-
-        levels = run_raw(
-            plan, progress, model=args.model, load_format=args.load_format, dtype=dtype
-        )
-        return levels, {}
-    if name == "mlx-lm-batch":
-        from client.bench.peer_mlx_lm_batch import run_peer as run_batch
-
-        levels = run_batch(
-            plan, progress, model=args.model, load_format=args.load_format, dtype=dtype
-        )
-        return levels, {}
-    raise ValueError(f"unknown peer {name!r}")

@@ -1,4 +1,4 @@
-"""The benchmark report: side-by-side tables, target checks, a JSON file and a PNG plot."""
+"""The benchmark report: side-by-side tables, a JSON file and a PNG plot."""
 
 from __future__ import annotations
 
@@ -8,13 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from client.bench.metrics import PERCENTILES, LevelResult
-
-# The issue's targets (issue 6), checked when the levels and peers they name were run.
-# ("scaling", C_high, C_low, min gain) | ("ratio", peer, C, min ours/peer).
-TARGETS: dict[str, list[tuple]] = {
-    "cpu": [("scaling", 8, 1, 5.0), ("ratio", "mlx-lm", 8, 1.2), ("ratio", "mlx-lm", 16, 1.2)],
-    "gpu": [("scaling", 64, 1, 25.0), ("ratio", "mlx-lm", 32, 1.3), ("ratio", "raw", 1, 0.9)],
-}
 
 
 def _ms(seconds: float | None) -> str:
@@ -123,51 +116,16 @@ def format_target_table(name: str, levels: Sequence[LevelResult]) -> str:
     return "\n".join([f"{name}:", *_table(header, lines)])
 
 
-def target_checks(
-    kind: str, ours: Sequence[LevelResult], peers: Mapping[str, Sequence[LevelResult]]
-) -> list[dict[str, Any]]:
-    """The issue's targets for `kind` (cpu|gpu) that this run can answer."""
-    ours_by_c = {lv.concurrency: lv.tokens_per_second for lv in ours if lv.rate is None}
-    checks = []
-
-    def check(label: str, value: float, goal: float) -> None:
-        checks.append({"target": f"{label} >= {goal:g}x", "value": value, "met": value >= goal})
-
-    for target in TARGETS.get(kind, []):
-        if target[0] == "scaling":
-            _, high, low, goal = target
-            if ours_by_c.get(low) and high in ours_by_c:
-                check(f"ours C={high} / C={low}", ours_by_c[high] / ours_by_c[low], goal)
-        else:
-            _, peer, c, goal = target
-            peer_by_c = {lv.concurrency: lv.tokens_per_second for lv in peers.get(peer, [])}
-            if peer_by_c.get(c) and c in ours_by_c:
-                check(f"ours / {peer} at C={c}", ours_by_c[c] / peer_by_c[c], goal)
-    return checks
-
-
-def format_checks(kind: str, checks: Sequence[Mapping[str, Any]]) -> str:
-    if not checks:
-        return ""
-    lines = [f"targets ({kind}, issue 6):"]
-    for check in checks:
-        verdict = "met" if check["met"] else "NOT met"
-        lines.append(f"  {check['target']}: {check['value']:.2f}x -> {verdict}")
-    return "\n".join(lines)
-
-
 def write_json(
     path: Path,
     meta: Mapping[str, Any],
     ours: Sequence[LevelResult],
     peers: Mapping[str, Sequence[LevelResult]],
-    checks: Sequence[Mapping[str, Any]] = (),
 ) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "meta": dict(meta),
         "table": comparison_rows(ours, peers),
-        "targets": list(checks),
         "ours": [level.to_dict() for level in ours],
         "peers": {name: [level.to_dict() for level in levels] for name, levels in peers.items()},
     }
@@ -269,9 +227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, levels in peers.items():
         if any(level.requests for level in levels):
             print(format_target_table(name, levels))
-    for check in document.get("targets", []):
-        verdict = "met" if check["met"] else "NOT met"
-        print(f"  {check['target']}: {check['value']:.2f}x -> {verdict}")
     if args.plot:
         write_plot(args.plot, ours, peers, str(args.path.name))
     return 0

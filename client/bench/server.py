@@ -1,4 +1,5 @@
-"""Starting and stopping a local mlxserve server (for --spawn-server and the tests)."""
+"""Starting and stopping a local mlxserve server (for --spawn-server, the bench scripts and the
+tests), and the managed-process base the repository's peers reuse."""
 
 from __future__ import annotations
 
@@ -15,8 +16,15 @@ from typing import TypeVar
 
 from client.client import GenerationClient
 
-# client/bench/server.py -> the repository root, where `python -m service` resolves.
-REPO_ROOT = Path(__file__).resolve().parents[2]
+
+def _checkout_root() -> Path | None:
+    """The repository root when this file sits in a checkout (client/bench/server.py), where
+    `python -m service` resolves without an install; None in an installed client."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "service" / "__main__.py").is_file() else None
+
+
+CHECKOUT_ROOT = _checkout_root()
 
 
 def free_port() -> int:
@@ -25,42 +33,38 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def mlx_env() -> dict[str, str]:
-    """This environment plus OpenBLAS preloaded for MLX's CPU backend (docs/cpu-backend.md)."""
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    try:
-        # Imported here, not at module level: the client image has no server code.
-        from service.common.blas import blas_env
-    except ImportError:
-        return env
-    extra = blas_env()
-    if "LD_PRELOAD" in extra and env.get("LD_PRELOAD"):
-        extra["LD_PRELOAD"] = f"{extra['LD_PRELOAD']}:{env['LD_PRELOAD']}"
-    env.update(extra)
-    return env
-
-
 _Process = TypeVar("_Process", bound="ManagedProcess")
 
 
 class ManagedProcess:
     """A server subprocess with its log file: started (and ready) on entry, stopped on exit.
-    Subclasses set `command` and say what "ready" means (`_wait_ready`)."""
+    Subclasses set `command` and say what "ready" means (`_wait_ready`); `env` is the child's
+    environment (this one, unbuffered, by default) and `cwd` its directory (the checkout's root
+    where there is one)."""
 
     stop_signal = signal.SIGTERM
 
-    def __init__(self, command: list[str], *, log_path: Path | None, ready_timeout: float) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        *,
+        log_path: Path | None,
+        ready_timeout: float,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = CHECKOUT_ROOT,
+    ) -> None:
         self.command = command
         self.log_path = log_path
         self.ready_timeout = ready_timeout
+        self.env = env if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.cwd = cwd
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self._proc = subprocess.Popen(
-                self.command, cwd=REPO_ROOT, env=mlx_env(), stdout=log, stderr=subprocess.STDOUT
+                self.command, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT
             )
         finally:
             if log is not subprocess.DEVNULL:
@@ -104,7 +108,9 @@ class ManagedProcess:
 
 
 class ServerProcess(ManagedProcess):
-    """`python -m service --port P` as a subprocess, SERVING on entry, stopped on exit."""
+    """`python -m service --port P` as a subprocess, SERVING on entry, stopped on exit. The server
+    preloads OpenBLAS for MLX itself (it re-executes once with it), so no environment is set up
+    here: this module needs neither MLX nor the server's code."""
 
     def __init__(
         self,

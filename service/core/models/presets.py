@@ -42,6 +42,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
                  rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0),
+    # The serving stack alone: one narrow layer and a 512-token vocabulary, so a decode step's
+    # math (the LM head included) is next to free and the scheduler, the engine's host work, the
+    # core/front-end IPC and gRPC dominate (bench/serving_overhead.py). Prompts must be token
+    # ids below 512: text encodes to ids outside this vocabulary. The embedded tokenizer spells
+    # every id below 512, so generated tokens detokenize.
+    "tiny-vocab": dict(model_type="llama", hidden_size=64, num_hidden_layers=1,
+                       intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                       rope_theta=10000.0, max_position_embeddings=4096),
     # SmolLM2's depth and vocabulary at a width that costs next to nothing: the per-step host
     # work (graph building, kernel dispatch, scheduling) of a 30-layer model, without its math.
     "thin-30": dict(model_type="llama", hidden_size=96, num_hidden_layers=30,

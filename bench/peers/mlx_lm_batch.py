@@ -1,6 +1,6 @@
 """Peer: the same plan through mlx-lm's `batch_generate` on the same weights, in-process.
 
-Runs in its own process (`python -m client.bench.peer_mlx_lm_batch`, request JSON on stdin,
+Runs in its own process (`python -m bench.peers.mlx_lm_batch`, request JSON on stdin,
 results JSON on stdout, progress on stderr) so it never shares the CPU with our server and
 MLX is only imported there. Burst plans only: one `batch_generate` call per round.
 """
@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench.peers.raw import run_peer_module, subprocess_main
 from client.bench.metrics import LevelResult
-from client.bench.peer_raw import run_peer_module, subprocess_main
 from client.bench.workload import Plan
 
 NAME = "mlx-lm-batch"
@@ -28,9 +28,7 @@ def run_peer(
     dtype: str | None,
 ) -> list[LevelResult]:
     args = {"model": model, "load_format": load_format, "dtype": dtype}
-    levels, raw_levels = run_peer_module(
-        "client.bench.peer_mlx_lm_batch", NAME, plan, progress, **args
-    )
+    levels, raw_levels = run_peer_module("bench.peers.mlx_lm_batch", NAME, plan, progress, **args)
     for level, raw in zip(levels, raw_levels, strict=True):
         level.completion_tokens_total = raw["completion_tokens"]
         level.request_count = raw["request_count"]

@@ -7,7 +7,7 @@ them), one batched prefill forward, then greedy batched decode of max_tokens - 1
 `mx.async_eval` before step N's tokens are read back to the host). Nothing else: no sampling
 options, no detokenization, no scheduling, no RPC.
 
-Runs in its own process (`python -m client.bench.peer_raw`, request JSON on stdin, results JSON
+Runs in its own process (`python -m bench.peers.raw`, request JSON on stdin, results JSON
 on stdout, progress on stderr). Burst plans only: one timed batch per round.
 """
 
@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.peers import REPO_ROOT, mlx_env
 from client.bench.metrics import LevelResult, RequestRecord
-from client.bench.server import REPO_ROOT, mlx_env
 from client.bench.workload import Plan
 
 NAME = "raw"
@@ -87,7 +87,7 @@ def run_peer(
     dtype: str | None,
 ) -> list[LevelResult]:
     args = {"model": model, "load_format": load_format, "dtype": dtype}
-    return run_peer_module("client.bench.peer_raw", NAME, plan, progress, **args)[0]
+    return run_peer_module("bench.peers.raw", NAME, plan, progress, **args)[0]
 
 
 def levels_from_json(name: str, level: dict[str, Any]) -> LevelResult:

@@ -6,7 +6,7 @@ GGUF dequantized to the serving dtype with Hugging Face tensor names, or a dummy
 weights (fixed seed), plus the embedded tokenizer with its chat template. It is cached under
 `.cache/` (gitignored) and reused; a model directory given with --model is used as it is.
 
-Run as `python -m client.bench.export --out DIR [--load-format F] [--dtype D]` in its own process
+Run as `python -m bench.peers.export --out DIR [--load-format F] [--dtype D]` in its own process
 (it imports MLX); `ensure_model_dir` does that for the harness.
 """
 
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from client.bench.server import REPO_ROOT, mlx_env
+from bench.peers import REPO_ROOT, mlx_env
 
 DEFAULT_CACHE = REPO_ROOT / ".cache"
 _DONE = "mlxserve-export.json"
@@ -52,7 +52,7 @@ def ensure_model_dir(
     command = [
         sys.executable,
         "-m",
-        "client.bench.export",
+        "bench.peers.export",
         "--out",
         str(out),
         "--load-format",

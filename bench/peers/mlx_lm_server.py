@@ -1,6 +1,6 @@
 """Peer: mlx-lm's own HTTP server (`mlx_lm.server`) on the same weights, same plan, over HTTP.
 
-The harness starts it as `python -m client.bench.peer_mlx_lm_server [launcher options] --
+The harness starts it as `python -m bench.peers.mlx_lm_server [launcher options] --
 [mlx_lm.server options]`: a thin launcher that applies two documented, measurement-only patches
 before calling `mlx_lm.server.main()`:
 - `--ignore-eos`: mlx-lm's server has no per-request ignore_eos, and its tokenizer wrapper always
@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bench.peers import REPO_ROOT, mlx_env
 from client.bench.metrics import LevelResult, RequestRecord
 from client.bench.runner import run_plan
 from client.bench.server import ManagedProcess, free_port
@@ -58,7 +59,7 @@ class MlxLmServerProcess(ManagedProcess):
         command = [
             sys.executable,
             "-m",
-            "client.bench.peer_mlx_lm_server",
+            "bench.peers.mlx_lm_server",
             *launcher,
             "--",
             "--model",
@@ -75,7 +76,13 @@ class MlxLmServerProcess(ManagedProcess):
             str(decode_concurrency),
             *extra_args,
         ]
-        super().__init__(command, log_path=log_path, ready_timeout=ready_timeout)
+        super().__init__(
+            command,
+            log_path=log_path,
+            ready_timeout=ready_timeout,
+            env=mlx_env(),
+            cwd=REPO_ROOT,
+        )
 
     def _wait_ready(self) -> None:
         assert self._proc is not None
