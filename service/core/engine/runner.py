@@ -82,6 +82,8 @@ class _Forward:
     hidden: mx.array | None = None  # when no row sampled: what must be evaluated
     undo: StateUndo | None = None
     inputs: list[list[int] | None] = field(default_factory=list)  # per row, for a redo alone
+    # Where the sampled rows' next inputs were before this forward sampled (for a redo).
+    sources: tuple[np.ndarray, np.ndarray] | None = None
     errors: dict[int, str] = field(default_factory=dict)  # rows that failed (slot -> message)
     read: StepResult | None = None  # rows run one by one: already read
 
@@ -413,9 +415,14 @@ class ModelRunner:
                     top = (top_ids, mx.take_along_axis(all_lp, top_ids, axis=-1))
         fid = self._next_forward_id()
         self._sampled[fid] = drawn
+        sources = (self._source_step[sampled_slots], self._source_index[sampled_slots])
         self._source_step[sampled_slots] = fid
         self._source_index[sampled_slots] = np.arange(len(sampled), dtype=np.int32)
-        return _Forward(slots, rows, np.ones(len(slots), np.int32), sampled, drawn, logprobs, top)
+        forward = _Forward(
+            slots, rows, np.ones(len(slots), np.int32), sampled, drawn, logprobs, top
+        )
+        forward.sources = sources
+        return forward
 
     def _next_forward_id(self) -> int:
         self._forward_id += 1
@@ -538,6 +545,9 @@ class ModelRunner:
         if forward.undo is not None and self.states is not None:
             self.states.undo(forward.undo)
         self.positions[forward.slots] -= forward.lengths
+        if forward.sources is not None:
+            sampled_slots = forward.slots[forward.sampled]
+            self._source_step[sampled_slots], self._source_index[sampled_slots] = forward.sources
         sampling = set(forward.sampled.tolist())
         parts = []
         for i, slot in enumerate(forward.slots):
