@@ -20,9 +20,9 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes
+from service.core.engine.engine import Engine, StepRow
 
 from service.core.engine.config import resolve
-from service.core.engine.engine import Engine, StepRow
 from service.core.engine.paged_attention import kernel_available, kernel_supports
 from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import PoolShape, make_storage

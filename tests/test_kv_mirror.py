@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from service.core.engine.engine import StepRow
 
 from service.core.engine import kv_mirror
 from service.core.engine.batch_view import StepLayout
 from service.core.engine.config import EngineConfig
-from service.core.engine.engine import StepRow
 from service.core.engine.sampler import SamplingParams
 from service.core.kv.block_pool import KVCacheManager
 from tests.helpers.tiny import PROMPTS, generate, layout_of, make_engine, paged, prompt, tiny_llama

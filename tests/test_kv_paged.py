@@ -7,10 +7,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
+from service.core.engine.engine import StepRow, shape_bucket
 
 from service.core.engine.batch_view import StepLayout, make_views
 from service.core.engine.config import EngineConfig
-from service.core.engine.engine import StepRow, shape_bucket
 from service.core.engine.kv_paged import SlotsNotReservedError
 from service.core.engine.sampler import SamplingParams
 from service.core.kv.block_pool import BlockUpdate, KVCacheManager

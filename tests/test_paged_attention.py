@@ -9,10 +9,10 @@ import math
 
 import mlx.core as mx
 import pytest
+from service.core.engine.engine import StepRow
 
 from service.core.engine import paged_attention
 from service.core.engine.config import EngineConfig
-from service.core.engine.engine import StepRow
 from service.core.engine.kv_paged import PagedKVStorage
 from service.core.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
 from service.core.engine.sampler import SamplingParams

@@ -16,8 +16,8 @@ from service.core.scheduler.scheduler import (
     QueueFullError,
     SpeculationConfig,
 )
-from service.protocol import FinishReason, GenerationRequest, StepOutput
-from tests.helpers.fake_engine import EOS, Harness
+from service.protocol import FinishReason, GenerationRequest, Outputs
+from tests.helpers.fake_runner import EOS, Harness
 
 # -- admission ----------------------------------------------------------------------------
 
@@ -48,12 +48,12 @@ def test_queue_depth_limit_raises_queue_full() -> None:
     with pytest.raises(QueueFullError, match=r"^Server is busy\. Retry later\.$"):
         h.submit("d")
     h.tick()  # "a" is admitted; "b" and "c" wait and fill the queue
-    assert h.sched.queue_depth == 2
+    assert h.loop.queue_depth == 2
     with pytest.raises(QueueFullError):
         h.submit("d")
     h.run()
     assert all(h.final(r).finish_reason is FinishReason.LENGTH for r in "abc")
-    assert h.sched.queue_depth == 0
+    assert h.loop.queue_depth == 0
     h.submit("d")  # room again
     h.run()
     assert h.final("d").finish_reason is FinishReason.LENGTH
@@ -127,11 +127,11 @@ def test_cancel_of_a_waiting_request_frees_its_queue_place() -> None:
     h.tick()
     h.submit("waiting")
     h.tick()
-    assert h.sched.queue_depth == 1
+    assert h.loop.queue_depth == 1
     h.cancel("waiting")
     h.tick()
     assert h.final("waiting").finish_reason is FinishReason.CANCELLED
-    assert h.sched.queue_depth == 0
+    assert h.loop.queue_depth == 0
     assert "waiting" not in h.engine.added  # never took a slot
     h.cancel("running")
     h.tick()
@@ -171,8 +171,13 @@ def test_finished_rows_are_released_at_once() -> None:
         h.tick()
         short = h.seqs["short"]
         if short.is_finished:
+            # Its KV and its slot are free at once; the runner drops its row before the
+            # next forward runs.
+            assert short not in h.running and short.blocks is None and short.slot == -1
+            forwards = len(h.engine.forwards)
+            h.tick()
             assert "short" in h.engine.released
-            assert short not in h.running
+            assert all("short" not in f.ids for f in h.engine.forwards[forwards:])
             break
         assert "short" not in h.engine.released
     else:
@@ -347,40 +352,42 @@ def test_chunked_prefill_samples_only_on_the_last_chunk() -> None:
 
 def test_the_loop_blocks_when_idle_and_wakes_for_a_request() -> None:
     h = Harness(max_batch_size=2)
-    ticks: list[float] = []
-    real_tick = h.sched.tick
+    turns: list[float] = []
+    real_turn = h.loop.turn
 
-    def counting_tick() -> None:
-        ticks.append(time.monotonic())
-        real_tick()
+    def counting_turn() -> None:
+        turns.append(time.monotonic())
+        real_turn()
 
-    h.sched.tick = counting_tick  # type: ignore[method-assign]
+    h.loop.turn = counting_turn  # type: ignore[method-assign]
     done = threading.Event()
-    h.sched.start()
+    thread = threading.Thread(target=h.loop.run, daemon=True)
+    thread.start()
     try:
         time.sleep(0.3)
-        assert ticks == [], "no busy loop while idle"
+        assert turns == [], "no busy loop while idle"
         request = GenerationRequest("threaded", (1, 2, 3), max_tokens=5)
-        outputs: list[StepOutput] = []
+        tokens: list[int] = []
 
         class Sink:
             batch_key = "threaded"
 
-            def deliver(self, batch: list[StepOutput]) -> None:
-                outputs.extend(batch)
-                if any(o.finished for o in batch):
+            def deliver(self, batch: Outputs) -> None:
+                tokens.extend(batch.tokens)
+                if batch.finals:
                     done.set()
 
-        h.sched.submit(Request(request, Sink()))
+        h.loop.submit(Request(request, Sink()))
         assert done.wait(5), "the request was not served"
-        assert [t for o in outputs for t in o.token_ids] == [4, 5, 6, 7, 8]
+        assert tokens == [4, 5, 6, 7, 8]
         time.sleep(0.2)
-        n = len(ticks)
+        n = len(turns)
         time.sleep(0.3)
-        assert len(ticks) == n, "back to blocking once idle again"
+        assert len(turns) == n, "back to blocking once idle again"
     finally:
-        h.sched.stop(timeout=5)
-    assert h.sched._thread is not None and not h.sched._thread.is_alive()
+        h.loop.stop()
+        thread.join(5)
+    assert not thread.is_alive()
 
 
 # -- the scheduler's KV cache manager -------------------------------------------------------
@@ -417,7 +424,7 @@ def test_blocks_running_short_preempt_and_the_request_resumes_with_its_tokens() 
     assert h.sched.stats.preemptions >= 1
     assert sum(h.final(r).finish_reason is FinishReason.LENGTH for r in "ab") == 2
     assert kv.num_free_blocks == 6
-    assert max(u.capacity for u in h.engine.updates) <= 6
+    assert max(p.capacity for p in h.engine.plans) <= 6
 
 
 def test_rejected_drafts_give_their_slots_back() -> None:
@@ -434,7 +441,7 @@ def test_rejected_drafts_give_their_slots_back() -> None:
             break
         if seq.status is SequenceStatus.DECODING:
             assert seq.blocks is not None
-            assert seq.blocks.num_tokens == seq.engine_seq.num_cached
+            assert seq.blocks.num_tokens == h.sched.context_tokens(seq)
     else:
         raise AssertionError("a never finished")
     assert h.tokens("a") == list(range(3, 15))

@@ -1,4 +1,4 @@
-"""Scheduler policies (docs/scheduler.md) on the fake engine of tests/helpers/fake_engine.py,
+"""Scheduler policies (docs/scheduler.md) on the fake engine of tests.helpers.fake_runner.py,
 tick by tick: adaptive / fixed / disabled chunking, chunks sized by the prefill stall bound on
 a fake clock (issue 14), decode steps between the chunks of a long prompt, the prefill grant
 interval, batched prefill and its token cap, priority order, and preemption (victim choice per
@@ -10,11 +10,10 @@ import itertools
 
 import pytest
 
-from service.core.engine.config import EngineConfig
 from service.core.scheduler.request import Request, SequenceStatus
 from service.core.scheduler.scheduler import MIN_PREFILL_CHUNK, PrefillPass
 from service.protocol import FinishReason, GenerationRequest
-from tests.helpers.fake_engine import Forward, Harness, ListSink
+from tests.helpers.fake_runner import Forward, Harness, ListSink
 
 
 def tick(h: Harness) -> list[Forward]:
@@ -254,8 +253,7 @@ def test_prompts_prefilled_together_share_the_pass_budget() -> None:
 
 
 def test_on_the_per_row_path_the_rows_of_a_pass_share_its_budget_as_separate_forwards() -> None:
-    h = Harness(cost=cpu_like, max_batch_size=3)
-    h.engine.config = EngineConfig(batched=False)  # each row its own forward
+    h = Harness(cost=cpu_like, batched=False, max_batch_size=3)  # each row its own forward
     start_decoding(h, "s0", max_tokens=100_000)
     for _ in range(3):
         h.tick()
@@ -496,7 +494,7 @@ def _run_recording_finish_order(h: Harness, max_ticks: int = 500) -> list[str]:
     for _ in range(max_ticks):
         h.tick()
         order += [r for r, s in h.seqs.items() if s.is_finished and r not in order]
-        if len(order) == len(h.seqs) and h.sched._inflight is None:
+        if len(order) == len(h.seqs) and h.loop._inflight is None and not h.sched.busy:
             return order
     raise AssertionError("requests did not finish")
 
@@ -598,12 +596,12 @@ def test_the_victim_keeps_its_tokens_and_is_re_prefilled_with_prompt_plus_genera
     h.submit("high", prompt=[500], max_tokens=3, priority=1)
     h.tick()
     low = h.seqs["low"]
-    assert low.status is SequenceStatus.QUEUED and low.engine_seq is None
+    assert low.status is SequenceStatus.QUEUED and low.slot == -1
     # The step in flight is read before the eviction: its token is kept and streamed.
     kept = list(low.output_token_ids)
     assert kept == h.tokens("low") == [*streamed_before, streamed_before[-1] + 1]
     assert low.num_computed == 0 and low.preemptions == 1
-    assert h.sched.queue_depth == 1  # re-queued
+    assert h.loop.queue_depth == 1  # re-queued
     assert h.engine.live == {"high"}
     forwards_before = len(h.engine.forwards)
     order = _run_recording_finish_order(h)
@@ -624,7 +622,7 @@ def test_the_victim_keeps_its_tokens_and_is_re_prefilled_with_prompt_plus_genera
     final = h.final("low")
     assert final.finish_reason is FinishReason.LENGTH
     assert final.completion_tokens == 12 and final.prompt_tokens == 10
-    assert h.sched.queue_depth == 0 and h.engine.live == set()
+    assert h.loop.queue_depth == 0 and h.engine.live == set()
     low_events = [name for out in h.outputs("low") for name, _ in out.events]
     assert low_events.count("admitted") == 1
     i = low_events.index("preempted")

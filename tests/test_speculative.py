@@ -9,10 +9,10 @@ import grpc
 import mlx.core as mx
 import numpy as np
 import pytest
+from service.core.engine.engine import DraftRow
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from service.core.engine.engine import DraftRow
 from service.core.engine.sampler import RowSamplerState, verify_draft
 from service.core.scheduler.prompt_lookup import NgramIndex
 from service.protocol import SamplingParams

@@ -8,8 +8,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import llama
-
-from service.core.engine.config import EngineConfig
 from service.core.engine.engine import (
     DraftRow,
     Engine,
@@ -19,6 +17,8 @@ from service.core.engine.engine import (
     StepRow,
     Verified,
 )
+
+from service.core.engine.config import EngineConfig
 from service.core.engine.kv_dense import DenseKVStorage
 from service.core.engine.kv_paged import PagedKVStorage
 from service.core.engine.sampler import SamplingParams

@@ -216,7 +216,8 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self._running or self._waiting)
+        """Something runs or waits, or the runner has yet to hear of rows that ended."""
+        return bool(self._running or self._waiting or self._leaves or self._forget)
 
     # -- the plan ----------------------------------------------------------------------
     def decode_only(self) -> bool:
@@ -467,9 +468,13 @@ class Scheduler:
         """Slots of the rows that need another token: decoding, or ending their prefill in
         this plan, with room left for one more (max_tokens, the slot context)."""
         rows = self._decoding.copy()
-        for forward in plan.prefill:
-            for c in forward:
-                rows[c.slot] |= c.sample
+        ending = [c.slot for forward in plan.prefill for c in forward if c.sample]
+        rows[ending] = True
+        spec = self.config.speculation
+        if ending and spec is not None and int(rows.sum()) <= spec.max_batch:
+            # Few rows: they may verify drafts next, which are made from the token their
+            # prefill samples (not known yet): they wait a plan.
+            rows[ending] = False
         slots = np.flatnonzero(rows)
         # Tokens generated once the steps submitted so far are read.
         total = self._fed[slots] - self._prompt_len[slots] + 1
