@@ -146,11 +146,11 @@ def test_runtime_resolves_the_cpu_path_on_this_machine():
     )
     runtime.load()
     try:
-        config = runtime.engine.config
+        config = runtime.runner.config
         # No CUDA here: MLX ops, decode steps over the contiguous mirror of the batch.
         assert config.decode_attention == "mirror"
         assert not (config.shape_buckets or config.in_place_writes or config.overlap_steps)
-        assert runtime.engine.decode_graph is None
+        assert runtime.runner.decode_graph is None
         assert config.decode_path == "native batched forward"
         assert runtime.scheduler.config.max_batch_prefill == 4
         assert runtime.scheduler.config.max_prefill_stall_ms is None  # the bound, by default

@@ -20,17 +20,17 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes
-from service.core.engine.engine import Engine, StepRow
 
 from service.core.engine.config import resolve
 from service.core.engine.paged_attention import kernel_available, kernel_supports
+from service.core.engine.runner import ModelRunner
 from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import PoolShape, make_storage
 from service.core.models import rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import materialize, model_family
-from tests.helpers.tiny import Driven
+from tests.helpers.tiny import Driven, StepRow
 
 V = 512
 LLAMA3_ROPE = {
@@ -200,7 +200,16 @@ def serve(
     if direct:
         config = replace(config, decode_attention="direct")
     storage = make_storage(config, model, layout, PoolShape(num_blocks=256))
-    engine = Driven(Engine(model, storage, layout, config, split_head=fam.split_head))
+    runner = ModelRunner(
+        model,
+        storage,
+        layout,
+        config,
+        max_rows=len(prompts),
+        max_blocks_per_row=256,
+        split_head=fam.split_head,
+    )
+    engine = Driven(runner)
     seqs = [
         engine.add_sequence(f"r{i}", SamplingParams(), p, want_logprobs=True)
         for i, p in enumerate(prompts)

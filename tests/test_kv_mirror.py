@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from service.core.engine.engine import StepRow
 
 from service.core.engine import kv_mirror
-from service.core.engine.batch_view import StepLayout
 from service.core.engine.config import EngineConfig
 from service.core.engine.sampler import SamplingParams
 from service.core.kv.block_pool import KVCacheManager
-from tests.helpers.tiny import PROMPTS, generate, layout_of, make_engine, paged, prompt, tiny_llama
+from tests.helpers.tiny import (
+    PROMPTS,
+    StepRow,
+    generate,
+    layout_of,
+    make_engine,
+    paged,
+    prompt,
+    step_layout,
+    tiny_llama,
+)
 
 MIRROR = EngineConfig(decode_attention="mirror")
 
@@ -67,7 +75,7 @@ def test_mirror_logits_match_gathered_logits_step_by_step(model):
             tokens = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
             lengths = [len(r) for r in rows]
             block_tables = [t.block_ids for t in tables[kind]]
-            layout = StepLayout(list(handles[kind]), list(starts), lengths, block_tables)
+            layout = step_layout(list(handles[kind]), list(starts), lengths, block_tables)
             views = storage.views(layout, layout_of(model), None, False)
             logits[kind] = model(tokens, cache=views)
             mx.eval(logits[kind])

@@ -7,19 +7,21 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
-from service.core.engine.engine import StepRow, shape_bucket
 
-from service.core.engine.batch_view import StepLayout, make_views
+from service.core.engine.batch_view import make_views
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import SlotsNotReservedError
+from service.core.engine.runner import shape_bucket
 from service.core.engine.sampler import SamplingParams
 from service.core.kv.block_pool import BlockUpdate, KVCacheManager
+from service.core.scheduler.plan import Chunk, RowJoin, RowLeave, StepPlan
 from tests.helpers.tiny import (
     HEAD_DIM,
     KV_HEADS,
     LAYERS,
     PROMPTS,
     OutOfBlocks,
+    StepRow,
     dense,
     generate,
     layout_of,
@@ -27,6 +29,7 @@ from tests.helpers.tiny import (
     paged,
     prompt,
     run_split,
+    step_layout,
     tiny_llama,
 )
 
@@ -87,7 +90,7 @@ def test_shape_buckets_give_the_same_tokens(model, kind):
 def _forward_logits(model, storage, handles, tables, starts, rows):
     width = max(len(r) for r in rows)
     tokens = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
-    layout = StepLayout(list(handles), list(starts), [len(r) for r in rows], tables)
+    layout = step_layout(list(handles), list(starts), [len(r) for r in rows], tables)
     logits = model(tokens, cache=make_views(storage, layout_of(model), layout))
     mx.eval(logits)
     return logits
@@ -131,12 +134,12 @@ def test_write_and_gather_shapes():
     table_a, table_b = manager.new_sequence(), manager.new_sequence()
     assert manager.ensure_slots(table_a, 7) and manager.ensure_slots(table_b, 3)
     keys = mx.random.normal((1, KV_HEADS, 7, HEAD_DIM))
-    step = StepLayout([a], [0], [7], [table_a.block_ids])
+    step = step_layout([a], [0], [7], [table_a.block_ids])
     k, _ = storage.write_and_gather(0, step, keys, keys)
     assert k.shape == (1, KV_HEADS, 7, HEAD_DIM) and mx.array_equal(k, keys)
     assert manager.ensure_slots(table_a, 8)
     new = mx.random.normal((2, KV_HEADS, 3, HEAD_DIM))
-    step = StepLayout([a, b], [7, 0], [1, 3], [table_a.block_ids, table_b.block_ids])
+    step = step_layout([a, b], [7, 0], [1, 3], [table_a.block_ids, table_b.block_ids])
     k, _ = storage.write_and_gather(0, step, new, new)
     assert k.shape == (2, KV_HEADS, 8, HEAD_DIM)
     assert mx.array_equal(k[0, :, :7], keys[0]) and mx.array_equal(k[0, :, 7], new[0, :, 0])
@@ -144,7 +147,7 @@ def test_write_and_gather_shapes():
     assert mx.isfinite(k).all().item()
     # Positions past the row's block table are refused, not written anywhere.
     with pytest.raises(SlotsNotReservedError):
-        step = StepLayout([b], [3], [2], [table_b.block_ids])
+        step = step_layout([b], [3], [2], [table_b.block_ids])
         storage.write_and_gather(0, step, new[:1, :, :2], new[:1, :, :2])
 
 
@@ -206,7 +209,7 @@ def _write(storage, manager, handle, table, start, n, seed):
     assert manager.ensure_slots(table, start + n)
     storage.apply(manager.take_update())
     kv = mx.random.normal((1, KV_HEADS, n, HEAD_DIM), key=mx.random.key(seed))
-    layout = StepLayout([handle], [start], [n], [table.block_ids])
+    layout = step_layout([handle], [start], [n], [table.block_ids])
     for layer in range(LAYERS):
         storage.write_and_gather(layer, layout, kv, -kv)
     return kv[0]
@@ -248,11 +251,17 @@ def test_unreserved_positions_are_refused_before_any_forward(model):
     engine raises instead of containing it as a row failure, and writes nothing."""
     storage = paged(num_blocks=4, block_size=4)
     engine = make_engine(model, storage)
-    seq = engine.engine.add_sequence("bare", SamplingParams(), prompt(1, 6))
+    runner = engine.engine
+    bare = StepPlan(
+        -1,
+        joins=[RowJoin(0, "bare", SamplingParams(), prompt(1, 6), 0)],
+        tables=[(0, [0])],
+        prefill=[[Chunk(0, prompt(1, 6), True)]],
+    )
     with pytest.raises(SlotsNotReservedError):
-        engine.engine.prefill([StepRow(seq, prompt(1, 6), block_ids=[0])])
-    assert seq.num_cached == 0
-    engine.engine.release(seq)
+        runner.submit(bare)
+    assert runner.positions[0] == 0
+    runner.collect(runner.submit(StepPlan(-2, leaves=[RowLeave(0, True)])))
     # Through the manager a prompt the pool cannot hold fails before any forward too.
     big = engine.add_sequence("big", SamplingParams(), prompt(1, 17))
     with pytest.raises(OutOfBlocks):
@@ -281,7 +290,7 @@ def test_block_update_grows_the_arrays_and_keeps_data():
     assert storage.capacity_blocks == 64
     # A table naming blocks the arrays do not cover yet (its update not applied) is refused.
     small = paged(num_blocks=64, block_size=4, initial_blocks=2)
-    step = StepLayout([small.new_sequence()], [0], [1], [[5]])
+    step = step_layout([small.new_sequence()], [0], [1], [[5]])
     one = mx.zeros((1, KV_HEADS, 1, HEAD_DIM))
     with pytest.raises(SlotsNotReservedError, match="update"):
         small.write_and_gather(0, step, one, one)

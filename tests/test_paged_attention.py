@@ -9,7 +9,6 @@ import math
 
 import mlx.core as mx
 import pytest
-from service.core.engine.engine import StepRow
 
 from service.core.engine import paged_attention
 from service.core.engine.config import EngineConfig
@@ -17,7 +16,16 @@ from service.core.engine.kv_paged import PagedKVStorage
 from service.core.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
 from service.core.engine.sampler import SamplingParams
 from tests.helpers.attention import naive, random_case
-from tests.helpers.tiny import LAYERS, PROMPTS, dense, generate, make_engine, paged, tiny_llama
+from tests.helpers.tiny import (
+    LAYERS,
+    PROMPTS,
+    StepRow,
+    dense,
+    generate,
+    make_engine,
+    paged,
+    tiny_llama,
+)
 
 cuda_only = pytest.mark.skipif(
     not paged_attention.kernel_available(), reason="needs MLX's CUDA backend"

@@ -9,7 +9,6 @@ import grpc
 import mlx.core as mx
 import numpy as np
 import pytest
-from service.core.engine.engine import DraftRow
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
@@ -19,7 +18,7 @@ from service.protocol import SamplingParams
 from tests.helpers.metrics import EMBEDDED_MODEL_ID, metric, scrape_metrics
 from tests.helpers.requests import chat_request, to_stream
 from tests.helpers.server import free_port, running_server, wait_idle
-from tests.helpers.tiny import PROMPTS, make_engine, paged, prompt, tiny_llama
+from tests.helpers.tiny import PROMPTS, DraftRow, StepRow, make_engine, paged, prompt, tiny_llama
 
 # -- drafting ------------------------------------------------------------------------------------
 
@@ -113,7 +112,6 @@ def test_engine_verification_matches_plain_decoding_and_rolls_back() -> None:
 
 
 def _row(seq, tokens=None):
-    from service.core.engine.engine import StepRow
 
     return StepRow(seq, tokens)
 

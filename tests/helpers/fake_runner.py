@@ -240,6 +240,10 @@ def _join(step: int, parts: list[StepResult]) -> StepResult:
     return result
 
 
+def _or_zeros(values: np.ndarray | None, n: int) -> np.ndarray:
+    return values if values is not None else np.zeros(n, np.int32)
+
+
 @dataclass
 class Delivered:
     """One request's share of one tick's outputs."""
