@@ -380,7 +380,7 @@ class ModelRunner:
             if not len(sampled):
                 # Evaluating the last hidden state forces every layer's K/V write.
                 return _Forward(
-                    slots, lengths, sampled, None, hidden=hidden, undo=undo, inputs=inputs
+                    slots, rows, lengths, sampled, None, hidden=hidden, undo=undo, inputs=inputs
                 )
             assert hidden is not None
             if decode:
