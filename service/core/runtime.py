@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 
 from service.common.config import ConfigError, CoreConfig
 from service.core.engine import paged_attention
+from service.core.engine.compiled_decode import row_buckets
 from service.core.engine.config import EngineConfig, resolve
 from service.core.engine.runner import FaultInjector, ModelRunner, Row
 from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
@@ -403,7 +404,8 @@ class Runtime:
         step = -1
         for width in (16, 32, 64, 128):
             blocks = kv.new_sequence(cache_prefix=False)
-            if not kv.ensure_slots(blocks, width + 1):
+            # Room for the prefill, its decode step and one decode step per row bucket.
+            if not kv.ensure_slots(blocks, width + 2 + len(row_buckets(self.batch_size))):
                 break  # a pool too small to warm up in: the first requests pay instead
             update = kv.take_update()
             join = RowJoin(0, "warm-up", SamplingParams(), [0], 0)
@@ -417,6 +419,13 @@ class Runtime:
             )
             runner.collect(runner.submit(prefill))
             runner.collect(runner.submit(StepPlan(step, decode=[0])))
+            if width == 16 and isinstance(runner, ModelRunner) and runner.decode_graph is not None:
+                # Every batch bucket's compiled decode step (and its CUDA graphs) now, not on
+                # the first burst that reaches it.
+                for rows in row_buckets(self.batch_size):
+                    runner.min_rows = rows
+                    runner.collect(runner.submit(StepPlan(step, decode=[0])))
+                runner.min_rows = 0
             kv.free_sequence(blocks)
             runner.collect(runner.submit(StepPlan(step, leaves=[RowLeave(0, True)])))
         return round(time.monotonic() - started, 2)

@@ -3,13 +3,16 @@
 A small model's decode step is host-bound on a GPU: building the step's graph (some 20 MLX ops
 per layer, each a Python call) takes longer than the device takes to run it. `DecodeGraph`
 traces the model's decode forward once per input shape and replays it: each step costs one
-call. Everything that changes from step to step is an input array (the step's tokens, RoPE
-offsets, each row's slots and length, the write slots) and the pool arrays are inputs too, so
-a replay reads the pool as it is now. Shapes are kept few: the slot table is padded to a
-multiple of `SLOT_BUCKET` positions (padding reads are never made: the kernel stops at each
-row's length), so a batch recompiles only when its size changes or its longest row crosses a
-bucket. (MLX's shapeless compile would avoid even that, but custom kernels cannot re-infer
-their output shapes.)
+call. Everything that changes from step to step is an input array (the step's tokens, and one
+packed array of the rows' RoPE offsets, lengths, write slots and slot tables) and the pool
+arrays are inputs too, so a replay reads the pool as it is now. Shapes are kept few, so that
+the traced graph and MLX's CUDA graphs are replayed rather than rebuilt: the rows are padded to
+a bucket (`row_bucket`: padding rows attend to and write only the scratch slot) and the slot
+table to a multiple of `SLOT_BUCKET` positions (padding reads are never made: the kernel stops
+at each row's length). A batch recompiles only when its bucket changes or its longest row
+crosses a slot bucket; the runtime traces every row bucket at start. (MLX's shapeless compile
+would avoid even that, but custom kernels cannot re-infer their output shapes.) A batch whose
+rows all sample greedily takes its tokens from the graph too.
 
 Only direct decode steps (one token per row, attention read from the paged pool) are compiled,
 with their K/V written by the in-place CUDA kernel: the CUDA decode path.
@@ -29,6 +32,20 @@ from service.core.engine.paged_attention import kernel_meta, paged_decode_attent
 from service.core.models.layout import AttentionEntry, CacheLayout
 
 SLOT_BUCKET = 256  # slot-table width granularity: one compiled shape per 256 positions
+ROW_STEP = 32  # rows: powers of two up to this, then multiples of it
+
+
+def row_bucket(rows: int) -> int:
+    """The compiled batch size that holds `rows` rows."""
+    if rows <= ROW_STEP:
+        return 1 << max(0, rows - 1).bit_length()
+    return -(-rows // ROW_STEP) * ROW_STEP
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every bucket a batch of up to max_rows rows can take."""
+    out = sorted({row_bucket(n) for n in range(1, max_rows + 1)})
+    return out
 
 
 class _GraphView:
@@ -55,7 +72,7 @@ class _GraphView:
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
         step = self._step
-        meta = kernel_meta(step.span, self._window)
+        meta = kernel_meta(step.slots.shape[1], self._window)  # a constant of the trace
         return paged_decode_attention(
             queries,
             keys,
@@ -76,9 +93,11 @@ class _GraphView:
 
 
 class _StepArrays:
-    def __init__(self, args: list[mx.array], num_layers: int) -> None:
-        self.offsets, self.slots, self.lengths, self.write, self.span = args[:5]
-        self.pools = list(args[5:])  # K of every layer, then V of every layer
+    def __init__(self, packed: mx.array, pools: list[mx.array], num_layers: int) -> None:
+        # kv_paged.PagedKVStorage.decode_inputs: [rows, 3 + width] int32.
+        self.offsets, self.lengths, self.write = packed[:, 0], packed[:, 1], packed[:, 2]
+        self.slots = packed[:, 3:]
+        self.pools = pools  # K of every layer, then V of every layer
         self.num_layers = num_layers
 
 
@@ -96,24 +115,31 @@ class DecodeGraph:
         self._num_layers = cache.num_attention
         # A traced graph is bound to the streams of the thread that traced it, so each thread
         # compiles its own (tests drive engines from several threads).
-        self._compiled: dict[int, Callable[..., list[mx.array]]] = {}
+        self._compiled: dict[tuple[int, bool], Callable[..., list[mx.array]]] = {}
 
-    def logits(self, tokens: mx.array, layout: StepLayout) -> mx.array:
-        """[B, V] next-token logits of a decode step (tokens [B, 1]); writes the step's K/V."""
-        storage = self._storage
-        inputs = storage.decode_inputs(layout, SLOT_BUCKET)
-        pools = storage.pool_arrays()
-        key = threading.get_ident()
+    def logits(
+        self, tokens: mx.array, layout: StepLayout, greedy: bool = False, rows: int = 0
+    ) -> mx.array:
+        """[B, V] next-token logits of a decode step (tokens [B, 1]), or with `greedy` the [B]
+        argmax tokens; writes the step's K/V. `rows`: the compiled batch (default: B's
+        bucket)."""
+        b = tokens.shape[0]
+        padded = max(rows, row_bucket(b))
+        packed = self._storage.decode_inputs(layout, SLOT_BUCKET, padded)
+        if padded > b:
+            tokens = mx.concatenate([tokens, mx.zeros((padded - b, 1), tokens.dtype)])
+        key = (threading.get_ident(), greedy)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = mx.compile(partial(DecodeGraph._forward, self))
+            compiled = mx.compile(partial(DecodeGraph._forward, self, greedy))
             self._compiled[key] = compiled
-        (logits,) = compiled(tokens, *inputs, *pools)
-        return logits
+        (out,) = compiled(tokens, packed, *self._storage.pool_arrays())
+        return out if padded == b else out[:b]
 
-    def _forward(self, tokens: mx.array, *args: mx.array) -> list[mx.array]:
-        step = _StepArrays(list(args), self._num_layers)
+    def _forward(self, greedy: bool, tokens: mx.array, packed: mx.array, *pools: mx.array):
+        step = _StepArrays(packed, list(pools), self._num_layers)
         views = [_GraphView(step, entry) for entry in self._entries]
         hidden = self._head.hidden(tokens, views)  # [B, 1, H]
+        logits = self._head.logits(hidden[:, 0])
         # The pools are written in place: returning them would only copy them.
-        return [self._head.logits(hidden[:, 0])]
+        return [mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits]

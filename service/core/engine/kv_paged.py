@@ -59,12 +59,16 @@ class _StepPlan:
     """One step's slot indices (host arrays), turned into device arrays on first use: a
     gathering step reads `read`, a direct decode step `slots` and `lengths`."""
 
-    write: mx.array  # [B * N] slot of each new token position (padding -> scratch slot)
+    write_slots: np.ndarray  # [B * N] slot of each new token position (padding -> scratch)
     slot_table: np.ndarray  # [B, T] slot of each position (padding -> scratch slot)
     totals: list[int]  # positions each row attends to
     kv_heads: int
     written: dict[int, mx.array] = field(default_factory=dict)  # layer -> its in-place write
     metas: dict[int | None, mx.array] = field(default_factory=dict)
+
+    @cached_property
+    def write(self) -> mx.array:
+        return mx.array(self.write_slots)
 
     @cached_property
     def read(self) -> mx.array:
@@ -290,19 +294,21 @@ class PagedKVStorage:
             window=window,
         )
 
-    def decode_inputs(self, batch: StepLayout, bucket: int) -> list[mx.array]:
-        """A direct decode step's plan as arrays, for a compiled forward (compiled_decode):
-        RoPE offsets [B], slots [B, T'] (T' = the span rounded up to `bucket`, padded with
-        the scratch slot), lengths [B], write slots [B] and the width T' as a [1] array (the
-        compiled graph makes each layer's kernel `meta` from it)."""
+    def decode_inputs(self, batch: StepLayout, bucket: int, rows: int) -> mx.array:
+        """A direct decode step's plan as one array, for a compiled forward (compiled_decode):
+        [rows, 3 + T'] int32 holding each row's RoPE offset, length, write slot and slot table
+        (T' = the span rounded up to `bucket`, padded with the scratch slot). Rows past the
+        batch's are padding: they attend to and write only the scratch slot."""
         plan = self._step_plan(0, batch)
         b, t = plan.slot_table.shape
         width = -(-t // bucket) * bucket
-        slots = np.full((b, width), self.scratch_slot, dtype=np.int32)
-        slots[:, :t] = plan.slot_table
-        offsets = mx.array(batch.starts.astype(np.int32))
-        span = mx.array([width], dtype=mx.int32)
-        return [offsets, mx.array(slots), plan.lengths, plan.write, span]
+        packed = np.full((rows, 3 + width), self.scratch_slot, dtype=np.int32)
+        packed[:b, 0] = batch.starts
+        packed[:b, 1] = plan.totals
+        packed[b:, :2] = (0, 1)
+        packed[:b, 2] = plan.write_slots
+        packed[:b, 3 : 3 + t] = plan.slot_table
+        return mx.array(packed)
 
     def pool_arrays(self) -> list[mx.array]:
         """Every layer's K pool, then every layer's V pool."""
@@ -335,9 +341,7 @@ class PagedKVStorage:
         new = np.arange(n)[None, :] < batch.lengths[:, None]
         rows = np.broadcast_to(np.arange(b)[:, None], (b, n))
         write[new] = read[rows[new], cols[new]]
-        self._plan = _StepPlan(
-            mx.array(write.reshape(-1)), read, batch.total_lengths.tolist(), self.kv_heads
-        )
+        self._plan = _StepPlan(write.reshape(-1), read, batch.total_lengths.tolist(), self.kv_heads)
         self._plan_layout = weakref.ref(batch)
         return self._plan
 

@@ -154,7 +154,9 @@ class ModelRunner:
         # Where each row's next input is: the sampled array of step `source_step`, at index.
         self._source_step = np.full(max_rows, -1, np.int64)
         self._source_index = np.zeros(max_rows, np.int32)
-        self._sampled: dict[int, mx.array] = {}  # recent forwards' sampled tokens, by forward id
+        self._sampled_tokens: dict[
+            int, mx.array
+        ] = {}  # recent forwards' sampled tokens, by forward id
         self._forward_id = 0
 
     @property
@@ -363,7 +365,13 @@ class ModelRunner:
         last_logits: mx.array | None = None
         hidden: mx.array | None = None
         if decode and self.decode_graph is not None and len(sampled) == len(rows):
-            last_logits = self.decode_graph.logits(tokens, layout)  # [B, V]
+            if self.plain[slots].all():
+                drawn = self.decode_graph.logits(tokens, layout, True, self.min_rows)  # [B]
+                self.positions[slots] += lengths
+                forward = self._sampled(slots, sampled, rows, drawn)
+                forward.lengths, forward.inputs = lengths, inputs
+                return forward
+            last_logits = self.decode_graph.logits(tokens, layout, False, self.min_rows)
         else:
             views = self.storage.views(layout, self.cache, states, self.config.grouped_query_mask)
             self._check_faults(rows, "build")
@@ -413,8 +421,21 @@ class ModelRunner:
                 if k > 0:
                     top_ids = mx.argsort(-all_lp, axis=-1)[:, :k]
                     top = (top_ids, mx.take_along_axis(all_lp, top_ids, axis=-1))
+        return self._sampled(slots, sampled, rows, drawn, logprobs, top)
+
+    def _sampled(
+        self,
+        slots: np.ndarray,
+        sampled: np.ndarray,
+        rows: list[Row],
+        drawn: mx.array,
+        logprobs: mx.array | None = None,
+        top: tuple[mx.array, mx.array] | None = None,
+    ) -> _Forward:
+        """A forward that drew `drawn` for its sampled rows: their next inputs."""
+        sampled_slots = slots[sampled]
         fid = self._next_forward_id()
-        self._sampled[fid] = drawn
+        self._sampled_tokens[fid] = drawn
         sources = (self._source_step[sampled_slots], self._source_index[sampled_slots])
         self._source_step[sampled_slots] = fid
         self._source_index[sampled_slots] = np.arange(len(sampled), dtype=np.int32)
@@ -427,10 +448,10 @@ class ModelRunner:
     def _next_forward_id(self) -> int:
         self._forward_id += 1
         # Only the last few forwards' tokens can still be a row's next input.
-        for old in [k for k in self._sampled if k < self._forward_id - 4]:
+        for old in [k for k in self._sampled_tokens if k < self._forward_id - 4]:
             live = self._source_step == old
             if not live.any():
-                del self._sampled[old]
+                del self._sampled_tokens[old]
         return self._forward_id
 
     def _input_tokens(
@@ -447,7 +468,7 @@ class ModelRunner:
             index = self._source_index[slots]
             first = int(sources[0])
             if (sources == first).all():
-                source = self._sampled[first]
+                source = self._sampled_tokens[first]
                 if len(index) != source.shape[0] or (index != np.arange(len(index))).any():
                     source = source[mx.array(index)]
                 return source.astype(mx.int32)[:, None]
@@ -455,7 +476,7 @@ class ModelRunner:
         rows = []
         for slot, x in zip(slots, inputs):
             if x is None:
-                source = self._sampled[int(self._source_step[slot])]
+                source = self._sampled_tokens[int(self._source_step[slot])]
                 j = int(self._source_index[slot])
                 token = source[j : j + 1].astype(mx.int32)
                 rows.append(
@@ -472,8 +493,8 @@ class ModelRunner:
         offsets, arrays, total = {}, [], 0
         for fid in ids:
             offsets[fid] = total
-            arrays.append(self._sampled[fid])
-            total += self._sampled[fid].shape[0]
+            arrays.append(self._sampled_tokens[fid])
+            total += self._sampled_tokens[fid].shape[0]
         flat = np.asarray([offsets[int(s)] for s in sources], np.int32) + index
         return mx.concatenate(arrays)[mx.array(flat)].astype(mx.int32)
 
@@ -624,7 +645,7 @@ class ModelRunner:
             # next step's input.
             self.positions[row.slot] = int(start) + accepted + 1
             fid = self._next_forward_id()
-            self._sampled[fid] = mx.array([emitted[-1]], dtype=mx.int32)
+            self._sampled_tokens[fid] = mx.array([emitted[-1]], dtype=mx.int32)
             self._source_step[row.slot], self._source_index[row.slot] = fid, 0
             if row.want_logprobs:
                 lp = processed[: len(emitted)] - mx.logsumexp(
@@ -656,7 +677,7 @@ class ModelRunner:
             fid = int(self._source_step[slot])
             if fid < 0:
                 raise ValueError(f"sequence {self._row(slot).seq_id} has no sampled token")
-            out.append(int(self._sampled[fid][int(self._source_index[slot])].item()))
+            out.append(int(self._sampled_tokens[fid][int(self._source_index[slot])].item()))
         return out
 
 
