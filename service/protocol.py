@@ -55,6 +55,19 @@ class SamplingParams:
         )
 
 
+FORMAT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What a request's output must be (structured output): `kind` is one of FORMAT_KINDS;
+    `text` the JSON Schema, regular expression or grammar; `options` the choice's strings."""
+
+    kind: str
+    text: str = ""
+    options: tuple[str, ...] = ()
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -77,6 +90,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     cache_prompt: bool = True
+    response_format: ResponseFormat | None = None
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -138,6 +152,29 @@ class SlotView(msgspec.Struct, array_like=True):
     priority: int
 
 
+# Upper bounds (seconds) of the mask-time histograms the core keeps (GrammarCounters).
+MASK_SECONDS_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
+)  # fmt: skip
+
+
+class GrammarCounters(msgspec.Struct):
+    """The engine core's structured-output work since it started (cumulative: Prometheus reads
+    them at scrape time). Mask times are the wall time of filling a step's token bitmasks;
+    a row-step's share is the step's time over its constrained rows. `*_buckets[i]` counts the
+    observations at most MASK_SECONDS_BUCKETS[i] (not cumulative; the last entry: above all)."""
+
+    compiles: int = 0  # formats compiled (cache misses), refusals included
+    cache_hits: int = 0
+    refusals: int = 0
+    compile_seconds: float = 0.0
+    mask_steps: int = 0
+    mask_rows: int = 0
+    mask_seconds: float = 0.0
+    mask_step_buckets: list[int] = msgspec.field(default_factory=list)
+    mask_row_buckets: list[int] = msgspec.field(default_factory=list)
+
+
 class CacheCounters(msgspec.Struct):
     """The engine core's KV cache and batch state at one moment (what CacheStats answers; the
     front end makes the protobuf). Field names are CacheStatsResponse's."""
@@ -165,6 +202,7 @@ class CacheCounters(msgspec.Struct):
     slot_context_tokens: int = 0
     max_batch_size: int = 0
     slots: list[SlotView] = msgspec.field(default_factory=list)
+    grammar: GrammarCounters = msgspec.field(default_factory=GrammarCounters)
 
 
 class Quantization(msgspec.Struct):
@@ -180,6 +218,17 @@ class Speculation(msgspec.Struct):
     max_batch: int = 0
     min_ngram: int = 0
     max_ngram: int = 0
+
+
+class StructuredOutputInfo(msgspec.Struct):
+    """The engine behind response_format (GetModelInfo's structured_output); empty when the
+    model's tokenizer cannot drive it."""
+
+    engine: str = ""
+    engine_version: str = ""
+    kinds: list[str] = msgspec.field(default_factory=list)
+    grammar_syntax: str = ""
+    max_compile_ms: int = 0
 
 
 class ModelInfo(msgspec.Struct):
@@ -200,6 +249,7 @@ class ModelInfo(msgspec.Struct):
     cache_layers: str = ""
     tensor_parallel: int = 1
     speculation: Speculation = msgspec.field(default_factory=Speculation)
+    structured_output: StructuredOutputInfo = msgspec.field(default_factory=StructuredOutputInfo)
 
 
 # -- front end -> core -------------------------------------------------------------------------
@@ -245,7 +295,11 @@ class LoadFailed(msgspec.Struct, tag=True):
 
 class Rejected(msgspec.Struct, tag=True):
     rid: int
-    message: str  # the waiting queue is full: RESOURCE_EXHAUSTED
+    message: str
+    # queue_full: the waiting queue is full (RESOURCE_EXHAUSTED); invalid_format: the grammar
+    # engine refused the request's response_format (INVALID_ARGUMENT on `field`).
+    reason: str = "queue_full"
+    field: str = ""
 
 
 class StatsReply(msgspec.Struct, tag=True):

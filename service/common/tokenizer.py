@@ -55,6 +55,7 @@ class Tokenizer:
             # concurrent call). We never truncate or pad.
             backend.no_truncation()
             backend.no_padding()
+        self._backend = backend
         self._backend_decode = (
             backend.decode
             if backend is not None and not getattr(hf, "clean_up_tokenization_spaces", False)
@@ -105,6 +106,13 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=False))
+
+    def tokenizer_json(self) -> str | None:
+        """The fast tokenizer's definition (`tokenizer.json` text) without padding or
+        truncation, what the grammar engine reads; None for a tokenizer that has none."""
+        if self._backend is None:
+            return None
+        return self._backend.to_str()
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._backend_decode is not None:
