@@ -300,6 +300,7 @@ class Rejected(msgspec.Struct, tag=True):
     # engine refused the request's response_format (INVALID_ARGUMENT on `field`).
     reason: str = "queue_full"
     field: str = ""
+    code: str = ""  # invalid_format: the engine's refusal code (service.common.grammar)
 
 
 class StatsReply(msgspec.Struct, tag=True):

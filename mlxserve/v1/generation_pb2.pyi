@@ -90,8 +90,28 @@ class StoppingCriteria(_message.Message):
     ignore_eos: bool
     def __init__(self, max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class ResponseFormat(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    choice: ChoiceList
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("options",)
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    options: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_prompt")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_prompt", "response_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +122,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIdsInput
@@ -112,10 +133,11 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     cache_prompt: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_prompt: _Optional[bool] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_prompt: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
 
 class StreamGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_prompt")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_prompt", "response_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +148,7 @@ class StreamGenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIdsInput
@@ -136,7 +159,8 @@ class StreamGenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     cache_prompt: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_prompt: _Optional[bool] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_prompt: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "drafted_tokens", "accepted_tokens")
@@ -305,7 +329,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "num_layers", "dtype", "eos_token_ids", "decode_path", "slot_context_tokens", "max_batch_size", "storage_backend", "family", "quantization", "cache_layers", "tensor_parallel", "speculation")
+    __slots__ = ("model_id", "architecture", "vocab_size", "num_layers", "dtype", "eos_token_ids", "decode_path", "slot_context_tokens", "max_batch_size", "storage_backend", "family", "quantization", "cache_layers", "tensor_parallel", "speculation", "structured_output")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +345,7 @@ class GetModelInfoResponse(_message.Message):
     CACHE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -336,7 +361,22 @@ class GetModelInfoResponse(_message.Message):
     cache_layers: str
     tensor_parallel: int
     speculation: Speculation
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., decode_path: _Optional[str] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., storage_backend: _Optional[str] = ..., family: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., cache_layers: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+    structured_output: StructuredOutput
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., decode_path: _Optional[str] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., storage_backend: _Optional[str] = ..., family: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., cache_layers: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("engine", "engine_version", "kinds", "grammar_syntax", "max_compile_ms")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_SYNTAX_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMPILE_MS_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    engine_version: str
+    kinds: _containers.RepeatedScalarFieldContainer[str]
+    grammar_syntax: str
+    max_compile_ms: int
+    def __init__(self, engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ..., grammar_syntax: _Optional[str] = ..., max_compile_ms: _Optional[int] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("draft_kind", "num_draft_tokens", "max_batch", "min_ngram", "max_ngram")

@@ -188,6 +188,21 @@ class ModelConfig:
 
 
 @dataclass
+class StructuredOutputConfig:
+    """response_format: both the front ends (which refuse a bad format before it is queued)
+    and the engine core (which compiles it again, cached, before admitting it) compile."""
+
+    max_grammar_compile_ms: float = 2000.0
+    grammar_cache_size: int = 256
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.max_grammar_compile_ms) and self.max_grammar_compile_ms > 0):
+            raise ConfigError("--max-grammar-compile-ms must be a positive number of ms")
+        if self.grammar_cache_size < 1:
+            raise ConfigError("--grammar-cache-size must be at least 1")
+
+
+@dataclass
 class ObservabilityConfig:
     log_level: str = "info"
     log_format: str = "auto"
@@ -202,6 +217,7 @@ class CoreConfig:
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     def slot_context(self, model_max_context: int) -> int:
         return self.kv.slot_context(self.scheduling.batch_size, model_max_context)
@@ -214,6 +230,7 @@ class FrontendProcessConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
 
 @dataclass
@@ -224,14 +241,17 @@ class ServerConfig:
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     @property
     def core(self) -> CoreConfig:
-        return CoreConfig(self.model, self.scheduling, self.kv, self.observability)
+        return CoreConfig(self.model, self.scheduling, self.kv, self.observability, self.structured)
 
     @property
     def frontend_process(self) -> FrontendProcessConfig:
-        return FrontendProcessConfig(self.transport, self.frontend, self.observability)
+        return FrontendProcessConfig(
+            self.transport, self.frontend, self.observability, self.structured
+        )
 
     def validate(self) -> None:
         self.transport.validate()
@@ -239,6 +259,7 @@ class ServerConfig:
         self.scheduling.validate()
         self.kv.validate(self.scheduling.batch_size)
         self.model.validate()
+        self.structured.validate()
 
 
 def visible_gpus() -> int:
@@ -473,6 +494,23 @@ GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
         ),
     ),
     (
+        "structured output",
+        StructuredOutputConfig,
+        (
+            Flag(
+                "max_grammar_compile_ms",
+                "longest a request's response_format may take to compile (JSON Schema, regex, "
+                "grammar, choice); a format that takes longer is refused with "
+                "INVALID_ARGUMENT, and the refusal cached like any compiled format",
+            ),
+            Flag(
+                "grammar_cache_size",
+                "compiled response formats kept per process (least recently used dropped "
+                "first); each is bounded by the grammar engine's own limits",
+            ),
+        ),
+    ),
+    (
         "observability",
         ObservabilityConfig,
         (
@@ -492,6 +530,7 @@ GROUP_ATTRS = {
     SchedulingConfig: "scheduling",
     KVCacheConfig: "kv",
     ModelConfig: "model",
+    StructuredOutputConfig: "structured",
     ObservabilityConfig: "observability",
 }
 

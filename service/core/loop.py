@@ -10,6 +10,12 @@ it is nothing but decode steps (`decode_only`), and N's tokens are read only onc
 (or, where the storage's writes are not in place, right before N+1 is dispatched). So the
 scheduler's and the runner's Python for N+1 overlaps the device's work on N.
 
+Rows with a response format sample under token masks that depend on their last token. A
+decode step with such rows stops at its logits when it is built; once the step before it is
+read (and the rows' grammars have advanced over its tokens), the scheduler fills their masks
+on the grammar engine's threads while the new step's forward runs, and the runner samples
+under them (`_sample_masked`).
+
 Everything per request lives on this thread: the table of running requests by front end and
 rid, the scheduler's rows, the outbox. Other threads only put messages into the inbox.
 """
@@ -25,7 +31,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from service.core.scheduler.plan import StepPlan, StepResult
+from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 from service.core.scheduler.request import Request, SequenceStatus
 from service.core.scheduler.scheduler import QueueFullError, Scheduler
 from service.protocol import CacheCounters, SlotView
@@ -39,6 +45,7 @@ class Runner(Protocol):
 
     def submit(self, plan: StepPlan, dispatch: bool = True) -> Any: ...
     def dispatch(self, pending: Any) -> Any: ...
+    def sample(self, pending: Any, masks: RowMasks) -> Any: ...
     def collect(self, pending: Any) -> StepResult: ...
 
 
@@ -155,6 +162,7 @@ class CoreLoop:
                 assert plan is not None
                 if not self._overlap:
                     runner.dispatch(pending)
+                self._sample_masked(plan, pending)
                 self._inflight = (plan, pending)
             return
         self._finish_inflight()
@@ -167,9 +175,17 @@ class CoreLoop:
             sched.update(plan, runner.take_prefill(pending))
             self._deliver()
         if plan.decode:
+            self._sample_masked(plan, pending)
             self._inflight = (plan, pending)
         else:
             sched.update(plan, runner.collect(pending))
+
+    def _sample_masked(self, plan: StepPlan, pending: Any) -> None:
+        """A decode step's constrained rows: their masks now (the tokens they depend on are
+        read), filled while the step's forward runs, then sampled."""
+        masks = self.scheduler.decode_masks(plan)
+        if masks is not None:
+            self.runner.sample(pending, masks)
 
     def _finish_inflight(self) -> None:
         if self._inflight is not None:

@@ -18,6 +18,7 @@ import mlx.core as mx
 import structlog
 from mlx.utils import tree_flatten
 
+from service.common import grammar
 from service.common.config import ConfigError, CoreConfig
 from service.core.engine import paged_attention
 from service.core.engine.compiled_decode import row_buckets
@@ -31,6 +32,7 @@ from service.core.models import activations, rope
 from service.core.models.families import Family, family
 from service.core.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.core.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
+from service.core.scheduler.constraints import Constraints
 from service.core.scheduler.plan import Chunk, RowJoin, RowLeave, StepPlan
 from service.core.scheduler.request import Request
 from service.core.scheduler.scheduler import Scheduler, SchedulerConfig, SpeculationConfig
@@ -41,7 +43,16 @@ from service.core.tensor_parallel import (
     check_shardable,
     init_group,
 )
-from service.protocol import CacheCounters, ModelInfo, Quantization, SamplingParams, Speculation
+from service.protocol import (
+    FORMAT_KINDS,
+    CacheCounters,
+    GrammarCounters,
+    ModelInfo,
+    Quantization,
+    SamplingParams,
+    Speculation,
+    StructuredOutputInfo,
+)
 
 log = structlog.get_logger(__name__)
 PAGED_BLOCK_SIZE = 16
@@ -97,6 +108,9 @@ class Runtime:
         self.kv: KVManager = UnpagedKV()
         self.block_manager: KVCacheManager | None = None
         self.bytes_per_block = 0
+        # Structured output: response formats compiled before admission (None: the model's
+        # tokenizer cannot drive the grammar engine).
+        self.grammar: grammar.GrammarCache | None = None
 
     # -- start-up --------------------------------------------------------------------
     def start(self) -> None:
@@ -159,6 +173,7 @@ class Runtime:
         if self.group is not None:
             assert isinstance(self.runner, ModelRunner)
             self.runner = ReplicatedRunner(self.runner, self.run_dir, self.group.size())
+        self.grammar = self._grammar_cache(lm)
         self.scheduler = self._build_scheduler(engine_config)
         self.loop = CoreLoop(
             self.scheduler,
@@ -248,9 +263,26 @@ class Runtime:
             contain_failures=self.group is None,
         )
 
+    def _grammar_cache(self, lm: LoadedModel) -> grammar.GrammarCache | None:
+        """The compile cache of response formats; the engine's view of the tokenizer is built
+        on the first compile. EOS: the tokenizer's (a dummy model's are ignored by the
+        scheduler, but a grammar still needs them to end)."""
+        text = lm.tokenizer.tokenizer_json()
+        eos = sorted(lm.tokenizer.eos_token_ids)
+        if text is None or not eos:
+            log.warning("structured output is off: the tokenizer cannot drive the grammar engine")
+            return None
+        vocab = lm.vocab_size
+        cfg = self.config.structured
+        return grammar.GrammarCache(
+            lambda: grammar.make_tokenizer(text, eos, vocab),
+            max_compile_ms=cfg.max_grammar_compile_ms,
+            max_entries=cfg.grammar_cache_size,
+        )
+
     def _build_scheduler(self, engine_config: EngineConfig) -> Scheduler:
         cfg = self.config.scheduling
-        assert self.layout is not None
+        assert self.layout is not None and self.loaded is not None
         deterministic = cfg.deterministic
         return Scheduler(
             SchedulerConfig(
@@ -279,6 +311,11 @@ class Runtime:
             kv=self.kv,
             batched=engine_config.batched,
             on_health=self._engine_health,
+            constraints=Constraints(
+                self.batch_size, self.loaded.vocab_size, self.loaded.tokenizer.eos_token_ids
+            )
+            if self.grammar is not None
+            else None,
         )
 
     def _log_loaded(
@@ -481,6 +518,7 @@ class Runtime:
             total_failed=sched.stats.total_failed,
             preemptions=sched.stats.preemptions,
             slots=slot_views(sched),
+            grammar=self.grammar_counters(sched),
         )
         manager = self.block_manager
         if manager is not None:
@@ -507,6 +545,30 @@ class Runtime:
             out.used_bytes = used * storage.bytes_per_token
             out.capacity_bytes = self.batch_size * self.slot_context * storage.bytes_per_token
         return out
+
+    def grammar_counters(self, sched: Scheduler) -> GrammarCounters:
+        out = GrammarCounters()
+        if self.grammar is not None:
+            stats = self.grammar.stats
+            out.compiles, out.cache_hits = stats.misses, stats.hits
+            out.refusals, out.compile_seconds = stats.refusals, stats.compile_seconds
+        if sched.constraints is not None:
+            masks = sched.constraints.stats
+            out.mask_steps, out.mask_rows, out.mask_seconds = masks.steps, masks.rows, masks.seconds
+            out.mask_step_buckets = list(masks.step_buckets)
+            out.mask_row_buckets = list(masks.row_buckets)
+        return out
+
+    def structured_output_info(self) -> StructuredOutputInfo:
+        if self.grammar is None:
+            return StructuredOutputInfo()
+        return StructuredOutputInfo(
+            grammar.ENGINE,
+            grammar.ENGINE_VERSION,
+            list(FORMAT_KINDS),
+            grammar.GRAMMAR_SYNTAX,
+            round(self.grammar.max_compile_ms),
+        )
 
     def model_info(self) -> ModelInfo:
         lm = self.loaded
@@ -535,6 +597,7 @@ class Runtime:
             cache_layers=self.layout.describe() if self.layout is not None else "",
             tensor_parallel=self.group.size() if self.group is not None else 1,
             speculation=self._speculation_info(),
+            structured_output=self.structured_output_info(),
         )
 
     def _speculation_info(self) -> Speculation:
@@ -556,3 +619,5 @@ class Runtime:
             self._thread.join(timeout)
         if isinstance(self.runner, ReplicatedRunner):
             self.runner.close()  # the followers stop too
+        if self.grammar is not None:
+            self.grammar.close()

@@ -6,6 +6,10 @@ ZeroMQ (service.protocol): it registers them and passes their requests, aborts a
 to the loop's inbox; it keeps no per-request state. The loop thread sends each front end one
 `Outputs` message per tick (`FrontendSink`), and hands stats replies and health notices back to
 the main thread, which wakes at once to send them.
+
+A request with a response format is compiled (cached) on the grammar cache's own thread before
+it is queued, so the loop thread never waits on a compile; a format refused here is answered
+with `Rejected` (INVALID_ARGUMENT), and a request aborted meanwhile is dropped once compiled.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import queue
 import signal
 import sys
 import threading
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +31,7 @@ from service import protocol
 from service.common import trace_ids
 from service.common.backend import mlx_error
 from service.common.config import CoreConfig
+from service.common.grammar import GrammarError, format_field
 from service.common.logging import configure_logging
 
 if TYPE_CHECKING:
@@ -74,6 +80,10 @@ class CoreServer:
         self._wake_read, self._wake_write = os.pipe()
         self._ready_sent = False
         self._stopping = threading.Event()
+        # Requests whose response format is compiling, by (front end, rid): an abort that
+        # comes meanwhile marks them (True) to be dropped once compiled.
+        self._compiling: dict[tuple[str, int], bool] = {}
+        self._compiling_lock = threading.Lock()
         self.runtime.on_engine_health = lambda ok: self._send_later(None, protocol.Health(ok))
         self.runtime.on_request_finished = forget_trace
 
@@ -130,7 +140,11 @@ class CoreServer:
         if isinstance(message, protocol.Add):
             self._add(router, peer, message)
         elif isinstance(message, protocol.Abort) and loop is not None:
-            loop.abort(self._frontend_of(peer), message.rid)
+            frontend = self._frontend_of(peer)
+            with self._compiling_lock:
+                if (frontend, message.rid) in self._compiling:
+                    self._compiling[(frontend, message.rid)] = True
+            loop.abort(frontend, message.rid)
         elif isinstance(message, protocol.StatsQuery):
             if loop is None:
                 self._reply_stats(peer, message.qid, protocol.CacheCounters())
@@ -155,11 +169,61 @@ class CoreServer:
         req = Request(message.request, self._sinks[frontend], rid=message.rid)
         if message.trace is not None:
             trace_ids.register(req.request_id, message.trace)
+        fmt = message.request.response_format
+        if fmt is None:
+            try:
+                loop.submit(req)
+            except QueueFullError as exc:
+                rejected = protocol.Rejected(message.rid, str(exc))
+                router.send_multipart([peer, protocol.encode(rejected)])
+            return
+        cache = self.runtime.grammar
+        if cache is None:
+            refusal = GrammarError("structured output is not available for this model")
+            self._refuse_format(peer, req, refusal, fmt.kind)
+            return
+        key = (frontend, message.rid)
+        with self._compiling_lock:
+            self._compiling[key] = False
+        cache.submit(fmt).add_done_callback(
+            lambda future: self._compiled(peer, key, req, fmt.kind, future)
+        )
+
+    def _compiled(
+        self, peer: bytes, key: tuple[str, int], req: Request, kind: str, future: Future
+    ) -> None:
+        """A request's response format compiled (on the compile's thread): queue the request,
+        unless it was aborted meanwhile or its format refused."""
+        from service.core.scheduler.scheduler import QueueFullError
+
+        with self._compiling_lock:
+            aborted = self._compiling.pop(key, False)
+        error = future.exception()
+        if aborted:
+            forget_trace(req)
+            return
+        if isinstance(error, GrammarError):
+            self._refuse_format(peer, req, error, kind)
+            return
+        if error is not None:
+            self._refuse_format(peer, req, GrammarError(f"compiling failed: {error!r}"), kind)
+            return
+        req.grammar = future.result()
+        loop = self.runtime.loop
+        assert loop is not None
         try:
             loop.submit(req)
         except QueueFullError as exc:
-            rejected = protocol.Rejected(message.rid, str(exc))
-            router.send_multipart([peer, protocol.encode(rejected)])
+            forget_trace(req)
+            self._send_later(peer, protocol.Rejected(req.rid, str(exc)))
+
+    def _refuse_format(self, peer: bytes, req: Request, error: GrammarError, kind: str) -> None:
+        log.info("response format refused", request_id=req.request_id, reason=error.reason)
+        forget_trace(req)
+        refused = protocol.Rejected(
+            req.rid, error.reason, "invalid_format", format_field(kind), error.code
+        )
+        self._send_later(peer, refused)
 
     def _reply_stats(self, peer: bytes, qid: int, counters: protocol.CacheCounters) -> None:
         """On the loop thread: queue the reply for this thread to send."""

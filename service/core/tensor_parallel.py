@@ -8,7 +8,8 @@ keeps its own paged pool of its K/V heads.
 Rank 0 runs the scheduler, and with it the one KV cache manager: it alone decides block ids.
 Its runner is a `ReplicatedRunner`: each step's plan (service.core.scheduler.plan: rows joining
 and leaving, changed block tables, the block update, the forwards) is sent to the other ranks
-before it runs on rank 0, and so is each dispatch and read of it; the followers (`follow`)
+before it runs on rank 0, and so is each dispatch, sampling under token masks (structured
+output: rank 0 keeps the grammars and fills the masks) and read of it; the followers (`follow`)
 replay them on their own runners, so every rank's pool of its K/V heads holds each sequence in
 the same blocks and the step graphs and collectives match rank 0's. Commands go over ZeroMQ
 (one socket per follower); the model's own collectives synchronize the forwards.
@@ -29,7 +30,7 @@ import msgspec
 import structlog
 import zmq
 
-from service.core.scheduler.plan import StepPlan, StepResult
+from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 
 if TYPE_CHECKING:  # MLX is imported only once the launcher has set the group's environment
     from service.core.engine.config import EngineConfig
@@ -55,6 +56,11 @@ class Dispatch(msgspec.Struct, tag=True):
     step: int
 
 
+class Sample(msgspec.Struct, tag=True):
+    step: int
+    masks: RowMasks
+
+
 class Collect(msgspec.Struct, tag=True):
     step: int
 
@@ -63,7 +69,7 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Command = Submit | Dispatch | Collect | Stop
+Command = Submit | Dispatch | Sample | Collect | Stop
 _decoder = msgspec.msgpack.Decoder(Command)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -154,6 +160,10 @@ class ReplicatedRunner:
         self._send(Dispatch(pending.plan.step))
         return self._runner.dispatch(pending)
 
+    def sample(self, pending: Any, masks: RowMasks) -> Any:
+        self._send(Sample(pending.plan.step, masks))
+        return self._runner.sample(pending, masks)
+
     def collect(self, pending: Any) -> StepResult:
         self._send(Collect(pending.plan.step))
         return self._runner.collect(pending)  # a failure raises (no containment here)
@@ -188,6 +198,8 @@ def follow(runner: Any, run_dir: Path, rank: int) -> None:
                 pending[command.plan.step] = runner.submit(command.plan, command.dispatch)
             elif isinstance(command, Dispatch):
                 runner.dispatch(pending[command.step])
+            elif isinstance(command, Sample):
+                runner.sample(pending[command.step], command.masks)
             elif isinstance(command, Collect):
                 result = runner.collect(pending.pop(command.step))
                 if result.errors:

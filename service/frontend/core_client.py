@@ -164,7 +164,8 @@ class CoreClient:
             elif isinstance(message, protocol.Rejected):
                 stream = self._streams.get(message.rid)
                 if stream is not None:
-                    stream.fail(Failure.QUEUE_FULL, message.message)
+                    failure = Failure(message.reason)
+                    stream.fail(failure, message.message, message.code)
             elif isinstance(message, protocol.StatsReply):
                 future = self._stats.get(message.qid)
                 if future is not None and not future.done():

@@ -15,6 +15,7 @@ _SLOT_STATE = {"prefilling": pb.SLOT_STATE_PREFILLING, "decoding": pb.SLOT_STATE
 def cache_stats_response(counters: CacheCounters) -> pb.CacheStatsResponse:
     fields = msgspec.structs.asdict(counters)
     slots = fields.pop("slots")
+    fields.pop("grammar")  # for the metrics only
     response = pb.CacheStatsResponse(**fields)
     response.slots.extend(
         pb.SlotInfo(
@@ -33,8 +34,10 @@ def model_info_response(info: ModelInfo) -> pb.GetModelInfoResponse:
     fields = msgspec.structs.asdict(info)
     quantization = msgspec.structs.asdict(fields.pop("quantization"))
     speculation = msgspec.structs.asdict(fields.pop("speculation"))
+    structured = msgspec.structs.asdict(fields.pop("structured_output"))
     return pb.GetModelInfoResponse(
         **fields,
         quantization=pb.Quantization(**quantization),
         speculation=pb.Speculation(**speculation),
+        structured_output=pb.StructuredOutput(**structured),
     )

@@ -25,10 +25,10 @@ from service.common.config import ConfigError, FrontendProcessConfig
 from service.frontend import transport
 from service.frontend.core_client import CoreClient, LoadFailedError
 from service.frontend.introspection import HealthServicer, enable_server_reflection
-from service.frontend.messages import cache_stats_response
 from service.frontend.request_decoding import DecodeErrorInterceptor
 from service.frontend.servicer import GenerationServicer, served_model
 from service.frontend.telemetry.telemetry import Telemetry
+from service.protocol import CacheCounters
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -148,7 +148,9 @@ async def serve_frontend(
                 log.error("the model could not be loaded", error=str(exc))
                 exit_code = exit_code or LOAD_FAILED_EXIT
                 raise
-            servicer.model = await loop.run_in_executor(None, served_model, ready)
+            servicer.model = await loop.run_in_executor(
+                None, served_model, ready, config.structured, telemetry
+            )
             telemetry.model_ready(servicer.model.info.model_id)
             if config.observability.metrics_port and index == 0:
                 _serve_metrics(config, telemetry, client, ready.pid)
@@ -199,13 +201,13 @@ def _serve_metrics(
     """/metrics on this front end; its gauges ask the core for CacheStats at each scrape (from
     the metrics server's thread, through this event loop)."""
     loop = asyncio.get_running_loop()
-    latest = [pb.CacheStatsResponse()]
+    latest = [CacheCounters()]
 
-    def cache_stats() -> pb.CacheStatsResponse:
+    def cache_stats() -> CacheCounters:
         if not client.gone.is_set():
             with contextlib.suppress(Exception):
                 future = asyncio.run_coroutine_threadsafe(client.stats(), loop)
-                latest[0] = cache_stats_response(future.result(STATS_TIMEOUT_S))
+                latest[0] = future.result(STATS_TIMEOUT_S)
         return latest[0]
 
     try:

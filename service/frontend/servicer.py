@@ -1,8 +1,10 @@
 """GenerationService on a front end: translates between gRPC messages and the engine core.
 
-Validation and tokenization (off the event loop), detokenization and stop strings
-(service.frontend.stream), streaming and telemetry live here; scheduling and forwards live in
-the engine-core process, reached through `CoreClient`. No policy here: how a request ended is
+Validation and tokenization (off the event loop), the first compile of a response format (on
+the grammar cache's threads: a format the engine refuses is refused here, before the request is
+queued), detokenization and stop strings (service.frontend.stream), streaming and telemetry
+live here; scheduling and forwards live in the engine-core process, reached through
+`CoreClient`. No policy here: how a request ended is
 its RequestStream's to say; this module turns that into messages and statuses.
 """
 
@@ -24,7 +26,9 @@ import structlog
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service import protocol
-from service.common.config import FrontendProcessConfig
+from service.common import grammar
+from service.common.config import FrontendProcessConfig, StructuredOutputConfig
+from service.common.grammar import GrammarCache, GrammarError, format_field
 from service.common.tokenizer import Tokenizer
 from service.frontend import errors
 from service.frontend.core_client import CoreClient
@@ -63,6 +67,7 @@ class ServedModel:
     capacity_tokens: int | None
     prompt_cache: bool  # the core keeps a prompt-prefix cache
     info: pb.GetModelInfoResponse
+    grammar: GrammarCache | None = None  # response formats (None: not available)
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -92,6 +97,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     def close(self) -> None:
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
+        if self.model is not None and self.model.grammar is not None:
+            self.model.grammar.close()
 
     def _unavailable(self) -> grpc.Status:
         """UNAVAILABLE with RetryInfo: loading, draining (another replica can take the call)
@@ -279,6 +286,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             )
         except InvalidRequestError as exc:
             await self._invalid(context, exc, message.request_id)
+        if req.response_format is not None:
+            await self._compile_format(context, req, model)
         # Nothing awaits from here to the submit but an abort: the ALREADY_EXISTS check and the
         # submit are one step for the event loop.
         prompt_tokens = len(req.prompt_token_ids)
@@ -314,8 +323,53 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             )
         return req
 
+    async def _compile_format(
+        self, context: Any, req: GenerationRequest, model: ServedModel
+    ) -> None:
+        """Compile the request's response format (cached; on the grammar cache's threads, the
+        event loop only awaits) or refuse the request: INVALID_ARGUMENT naming the format's
+        field, with the engine's reason."""
+        fmt = req.response_format
+        assert fmt is not None
+        if model.grammar is None:
+            refusal = GrammarError(
+                "structured output is not available: the model's tokenizer cannot drive the "
+                "grammar engine",
+                grammar.UNSUPPORTED,
+            )
+        else:
+            try:
+                await asyncio.wrap_future(model.grammar.submit(fmt))
+                return
+            except GrammarError as exc:
+                refusal = exc
+        await self._refuse_format(context, req.request_id, fmt.kind, refusal.reason, refusal.code)
+
+    async def _refuse_format(
+        self, context: Any, request_id: str, kind: str, reason: str, code: str
+    ) -> NoReturn:
+        self.telemetry.format_refused(kind, code)
+        field = format_field(kind)
+        status = errors.rich_status(
+            Code.INVALID_ARGUMENT,
+            reason,
+            reason=errors.INVALID_REQUEST,
+            field=field,
+            metadata={"engine": grammar.ENGINE, "refusal": code},
+        )
+        await self._reject(
+            context, status, metric="invalid_argument", field=field, request_id=request_id
+        )
+
     async def _failed(self, context: Any, stream: RequestStream) -> NoReturn:
-        """The request could not run: the queue was full, or the core is gone."""
+        """The request could not run: the queue was full, the core refused its response
+        format, or the core is gone."""
+        request = stream.request
+        if stream.failure is Failure.INVALID_FORMAT and request.response_format is not None:
+            kind = request.response_format.kind
+            await self._refuse_format(
+                context, request.request_id, kind, stream.failure_message, stream.failure_code
+            )
         if stream.failure is Failure.QUEUE_FULL:
             status = errors.rich_status(
                 Code.RESOURCE_EXHAUSTED,
@@ -392,15 +446,44 @@ def _fill_final(message: Any, final: Final) -> None:
     )
 
 
-def served_model(ready: protocol.Ready) -> ServedModel:
-    """The front end's view of the core's model (loads the tokenizer the core saved)."""
+def served_model(
+    ready: protocol.Ready,
+    structured: StructuredOutputConfig | None = None,
+    observer: grammar.CompileObserver | None = None,
+) -> ServedModel:
+    """The front end's view of the core's model (loads the tokenizer the core saved), with a
+    cache of compiled response formats when the core serves them."""
     from pathlib import Path
 
+    tokenizer = Tokenizer.load(Path(ready.tokenizer_dir))
     return ServedModel(
-        tokenizer=Tokenizer.load(Path(ready.tokenizer_dir)),
+        tokenizer=tokenizer,
         eos_token_ids=frozenset(ready.eos_token_ids),
         slot_context=ready.slot_context,
         capacity_tokens=ready.capacity_tokens,
         prompt_cache=ready.prompt_cache,
         info=model_info_response(ready.model_info),
+        grammar=_grammar_cache(ready, tokenizer, structured or StructuredOutputConfig(), observer),
+    )
+
+
+def _grammar_cache(
+    ready: protocol.Ready,
+    tokenizer: Tokenizer,
+    structured: StructuredOutputConfig,
+    observer: grammar.CompileObserver | None,
+) -> GrammarCache | None:
+    """The same engine over the same tokenizer as the core's (it says whether it has one):
+    a format compiles here exactly when it compiles there, so refusals come before queuing."""
+    text = tokenizer.tokenizer_json()
+    if not ready.model_info.structured_output.engine or text is None:
+        return None
+    eos = sorted(tokenizer.eos_token_ids)
+    vocab = ready.model_info.vocab_size
+    return GrammarCache(
+        lambda: grammar.make_tokenizer(text, eos, vocab),
+        max_compile_ms=structured.max_grammar_compile_ms,
+        max_entries=structured.grammar_cache_size,
+        compile_threads=2,  # requests with different new formats need not queue behind one
+        observer=observer,
     )

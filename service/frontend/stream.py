@@ -7,7 +7,8 @@ decides how the request ended, whoever ends it:
 - a stop string, matched here while detokenizing, ends it at once with STOP: the RPC's last
   message goes out without waiting for the core, which is told to free the sequence;
 - the server's drain timeout ends it as cancelled (`end`);
-- a full queue or the core's death fails it (`fail`): the RPC answers with a status.
+- a full queue, the core's refusal of its response format, or the core's death fails it
+  (`fail`): the RPC answers with a status.
 
 The core client pushes each tick's outputs into the streams and wakes each stream once; the
 RPC takes everything that piled up since it last sent (`take`), so a consumer that falls behind
@@ -33,6 +34,7 @@ class Failure(enum.Enum):
 
     QUEUE_FULL = "queue_full"
     CORE_GONE = "core_gone"
+    INVALID_FORMAT = "invalid_format"  # the core's grammar engine refused the format
 
 
 @dataclass
@@ -70,6 +72,7 @@ class RequestStream:
         self.final: Final | None = None  # how it ended, once it has
         self.failure: Failure | None = None
         self.failure_message = ""
+        self.failure_code = ""  # a refused response format: the engine's refusal code
         self._pending = Delta()
         self._wake = asyncio.Event()
         # What the core told us, for a Final made here (a stop string).
@@ -133,9 +136,9 @@ class RequestStream:
             self._pending.text += self._detok.flush()
             self._finish(self._final_here(FinishReason.CANCELLED))
 
-    def fail(self, failure: Failure, message: str = "") -> None:
+    def fail(self, failure: Failure, message: str = "", code: str = "") -> None:
         if not self.ended:
-            self.failure, self.failure_message = failure, message
+            self.failure, self.failure_message, self.failure_code = failure, message, code
             self._wake.set()
 
     def wake(self) -> None:

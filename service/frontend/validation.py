@@ -8,7 +8,7 @@ from typing import Protocol
 
 from mlxserve.v1 import generation_pb2 as pb
 from service.common.tokenizer import CHAT_ROLES, ChatTurn
-from service.protocol import GenerationRequest, SamplingParams
+from service.protocol import GenerationRequest, ResponseFormat, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -177,6 +177,46 @@ def sampling_params(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
     return SamplingParams(**{**p.__dict__, **kw})
 
 
+def response_format(
+    message: pb.GenerateRequest | pb.StreamGenerateRequest,
+) -> ResponseFormat | None:
+    """The request's response format, checked for what needs no grammar engine (the engine's
+    compile judges the rest); None when it is unset or empty."""
+    if not message.HasField("response_format"):
+        return None
+    rf = message.response_format
+    kind = rf.WhichOneof("format")
+    if kind is None:
+        return None
+    field = f"response_format.{kind}"
+    if kind == "json_object":
+        if not rf.json_object:
+            raise InvalidRequestError(
+                "response_format.json_object must be true (leave response_format unset for "
+                "free text)",
+                field=field,
+            )
+        return ResponseFormat(kind)
+    if kind == "choice":
+        options = list(rf.choice.options)
+        if not options:
+            raise InvalidRequestError(
+                "response_format.choice.options must name at least one string",
+                field="response_format.choice.options",
+            )
+        empty = next((i for i, o in enumerate(options) if not o), None)
+        if empty is not None:
+            raise InvalidRequestError(
+                "response_format.choice.options must not contain empty strings",
+                field=f"response_format.choice.options[{empty}]",
+            )
+        return ResponseFormat(kind, options=tuple(options))
+    text = {"json_schema": rf.json_schema, "regex": rf.regex, "grammar": rf.grammar}[kind]
+    if not text.strip():
+        raise InvalidRequestError(f"{field} must not be empty", field=field)
+    return ResponseFormat(kind, text)
+
+
 def generation_request(
     message: pb.GenerateRequest | pb.StreamGenerateRequest,
     tok: PromptEncoder,
@@ -248,6 +288,7 @@ def generation_request(
         logprobs=message.logprobs,
         top_logprobs=int(message.top_logprobs),
         cache_prompt=cache_prompt and prompt_cache_enabled,
+        response_format=response_format(message),
     )
 
 

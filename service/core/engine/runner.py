@@ -12,6 +12,14 @@ reads the sampled tokens into a `StepResult`. A decode row feeds the token its p
 sampled before that token is read: that is what lets the core loop queue step N+1 before it
 reads step N.
 
+Rows with a response format (structured output) sample under a token mask, applied to the
+batch's logits in one op before penalties and sampling (sampler.apply_token_masks). Masks known
+when the plan is made come with it (prefills that sample, verifications); a decode step's
+depend on the tokens of the step before, so a decode forward with constrained rows stops at its
+logits: `dispatch` queues those, and `sample(pending, masks)` samples once the step before is
+read and its masks are filled, while the forward runs. A batch without constrained rows runs
+as before.
+
 If building or evaluating a batched forward raises, its rows are run one by one, so that only
 the failing rows end (the result's `errors`); under tensor parallel (`contain_failures=False`)
 the error propagates instead.
@@ -33,12 +41,12 @@ from service.core.engine.batch_view import StepLayout
 from service.core.engine.compiled_decode import DecodeGraph
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import SlotsNotReservedError
-from service.core.engine.sampler import RowSamplerState, sample, verify_draft
+from service.core.engine.sampler import RowSamplerState, apply_token_masks, sample, verify_draft
 from service.core.engine.state_store import SequenceState, StateStore, StateUndo
 from service.core.engine.storage import KVStorage
 from service.core.models import rope
 from service.core.models.layout import CacheLayout
-from service.core.scheduler.plan import Chunk, Draft, RowJoin, StepPlan, StepResult
+from service.core.scheduler.plan import Chunk, Draft, RowJoin, RowMasks, StepPlan, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -60,12 +68,32 @@ class Row:
     want_logprobs: bool = False
     top_logprobs: int = 0
     state: SequenceState | None = None  # recurrent state (stateful models)
+    constrained: bool = False  # samples under a token mask (a response format)
 
     @property
     def plain(self) -> bool:
         """Greedy with nothing per row to apply: sampled by one argmax over the batch."""
         p = self.sampler.params
-        return p.greedy and not p.logit_bias and not p.has_penalties and not self.want_logprobs
+        return (
+            p.greedy
+            and not p.logit_bias
+            and not p.has_penalties
+            and not self.want_logprobs
+            and not self.constrained
+        )
+
+
+# Token bitmasks by slot: int32 [positions, words], a row per sampling position.
+Masks = dict[int, np.ndarray]
+
+
+def masks_by_slot(masks: RowMasks | None) -> Masks:
+    if masks is None:
+        return {}
+    out: dict[int, list[np.ndarray]] = {}
+    for slot, row in zip(masks.slots, masks.array()):
+        out.setdefault(slot, []).append(row)
+    return {slot: np.stack(rows) for slot, rows in out.items()}
 
 
 @dataclass
@@ -86,6 +114,11 @@ class _Forward:
     sources: tuple[np.ndarray, np.ndarray] | None = None
     errors: dict[int, str] = field(default_factory=dict)  # rows that failed (slot -> message)
     read: StepResult | None = None  # rows run one by one: already read
+    # Constrained rows waiting for their masks: the logits to sample ([S, V]) once given.
+    logits: mx.array | None = None
+    masks: Masks | None = None  # the masks it sampled under (a redo applies them again)
+    parts: list[_Forward] | None = None  # rows run one by one, some waiting for masks
+    dispatched: bool = False
 
 
 @dataclass
@@ -151,6 +184,7 @@ class ModelRunner:
         self.tables = np.zeros((max_rows, max(1, max_blocks_per_row)), np.int32)
         self.table_lengths = np.zeros(max_rows, np.int32)
         self.plain = np.zeros(max_rows, bool)  # Row.plain, per slot
+        self.constrained = np.zeros(max_rows, bool)  # Row.constrained, per slot
         # Where each row's next input is: the sampled array of step `source_step`, at index.
         self._source_step = np.full(max_rows, -1, np.int64)
         self._source_index = np.zeros(max_rows, np.int32)
@@ -174,23 +208,30 @@ class ModelRunner:
         dispatch=False is queued by `dispatch`: on storage whose writes are not in place, step
         N+1 must not run while step N still reads the pool."""
         self._apply(plan)
-        prefill = [self._prefill(forward) for forward in plan.prefill]
+        masks = masks_by_slot(plan.masks)
+        prefill = [self._prefill(forward, masks) for forward in plan.prefill]
         pending = Pending(plan, prefill, None)
         if plan.verify:
-            pending.verified = self._verify(plan.verify)
+            pending.verified = self._verify(plan.verify, masks)
         elif plan.decode:
             pending.decode = self._decode(np.asarray(plan.decode, np.int32), dispatch)
         return pending
 
-    @staticmethod
-    def dispatch(pending: Pending) -> Pending:
+    def dispatch(self, pending: Pending) -> Pending:
+        if pending.decode is not None:
+            self._dispatch(pending.decode)
+        return pending
+
+    def sample(self, pending: Pending, masks: RowMasks) -> Pending:
+        """Sample the decode step's rows that waited for their masks (the step before it has
+        been read): each constrained row's logits masked, the batch sampled as any step, and
+        queued at once if its forward was."""
         forward = pending.decode
-        if forward is not None and forward.read is None:
-            if forward.tokens is None:
-                mx.async_eval(forward.hidden)
-            else:
-                extra = [x for x in (forward.logprobs, *(forward.top or ())) if x is not None]
-                mx.async_eval([forward.tokens, *extra])
+        assert forward is not None, "only a decode step's masks come after its plan"
+        by_slot = masks_by_slot(masks)
+        for part in forward.parts or [forward]:
+            if part.logits is not None:
+                self._sample_masked(part, by_slot)
         return pending
 
     def take_prefill(self, pending: Pending) -> StepResult:
@@ -251,11 +292,13 @@ class ModelRunner:
             join.want_logprobs,
             join.top_logprobs,
             self.states.new_sequence() if self.states is not None else None,
+            join.constrained,
         )
         self.rows[join.slot] = row
         self.positions[join.slot] = join.num_cached
         self.table_lengths[join.slot] = 0
         self.plain[join.slot] = row.plain
+        self.constrained[join.slot] = join.constrained
         self._source_step[join.slot] = -1
 
     def _leave(self, slot: int, final: bool) -> None:
@@ -271,11 +314,12 @@ class ModelRunner:
             self._parked.pop(row.seq_id, None)
         self.rows[slot] = None
         self.positions[slot] = 0
+        self.constrained[slot] = False
         self._source_step[slot] = -1
 
     # -- forwards --------------------------------------------------------------------
-    def _prefill(self, chunks: list[Chunk]) -> StepResult:
-        """One prefill forward, read at once."""
+    def _prefill(self, chunks: list[Chunk], masks: Masks) -> StepResult:
+        """One prefill forward, read at once (constrained rows that sample under `masks`)."""
         if not self.batched and len(chunks) > 1:
             raise ValueError("this runner runs one row per forward (per-row path)")
         if self.config.single_row_prefill and len(chunks) > 1:
@@ -283,8 +327,11 @@ class ModelRunner:
         slots = np.asarray([c.slot for c in chunks], np.int32)
         inputs: list[list[int] | None] = [list(c.tokens) for c in chunks]
         samples = np.asarray([c.sample for c in chunks], bool)
+        unmasked = [s for s in slots[samples].tolist() if self.constrained[s] and s not in masks]
+        if unmasked:
+            raise ValueError(f"constrained rows {unmasked} sample with no token mask")
         started = time.perf_counter()
-        forward = self._build(slots, inputs, samples)
+        forward = self._build(slots, inputs, samples, masks)
         redone = forward.read is not None
         result = self._read(self._dispatch(forward))
         # A forward redone row by row says nothing about the cost of one: NaN.
@@ -294,26 +341,25 @@ class ModelRunner:
 
     def _decode(self, slots: np.ndarray, dispatch: bool) -> _Forward:
         if not self.batched and len(slots) > 1:
-            # The per-row path: each row alone, read at once.
-            parts = []
-            for slot in slots:
-                one = np.asarray([slot], np.int32)
-                parts.append(self._read(self._dispatch(self._build(one, [None], None))))
-            forward = _Forward(
-                slots, [], np.ones(len(slots), np.int32), np.zeros(0, np.int32), None
-            )
-            forward.read = _merge(-1, parts)
-            return forward
-        forward = self._build(slots, [None] * len(slots), None)
+            # The per-row path: each row alone, read at once (or at collect, with the
+            # constrained rows' masks).
+            forward = self._rows_alone(slots, [None] * len(slots), None, None)
+            return self._dispatch(forward) if dispatch else forward
+        forward = self._build(slots, [None] * len(slots), None, None)
         return self._dispatch(forward) if dispatch else forward
 
     def _build(
-        self, slots: np.ndarray, inputs: list[list[int] | None], samples: np.ndarray | None
+        self,
+        slots: np.ndarray,
+        inputs: list[list[int] | None],
+        samples: np.ndarray | None,
+        masks: Masks | None,
     ) -> _Forward:
         """Build one forward; rows fed None take their last sampled token. `samples`: which
-        rows sample (None: all). A build that raises runs its rows one by one."""
+        rows sample (None: all). `masks`: the constrained rows' (None: not known yet, they
+        stop at their logits until `sample`). A build that raises runs its rows one by one."""
         try:
-            return self._build_batch(slots, inputs, samples)
+            return self._build_batch(slots, inputs, samples, masks)
         except SlotsNotReservedError:
             raise  # the scheduler's bug, not the rows': nothing to contain
         except Exception as exc:
@@ -332,10 +378,14 @@ class ModelRunner:
             log.warning(
                 "building a batched forward failed; running its rows one by one", error=str(exc)
             )
-            return self._rows_alone(slots, inputs, samples)
+            return self._rows_alone(slots, inputs, samples, masks)
 
     def _build_batch(
-        self, slots: np.ndarray, inputs: list[list[int] | None], samples: np.ndarray | None
+        self,
+        slots: np.ndarray,
+        inputs: list[list[int] | None],
+        samples: np.ndarray | None,
+        masks: Masks | None,
     ) -> _Forward:
         rows = [self._row(s) for s in slots]
         lengths = np.asarray([1 if x is None else len(x) for x in inputs], np.int32)
@@ -399,9 +449,36 @@ class ModelRunner:
                 last = mx.array(lengths[sampled] - 1)
                 last_hidden = hidden[mx.array(sampled), last]  # [S, H]
             last_logits = self._head.logits(last_hidden)  # [S, V]
-        forward = self._sample(slots, sampled, rows, last_logits)
+        if masks is None and self.constrained[slots[sampled]].any():
+            forward = _Forward(slots, rows, lengths, sampled, None, logits=last_logits)
+        else:
+            forward = self._sample(slots, sampled, rows, self._masked(last_logits, slots, masks))
+            forward.masks = masks
         forward.lengths, forward.undo, forward.inputs = lengths, undo, inputs
         return forward
+
+    def _masked(self, logits: mx.array, slots: np.ndarray, masks: Masks | None) -> mx.array:
+        """The logits ([rows, V], one row per slot) with the constrained rows' masks applied
+        (one op for the batch); unchanged when none of the slots is constrained."""
+        if not masks or not self.constrained[slots].any():
+            return logits
+        words = np.full((len(slots), next(iter(masks.values())).shape[1]), -1, np.int32)
+        for i, slot in enumerate(slots.tolist()):
+            rows = masks.get(slot)
+            if rows is not None:
+                words[i] = rows[0]
+        return apply_token_masks(logits, words)
+
+    def _sample_masked(self, forward: _Forward, masks: Masks) -> None:
+        """Sample a forward whose constrained rows waited for their masks."""
+        assert forward.logits is not None
+        sampled_slots = forward.slots[forward.sampled]
+        logits = self._masked(forward.logits, sampled_slots, masks)
+        done = self._sample(forward.slots, forward.sampled, forward.rows, logits)
+        forward.tokens, forward.logprobs, forward.top = done.tokens, done.logprobs, done.top
+        forward.sources, forward.logits, forward.masks = done.sources, None, masks
+        if forward.dispatched:
+            self._dispatch(forward)
 
     def _sample(
         self, slots: np.ndarray, sampled: np.ndarray, rows: list[Row], logits: mx.array
@@ -500,7 +577,13 @@ class ModelRunner:
 
     def _dispatch(self, forward: _Forward) -> _Forward:
         if forward.read is None:
-            if forward.tokens is None:
+            forward.dispatched = True
+            if forward.parts is not None:
+                for part in forward.parts:
+                    self._dispatch(part)
+            elif forward.logits is not None:
+                mx.async_eval(forward.logits)  # its masks are filled meanwhile
+            elif forward.tokens is None:
                 mx.async_eval(forward.hidden)
             else:
                 extra = [x for x in (forward.logprobs, *(forward.top or ())) if x is not None]
@@ -511,6 +594,10 @@ class ModelRunner:
         """Read a forward's sampled tokens; a failure reruns its rows one by one."""
         if forward.read is not None:
             return forward.read
+        if forward.parts is not None:
+            return _merge(-1, [self._read(part) for part in forward.parts])
+        if forward.logits is not None:
+            raise RuntimeError("a step with constrained rows was read before its masks came")
         try:
             if forward.tokens is None:
                 mx.eval(forward.hidden)
@@ -543,16 +630,27 @@ class ModelRunner:
 
     # -- failures ----------------------------------------------------------------------
     def _rows_alone(
-        self, slots: np.ndarray, inputs: list[list[int] | None], samples: np.ndarray | None
+        self,
+        slots: np.ndarray,
+        inputs: list[list[int] | None],
+        samples: np.ndarray | None,
+        masks: Masks | None,
     ) -> _Forward:
-        """Run each row as its own forward and read it now (after a batched build failed)."""
+        """Run each row as its own forward (the per-row path, or after a batched build failed)
+        and read it now; constrained rows still waiting for their masks are read at collect
+        with the others."""
+        forward = _Forward(slots, [], np.ones(len(slots), np.int32), np.zeros(0, np.int32), None)
+        waits = masks is None and bool(self.constrained[slots].any())
         parts = []
         for i, slot in enumerate(slots):
             one = np.asarray([slot], np.int32)
             sample_one = None if samples is None else samples[i : i + 1]
-            parts.append(self._read(self._dispatch(self._build(one, [inputs[i]], sample_one))))
-        forward = _Forward(slots, [], np.ones(len(slots), np.int32), np.zeros(0, np.int32), None)
-        forward.read = _merge(-1, parts)
+            part = self._build(one, [inputs[i]], sample_one, masks)
+            parts.append(part if waits else self._read(self._dispatch(part)))
+        if waits:
+            forward.parts = parts
+        else:
+            forward.read = _merge(-1, parts)
         return forward
 
     def _redo_alone(self, forward: _Forward) -> StepResult:
@@ -580,7 +678,8 @@ class ModelRunner:
                     raise EngineError(f"injected evaluate fault for {row.seq_id}")
                 one = np.asarray([slot], np.int32)
                 sample_one = np.asarray([i in sampling])
-                part = self._read(self._dispatch(self._build(one, [forward.inputs[i]], sample_one)))
+                rebuilt = self._build(one, [forward.inputs[i]], sample_one, forward.masks or {})
+                part = self._read(self._dispatch(rebuilt))
             except Exception as exc:
                 log.warning("row evaluation failed", request_id=row.seq_id, error=str(exc))
                 part = StepResult.empty(-1)
@@ -602,7 +701,7 @@ class ModelRunner:
         return row
 
     # -- speculative decoding ----------------------------------------------------------
-    def _verify(self, drafts: list[Draft]) -> StepResult:
+    def _verify(self, drafts: list[Draft], masks: Masks) -> StepResult:
         """One forward over each row's last token and drafted tokens (rows with no draft take
         a plain decode step in it); each row keeps the drafts the model agrees with plus one
         token of its own (sampler.verify_draft). The rejected positions' K/V is left behind:
@@ -633,6 +732,16 @@ class ModelRunner:
         row_idx = mx.array(np.repeat(np.arange(len(slots)), lengths))
         col_idx = mx.array(np.concatenate([np.arange(n) for n in lengths]))
         logits = self._head.logits(hidden[row_idx, col_idx])  # [sum(lengths), V]
+        if masks and self.constrained[slots].any():
+            # Each constrained row's positions under the masks of its validated draft.
+            width = next(iter(masks.values())).shape[1]
+            words = np.full((int(lengths.sum()), width), -1, np.int32)
+            offset = 0
+            for slot, n in zip(slots.tolist(), lengths.tolist()):
+                if slot in masks:
+                    words[offset : offset + n] = masks[slot]
+                offset += n
+            logits = apply_token_masks(logits, words)
         mx.eval(logits)
         emitted_all: list[int] = []
         counts, drafted, lps = [], [], []

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from service.protocol import SamplingParams
 
@@ -68,14 +69,32 @@ def _apply_penalties(row: mx.array, state: RowSamplerState) -> mx.array:
         seen = sorted(set(state.prompt_token_ids) | set(state.generated_counts))
         if seen:
             idx = mx.array(seen)
-            vals = row[idx]
-            vals = mx.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            row = row.at[idx].add(vals - row[idx])
+            old = row[idx]
+            new = mx.where(old > 0, old / p.repetition_penalty, old * p.repetition_penalty)
+            # A token a response format forbids stays -inf (-inf - -inf would be NaN).
+            row = row.at[idx].add(mx.where(mx.isinf(old), 0.0, new - old))
     if (p.presence_penalty or p.frequency_penalty) and state.generated_counts:
         ids = sorted(state.generated_counts)
         counts = mx.array([state.generated_counts[i] for i in ids], dtype=mx.float32)
         row = row.at[mx.array(ids)].add(-(p.presence_penalty + p.frequency_penalty * counts))
     return row
+
+
+def apply_token_masks(logits: mx.array, words: np.ndarray) -> mx.array:
+    """Structured output: -inf wherever a row's token bitmask forbids the token, in one op for
+    the batch. `words`: int32 [rows, W], llguidance's layout (bit t % 32 of word t // 32 allows
+    token t). A row of all ones (-1) keeps its logits bit for bit; ids past 32 * W (a vocabulary
+    padded beyond the mask) are forbidden."""
+    rows, vocab = logits.shape
+    shifts = mx.arange(32, dtype=mx.uint32)
+    bits = (mx.array(words.view(np.uint32))[:, :, None] >> shifts) & 1  # [rows, W, 32]
+    allowed = bits.reshape(rows, -1)
+    width = allowed.shape[1]
+    if width > vocab:
+        allowed = allowed[:, :vocab]
+    elif width < vocab:
+        allowed = mx.concatenate([allowed, mx.zeros((rows, vocab - width), allowed.dtype)], 1)
+    return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, logits.dtype))
 
 
 def _filter(logits: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:

@@ -8,6 +8,10 @@ the pool's `BlockUpdate`, the step's prefill chunks, and the slots that take a d
 a verification of drafted tokens). Under tensor parallel, rank 0 sends each plan as it is to the
 other ranks, whose runners replay it.
 
+Rows with a response format sample under a token mask (service.common.grammar): the plan
+carries the masks known when it is made (prefills that sample, verifications); a decode step's
+masks follow once the step before it is read (`RowMasks`, ModelRunner.sample).
+
 A result holds the step's sampled tokens (and logprobs) as arrays, in plan order: first each
 prefill forward's sampled rows, then the decode or verification rows.
 """
@@ -34,6 +38,7 @@ class RowJoin(msgspec.Struct, array_like=True):
     want_logprobs: bool = False
     top_logprobs: int = 0
     resume: bool = False  # back after a preemption: keeps its sampler state
+    constrained: bool = False  # a response format: its logits take a token mask each step
 
 
 class RowLeave(msgspec.Struct, array_like=True):
@@ -54,6 +59,20 @@ class Draft(msgspec.Struct, array_like=True):
     tokens: list[int]  # drafted tokens after the row's last one (empty: a plain decode step)
 
 
+class RowMasks(msgspec.Struct, array_like=True):
+    """Token bitmasks (structured output) for some sampling positions: `data` holds
+    len(slots) rows of `words` little-endian int32 words, row i the mask of slot slots[i]'s
+    position (bit t of a row allows token t). A verification row's positions (its last token,
+    then each drafted token) take consecutive rows."""
+
+    slots: list[int]
+    words: int
+    data: bytes
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype="<i4").reshape(len(self.slots), self.words)
+
+
 class StepPlan(msgspec.Struct):
     step: int
     joins: list[RowJoin] = msgspec.field(default_factory=list)
@@ -66,6 +85,10 @@ class StepPlan(msgspec.Struct):
     prefill: list[list[Chunk]] = msgspec.field(default_factory=list)  # one list per forward
     decode: list[int] = msgspec.field(default_factory=list)  # slots feeding their last token
     verify: list[Draft] = msgspec.field(default_factory=list)  # instead of `decode`
+    # Masks known when the plan is made: constrained rows whose prefill samples, and the
+    # positions of constrained verification rows. A decode step's masks depend on the tokens
+    # of the step before, which may still run: they come later (ModelRunner.sample).
+    masks: RowMasks | None = None
 
     @property
     def update(self) -> BlockUpdate:

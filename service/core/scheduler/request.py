@@ -8,6 +8,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from service.common.grammar import Compiled, Matcher
 from service.core.kv.block_pool import SequenceBlocks
 from service.core.scheduler.prefill_plan import PrefillPlan
 from service.core.scheduler.prompt_lookup import NgramIndex
@@ -57,6 +58,10 @@ class Request:
     lookup: NgramIndex | None = None  # prompt-lookup n-gram index (speculative decoding)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # Structured output: the compiled response format (set before the request is queued) and
+    # the row's grammar state, made at its first admission and kept while it is preempted.
+    grammar: Compiled | None = None
+    matcher: Matcher | None = None
 
     @property
     def request_id(self) -> str:

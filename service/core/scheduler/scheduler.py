@@ -33,8 +33,17 @@ import numpy as np
 import structlog
 
 from service.core.kv.block_pool import KVManager
+from service.core.scheduler.constraints import Constraints, Verdict
 from service.core.scheduler.outbox import Outbox
-from service.core.scheduler.plan import Chunk, Draft, RowJoin, RowLeave, StepPlan, StepResult
+from service.core.scheduler.plan import (
+    Chunk,
+    Draft,
+    RowJoin,
+    RowLeave,
+    RowMasks,
+    StepPlan,
+    StepResult,
+)
 from service.core.scheduler.prefill_cost import PrefillCostModel, RowShape, RunningMedian
 from service.core.scheduler.prefill_plan import PrefillPlan
 from service.core.scheduler.prompt_lookup import NgramIndex
@@ -151,13 +160,17 @@ class Scheduler:
         batched: bool = True,
         on_health: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        constraints: Constraints | None = None,
     ) -> None:
         """kv: the KV manager of the runner's storage (a KVCacheManager for the paged pool,
         UnpagedKV for storage without blocks); batched: rows share a forward (else each
         prefill row is a forward of its own); on_health: told when the engine turns
-        unhealthy or healthy again; clock: times decode steps for the stall bound."""
+        unhealthy or healthy again; clock: times decode steps for the stall bound;
+        constraints: the rows' grammars, for requests with a response format (None: such a
+        request fails)."""
         self.config = config
         self.kv = kv
+        self.constraints = constraints
         self.batched = batched
         self._on_health = on_health
         self._clock = clock
@@ -186,6 +199,7 @@ class Scheduler:
         self._forget: list[str] = []
         self._dirty: set[int] = set()  # slots whose block table the runner has not seen
         self._passes: dict[int, list[_PlannedPass]] = {}  # step -> its prefill forwards
+        self._masks_due: set[int] = set()  # steps whose constrained decode rows wait for masks
 
     # -- requests ----------------------------------------------------------------------
     def add(self, seq: Request) -> None:
@@ -248,11 +262,26 @@ class Scheduler:
         if prefilling:
             self._prefill(plan, prefilling)
         self._decode(plan)
+        if self.constraints is not None and plan.has_forward:
+            sampling = [c.slot for forward in plan.prefill for c in forward if c.sample]
+            plan.masks = self.constraints.plan_masks(sampling, plan.verify)
+            if plan.decode and self.constraints.active[plan.decode].any():
+                self._masks_due.add(plan.step)
         self._seal(plan)
         if not plan.has_forward and not plan.changes:
             self._step -= 1
             return None
         return plan
+
+    def decode_masks(self, plan: StepPlan) -> RowMasks | None:
+        """The token masks of the plan's constrained decode rows (None: it had none when it
+        was made). Asked for once the step before the plan is read: each depends on its row's
+        last token. Rows that ended meanwhile get none (their tokens will be dropped)."""
+        if self.constraints is None or plan.step not in self._masks_due:
+            return None
+        self._masks_due.discard(plan.step)
+        masks = self.constraints.masks(plan.decode)
+        return masks if masks is not None else RowMasks([], self.constraints.words, b"")
 
     def _seal(self, plan: StepPlan) -> None:
         """The plan's membership and table changes, and the pool's pending update."""
@@ -273,6 +302,10 @@ class Scheduler:
             if seq.cancel_requested:
                 heapq.heappop(self._waiting)
                 self._finish(seq, FinishReason.CANCELLED)
+                continue
+            if seq.grammar is not None and self.constraints is None:
+                heapq.heappop(self._waiting)
+                self._finish(seq, FinishReason.ERROR, error="structured output is not available")
                 continue
             if not self._start_sequence(seq, plan):
                 break  # not enough KV blocks yet: the head of the queue waits for them
@@ -318,6 +351,10 @@ class Scheduler:
         self._stop_ids[slot] = bool(req.stop_token_ids)
         self._decoding[slot] = False
         self._dirty.add(slot)
+        if seq.grammar is not None and self.constraints is not None:
+            if seq.matcher is None:
+                seq.matcher = seq.grammar.matcher()
+            self.constraints.join(slot, seq.matcher)
         plan.joins.append(
             RowJoin(
                 slot,
@@ -328,6 +365,7 @@ class Scheduler:
                 req.logprobs,
                 req.top_logprobs,
                 resume=seq.preemptions > 0,
+                constrained=seq.grammar is not None,
             )
         )
         if seq.admitted_at is None:
@@ -469,6 +507,10 @@ class Scheduler:
         this plan, with room left for one more (max_tokens, the slot context)."""
         rows = self._decoding.copy()
         ending = [c.slot for forward in plan.prefill for c in forward if c.sample]
+        if self.constraints is not None:
+            # A constrained row's next mask depends on the token its prefill samples, which
+            # is read after the plan is made: it decodes from the next plan on.
+            ending = [s for s in ending if not self.constraints.active[s]]
         rows[ending] = True
         spec = self.config.speculation
         if ending and spec is not None and int(rows.sum()) <= spec.max_batch:
@@ -540,7 +582,10 @@ class Scheduler:
         if seq.lookup is None:
             seq.lookup = NgramIndex(spec.min_ngram, spec.max_ngram)
             seq.lookup.extend(seq.all_token_ids)
-        return seq.lookup.propose(room)
+        draft = seq.lookup.propose(room)
+        if self.constraints is not None:
+            draft = self.constraints.draft(seq.slot, draft)
+        return draft
 
     def _verify(self, plan: StepPlan, slots: np.ndarray, drafts: list[list[int]]) -> None:
         """One forward checks every row's draft (rows without one take a plain step in it).
@@ -650,11 +695,21 @@ class Scheduler:
         stop = np.isin(tokens, self._eos) & ~self._ignore_eos[slots]
         for i in np.flatnonzero(self._stop_ids[slots]).tolist():
             stop[i] |= int(tokens[i]) in owners[i].request.stop_token_ids
+        refused: dict[int, str] = {}
+        if self.constraints is not None:
+            for i in np.flatnonzero(self.constraints.active[slots]).tolist():
+                verdict, why = self.constraints.accept(int(slots[i]), int(tokens[i]))
+                stop[i] |= verdict is Verdict.END
+                if verdict is Verdict.REFUSED:
+                    refused[i] = why
         self._generated[slots] += 1
         generated = self._generated[slots]
         length = (generated >= self._max_tokens[slots]) | (
             self._prompt_len[slots] + generated >= self.config.slot_context
         )
+        for i, why in refused.items():
+            log.error("structured output failed", request_id=owners[i].request_id, error=why)
+            self._finish(owners[i], FinishReason.ERROR, error=why)
         for i in np.flatnonzero(stop | length).tolist():
             self._finish(owners[i], FinishReason.STOP if stop[i] else FinishReason.LENGTH)
 
@@ -678,9 +733,15 @@ class Scheduler:
                 ends |= set(self._eos.tolist())
             taken = []
             reason = None
+            error = None
             for token in emitted:
                 taken.append(token)
-                if token in ends:
+                verdict = Verdict.CONTINUE
+                if token not in ends and self.constraints is not None:
+                    verdict, error = self.constraints.accept(slot, token)
+                if verdict is Verdict.REFUSED:
+                    reason = FinishReason.ERROR
+                elif token in ends or verdict is Verdict.END:
                     reason = FinishReason.STOP
                 elif seq.num_generated + len(taken) >= req.max_tokens or (
                     seq.prompt_len + seq.num_generated + len(taken) >= self.config.slot_context
@@ -701,7 +762,7 @@ class Scheduler:
                 sub = _subset(result, np.ones(0, bool), np.asarray(rows[: len(taken)]))
                 self._logprobs([seq], sub, np.asarray([len(taken)]))
             if reason is not None:
-                self._finish(seq, reason)
+                self._finish(seq, reason, error=error or None)
         self.outbox.tokens(
             np.asarray(kept_slots, np.int32),
             np.asarray(kept_tokens, np.int32),
@@ -728,9 +789,14 @@ class Scheduler:
                 for j in range(offset, offset + n):
                     top: list[tuple[int, float]] = []
                     if k and result.top_ids is not None and result.top_logprobs is not None:
-                        top = list(
-                            zip(result.top_ids[j, :k].tolist(), result.top_logprobs[j, :k].tolist())
-                        )
+                        # A token a response format forbids (-inf) is no alternative.
+                        top = [
+                            (t, v)
+                            for t, v in zip(
+                                result.top_ids[j, :k].tolist(), result.top_logprobs[j, :k].tolist()
+                            )
+                            if v > -np.inf
+                        ]
                     entries.append(
                         TokenLogprob(int(result.tokens[j]), float(result.logprobs[j]), top)
                     )
@@ -781,6 +847,7 @@ class Scheduler:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ERROR, error="inference backend error")
         self._failed_steps += 1
+        self._masks_due.clear()
 
     # -- preemption -----------------------------------------------------------------------
     def _preemptible(self) -> bool:
@@ -824,6 +891,8 @@ class Scheduler:
             seq.blocks = None
         if seq.slot >= 0:
             slot = seq.slot
+            if self.constraints is not None:
+                self.constraints.leave(slot)  # a preempted request keeps its matcher
             self._leaves.append(RowLeave(slot, final))
             self._owner[slot] = None
             self._decoding[slot] = False

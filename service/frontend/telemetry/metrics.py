@@ -8,6 +8,10 @@
 - Per RPC (`grpc_server_*`, go-grpc-prometheus's names and labels): started, handled by code,
   handling seconds, messages received and sent, fed by the RpcObserver interceptor.
 - Processes: `process_*` (this front end), `mlxserve_core_process_*` (the engine core).
+- Structured output (`mlxserve_structured_output_*`, `mlxserve_grammar_*`): requests with a
+  response format by kind, refusals, this front end's compiles and cache lookups; and from the
+  engine core's snapshot, its compiles and the time spent filling token masks per step and per
+  row-step (histograms the core keeps; service.protocol.GrammarCounters).
 
 With several front ends (--api-workers) each keeps its counters and histograms in the
 directory named by PROMETHEUS_MULTIPROC_DIR (the launcher sets it before any of them imports
@@ -33,10 +37,12 @@ from prometheus_client import (
     start_http_server,
     values,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+
+from service.protocol import FORMAT_KINDS, MASK_SECONDS_BUCKETS, GrammarCounters
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +62,7 @@ RPC_SECONDS_BUCKETS = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
 GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
+COMPILE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _CacheStatsCollector(Collector):
@@ -122,6 +129,53 @@ class _CacheStatsCollector(Collector):
             "Bytes of K/V holding running requests' tokens.",
             s.used_bytes,
         )
+        yield from _grammar_families(s.grammar, model)
+
+
+def _grammar_families(g: GrammarCounters, model: str) -> Iterator[Any]:
+    """The engine core's structured-output counters and mask-time histograms."""
+    for name, documentation, value in (
+        (
+            "mlxserve_core_grammar_compiles",
+            "Response formats the engine core compiled (cache misses; refusals included).",
+            g.compiles,
+        ),
+        (
+            "mlxserve_core_grammar_cache_hits",
+            "Response formats the engine core found compiled (or compiling) already.",
+            g.cache_hits,
+        ),
+        (
+            "mlxserve_core_grammar_refusals",
+            "Response formats the engine core's grammar engine refused.",
+            g.refusals,
+        ),
+    ):
+        counter = CounterMetricFamily(name, documentation, labels=["model"])
+        counter.add_metric([model], value)
+        yield counter
+    for name, documentation, counts in (
+        (
+            "mlxserve_grammar_mask_seconds",
+            "Wall time of filling one step's token masks (all its constrained rows at once, "
+            "on the grammar engine's threads, while the step's forward runs).",
+            g.mask_step_buckets,
+        ),
+        (
+            "mlxserve_grammar_mask_row_seconds",
+            "A constrained row's share of its step's mask time (per row-step).",
+            g.mask_row_buckets,
+        ),
+    ):
+        if not counts:
+            continue
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, MASK_SECONDS_BUCKETS), "+Inf"), counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family = HistogramMetricFamily(name, documentation, labels=["model"])
+        family.add_metric([model], buckets, g.mask_seconds)
+        yield family
 
 
 class Metrics:
@@ -188,6 +242,33 @@ class Metrics:
             "mlxserve_prefix_cache_hits",
             "Prompt tokens found in the prefix cache at admission (not prefilled again).",
             m,
+            registry=r,
+        )
+        self.structured_requests = Counter(
+            "mlxserve_structured_output_requests",
+            "Requests with a response format, by kind, as they were queued.",
+            [*m, "kind"],
+            registry=r,
+        )
+        self.format_refusals = Counter(
+            "mlxserve_structured_output_refusals",
+            "Response formats refused (INVALID_ARGUMENT), by kind and the engine's code: "
+            "invalid, unsupported, too_complex, timeout.",
+            [*m, "kind", "code"],
+            registry=r,
+        )
+        self.grammar_compile = Histogram(
+            "mlxserve_grammar_compile_seconds",
+            "Compiling a response format on a front end (cache misses; refusals included).",
+            [*m, "kind"],
+            buckets=COMPILE_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.grammar_lookups = Counter(
+            "mlxserve_grammar_cache_lookups",
+            "A front end's lookups of compiled response formats, by result: hit (compiled or "
+            "compiling already) or miss.",
+            [*m, "result"],
             registry=r,
         )
         self.ttft = Histogram(
@@ -274,6 +355,10 @@ class Metrics:
             metric.labels(model)
         for metric in (self.prefix_queries, self.prefix_hits):
             metric.labels(model)
+        for kind in FORMAT_KINDS:
+            self.structured_requests.labels(model, kind)
+        for result in ("hit", "miss"):
+            self.grammar_lookups.labels(model, result)
 
     def serve(
         self, host: str, port: int, cache_stats: Callable[[], Any], core_pid: int | None

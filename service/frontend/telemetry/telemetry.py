@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from service.common import trace_ids
+from service.common.grammar import GrammarError
 from service.frontend.telemetry.metrics import Metrics
 from service.frontend.telemetry.rpc import RpcObserver
 from service.frontend.telemetry.tracing import Tracing, current_span, span_ids, tracing_requested
@@ -141,6 +142,8 @@ class Telemetry:
         the request's attributes, and register its ids for the trace_ids."""
         if not self.enabled:
             return None
+        if self.metrics is not None and request.response_format is not None:
+            self.metrics.structured_requests.labels(self.model, request.response_format.kind).inc()
         span, ids = None, None
         if self.tracing is not None:
             current = current_span()
@@ -166,6 +169,10 @@ class Telemetry:
             "mlxserve.request_id": request.request_id,
             "mlxserve.priority": request.priority,
         }
+        if request.response_format is not None:
+            kind = request.response_format.kind
+            attributes["mlxserve.response_format"] = kind
+            attributes["gen_ai.output.type"] = "json" if kind.startswith("json") else "text"
         if s.top_k:
             attributes["gen_ai.request.top_k"] = float(s.top_k)
         if s.seed is not None:
@@ -282,6 +289,19 @@ class Telemetry:
         state.span = None
         if state.ids is not None:
             trace_ids.unregister(state.request_id, linger=not finished)
+
+    # -- hooks: structured output (CompileObserver; from the grammar cache's threads) ------
+    def looked_up(self, kind: str, hit: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.grammar_lookups.labels(self.model, "hit" if hit else "miss").inc()
+
+    def compiled(self, kind: str, seconds: float, refusal: GrammarError | None) -> None:
+        if self.metrics is not None:
+            self.metrics.grammar_compile.labels(self.model, kind).observe(seconds)
+
+    def format_refused(self, kind: str, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.format_refusals.labels(self.model, kind, code).inc()
 
     def rejected(self, reason: str) -> None:
         if self.metrics is not None:
