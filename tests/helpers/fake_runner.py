@@ -3,7 +3,12 @@
 scheduler and core loop on it one step at a time, recording what each request received.
 
 The scheduler never calls the fake: the loop hands it the scheduler's plans and feeds its
-results back, as it does with the model runner."""
+results back, as it does with the model runner.
+
+Rows with a response format sample under the masks the plan or `sample` brings: what `steer`
+picks among the allowed tokens, or without one the fake's own token when the mask allows it,
+else the lowest allowed. A constrained decode step read before its masks came fails, as the
+runner's does."""
 
 from __future__ import annotations
 
@@ -13,10 +18,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.common.grammar import Compiled
 from service.core.engine.config import EngineConfig
 from service.core.kv.block_pool import KVCacheManager, KVManager, UnpagedKV
 from service.core.loop import CoreLoop
-from service.core.scheduler.plan import StepPlan, StepResult
+from service.core.scheduler.constraints import Constraints
+from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 from service.core.scheduler.request import Request
 from service.core.scheduler.scheduler import Scheduler, SchedulerConfig
 from service.protocol import CacheCounters, Event, Final, GenerationRequest, Outputs
@@ -59,12 +66,23 @@ def flat_cost(rows: list[tuple[int | None, int]]) -> float:
     return 0.010 + 1e-5 * sum(n or 0 for n, _ in rows)
 
 
+# Steers a constrained row: (request_id, the position in this step (a verification's k-th
+# draft), its own token, the allowed tokens) -> the token.
+Steer = Callable[[str, int, int, np.ndarray], int]
+
+
+def allowed_tokens(words: np.ndarray) -> np.ndarray:
+    """The token ids a bitmask row (int32 words, llguidance's layout) allows."""
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+
+
 @dataclass
 class _Row:
     request_id: str
     position: int = 0
     last: int | None = None  # the last token sampled (the next decode step's input)
     table: int = 0  # blocks in its table
+    constrained: bool = False
 
 
 @dataclass
@@ -73,6 +91,7 @@ class _Pending:
     prefill: list[StepResult]
     decode: StepResult | None
     seconds: float
+    waiting: bool = False  # constrained decode rows wait for their masks
 
 
 @dataclass
@@ -89,6 +108,9 @@ class FakeRunner:
     plans: list[StepPlan] = field(default_factory=list)
     block_size: int | None = None
     rows: dict[int, _Row] = field(default_factory=dict)
+    steer: Steer | None = None
+    # What happened, in order: ("collect", step), ("sample", step, slots).
+    calls: list[tuple] = field(default_factory=list)
 
     @property
     def live(self) -> set[str]:
@@ -102,7 +124,7 @@ class FakeRunner:
             assert join.slot not in self.rows, f"slot {join.slot} is taken"
             request_id = join.seq_id.split("#")[0]
             self.added.append(request_id)
-            self.rows[join.slot] = _Row(request_id, join.num_cached)
+            self.rows[join.slot] = _Row(request_id, join.num_cached, constrained=join.constrained)
         for slot, table in plan.tables:
             self.rows[slot].table = len(table)
         seconds = 0.0
@@ -117,6 +139,7 @@ class FakeRunner:
                 Forward([(self.rows[c.slot].request_id, c.tokens) for c in chunks])
             )
             sampled = [(c.slot, self._feed(c.slot, c.tokens)) for c in chunks if c.sample]
+            sampled = [(slot, self._masked(slot, t, plan.masks, 0)) for slot, t in sampled]
             for c in chunks:
                 if not c.sample:
                     self._advance(c.slot, len(c.tokens))
@@ -136,7 +159,33 @@ class FakeRunner:
                 assert row.last is not None, f"{row.request_id} has no token to feed"
                 inputs.append((slot, self._feed(slot, [row.last])))
             decode = _result(inputs)
-        return _Pending(plan, prefill, decode, seconds)
+        waiting = any(self.rows[s].constrained for s in plan.decode)
+        return _Pending(plan, prefill, decode, seconds, waiting)
+
+    def sample(self, pending: _Pending, masks: RowMasks) -> _Pending:
+        assert pending.waiting and pending.decode is not None, "nothing waits for masks"
+        self.calls.append(("sample", pending.plan.step, list(masks.slots)))
+        tokens = pending.decode.tokens
+        for i, slot in enumerate(pending.decode.slots.tolist()):
+            if slot in self.rows:
+                tokens[i] = self._masked(slot, int(tokens[i]), masks, 0)
+        pending.waiting = False
+        return pending
+
+    def _masked(self, slot: int, token: int, masks: RowMasks | None, position: int) -> int:
+        """A row's token under its mask at one of its positions in `masks` (none: as is)."""
+        row = self.rows[slot]
+        if not row.constrained or masks is None or slot not in masks.slots:
+            return token
+        words = masks.array()[masks.slots.index(slot) + position]
+        allowed = allowed_tokens(words)
+        if self.steer is not None:
+            token = self.steer(row.request_id, position, token, allowed)
+        elif token not in allowed:
+            token = int(allowed[0])
+        assert token in allowed, f"{row.request_id}: token {token} is not allowed"
+        row.last = token
+        return token
 
     def _feed(self, slot: int, tokens: list[int]) -> int:
         """Feed tokens to a row; the token it samples after them."""
@@ -164,12 +213,12 @@ class FakeRunner:
                 end = row.position + 1 + len(d.tokens)
                 assert end <= row.table * self.block_size, f"{row.request_id}: no slots"
             emitted, last = [], row.last
-            for token in d.tokens:
-                if token != (last + 1) % VOCAB:
+            for j, token in enumerate(d.tokens):
+                if token != self._masked(d.slot, (last + 1) % VOCAB, plan.masks, j):
                     break
                 emitted.append(token)
                 last = token
-            emitted.append((last + 1) % VOCAB)
+            emitted.append(self._masked(d.slot, (last + 1) % VOCAB, plan.masks, len(emitted)))
             row.position += len(emitted)  # the last token and the accepted drafts
             row.last = emitted[-1]
             slots.append(d.slot)
@@ -195,6 +244,8 @@ class FakeRunner:
         return result
 
     def collect(self, pending: _Pending) -> StepResult:
+        assert not pending.waiting, "a constrained step was read before its masks came"
+        self.calls.append(("collect", pending.plan.step))
         # The forwards' time has passed once their tokens are read (as on a device).
         self.clock.now += pending.seconds
         pending.seconds = 0.0
@@ -300,9 +351,11 @@ class Harness:
         cost: ForwardCost | None = flat_cost,
         kv: KVManager | None = None,
         batched: bool = True,
+        constraints: Constraints | None = None,
+        steer: Steer | None = None,
         **config,
     ) -> None:
-        self.engine = FakeRunner(config=EngineConfig(batched=batched), cost=cost)
+        self.engine = FakeRunner(config=EngineConfig(batched=batched), cost=cost, steer=steer)
         self.kv = kv or UnpagedKV()
         if isinstance(self.kv, KVCacheManager):
             self.engine.block_size = self.kv.block_size
@@ -312,6 +365,7 @@ class Harness:
             kv=self.kv,
             batched=batched,
             clock=self.engine.clock,
+            constraints=constraints,
         )
         self.loop = CoreLoop(
             self.sched, self.engine, overlap_steps=False, counters=lambda _: CacheCounters()
@@ -335,13 +389,21 @@ class Harness:
         ]
 
     def submit(
-        self, request_id: str, prompt: Seq[int] = (1, 2, 3), *, max_tokens: int = 4, **kw
+        self,
+        request_id: str,
+        prompt: Seq[int] = (1, 2, 3),
+        *,
+        max_tokens: int = 4,
+        grammar: Compiled | None = None,
+        **kw,
     ) -> Request:
+        """`grammar`: the request's compiled response format (as the core server sets it)."""
         request = GenerationRequest(request_id, tuple(prompt), max_tokens=max_tokens, **kw)
         calls = self.received.setdefault(request_id, [])
         times = self.token_times.setdefault(request_id, [])
         rid = len(self.seqs) + 1
         seq = Request(request, ListSink(calls, times, self.engine.clock), rid=rid)
+        seq.grammar = grammar
         self.loop.submit(seq)
         self.seqs[request_id] = seq
         return seq

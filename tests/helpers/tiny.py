@@ -19,7 +19,15 @@ from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import KVStorage
 from service.core.kv.block_pool import KVCacheManager, KVManager, SequenceBlocks, UnpagedKV
 from service.core.models.layout import CacheLayout, probe_layout
-from service.core.scheduler.plan import Chunk, Draft, RowJoin, RowLeave, StepPlan, StepResult
+from service.core.scheduler.plan import (
+    Chunk,
+    Draft,
+    RowJoin,
+    RowLeave,
+    RowMasks,
+    StepPlan,
+    StepResult,
+)
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 256
 
@@ -169,8 +177,10 @@ class Driven:
         adopt: bool = False,
         want_logprobs: bool = False,
         top_logprobs: int = 0,
+        constrained: bool = False,
     ) -> Seq:
-        """`adopt`: admit it as the scheduler does (cached prefix adopted, prompt reserved)."""
+        """`adopt`: admit it as the scheduler does (cached prefix adopted, prompt reserved);
+        `constrained`: it samples under token masks (give them with each step)."""
         blocks = self.kv.new_sequence()
         cached = 0
         if adopt:
@@ -182,7 +192,14 @@ class Driven:
         plan = self._plan()
         plan.joins.append(
             RowJoin(
-                slot, seq_id, params, list(prompt_token_ids), cached, want_logprobs, top_logprobs
+                slot,
+                seq_id,
+                params,
+                list(prompt_token_ids),
+                cached,
+                want_logprobs,
+                top_logprobs,
+                constrained=constrained,
             )
         )
         seq = Seq(seq_id, slot, blocks, self)
@@ -223,10 +240,14 @@ class Driven:
         plan.capacity, plan.copies = update.capacity, list(update.copies)
         return plan
 
-    def submit(self, rows: list[StepRow], dispatch: bool = True) -> Pending:
+    def submit(
+        self, rows: list[StepRow], dispatch: bool = True, masks: RowMasks | None = None
+    ) -> Pending:
         """One forward of `rows`: a prefill forward when every row feeds tokens, else a decode
-        forward (rows feeding their last sampled token)."""
+        forward (rows feeding their last sampled token). `masks`: the plan's (prefill rows
+        that sample); a decode step's constrained rows take theirs through `sample`."""
         plan = self._plan()
+        plan.masks = masks
         if all(r.tokens is not None for r in rows):
             for r in rows:
                 self._reserve(plan, r.seq, len(r.tokens or ()))
@@ -240,6 +261,9 @@ class Driven:
 
     def dispatch(self, pending: Pending) -> Pending:
         return self.engine.dispatch(pending)
+
+    def sample(self, pending: Pending, masks: RowMasks) -> Pending:
+        return self.engine.sample(pending, masks)
 
     def finish_rows(self, pending: Pending) -> list[RowResult]:
         return self.results(self.engine.collect(pending), pending.plan)
@@ -264,9 +288,10 @@ class Driven:
     def step(self, rows: list[StepRow]) -> list[RowResult]:
         return self.finish_rows(self.submit(rows))
 
-    def verify(self, rows: list[DraftRow]) -> list[Verified]:
+    def verify(self, rows: list[DraftRow], masks: RowMasks | None = None) -> list[Verified]:
         """A verification forward, then the rejected drafts' slots given back."""
         plan = self._plan()
+        plan.masks = masks
         for r in rows:
             self._reserve(plan, r.seq, 1 + len(r.draft))
             plan.verify.append(Draft(r.seq.slot, list(r.draft)))

@@ -452,7 +452,9 @@ class ModelRunner:
         if masks is None and self.constrained[slots[sampled]].any():
             forward = _Forward(slots, rows, lengths, sampled, None, logits=last_logits)
         else:
-            forward = self._sample(slots, sampled, rows, self._masked(last_logits, slots, masks))
+            forward = self._sample(
+                slots, sampled, rows, self._masked(last_logits, slots[sampled], masks)
+            )
             forward.masks = masks
         forward.lengths, forward.undo, forward.inputs = lengths, undo, inputs
         return forward

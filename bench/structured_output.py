@@ -1,0 +1,185 @@
+"""Structured output's cost: C concurrent greedy requests constrained by a JSON Schema against
+the same requests unconstrained, on the engine core in this process (scheduler, runner,
+loop; no gRPC), with the time spent filling token masks.
+
+Each replicate runs both, in alternating order (drift hits both), C requests submitted at once,
+every one generating exactly --max-tokens tokens (the unconstrained ones ignore EOS; the
+schema asks for more items than that many tokens can hold, so no document ends early). Prints
+tokens/s (median and range over the replicates), the constrained/unconstrained ratio per
+replicate, and the mask time per step and per row-step (p50, p99 over all the constrained
+steps); writes JSON with the git commit and the machine's load.
+
+    env $(.venv/bin/python -m service.common.blas --env) .venv/bin/python \\
+        bench/structured_output.py --concurrency 8 --max-tokens 128 --replicates 3 \\
+        --out bench/out/structured_output.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.inprocess import Collect
+from service.common.config import CoreConfig, SchedulingConfig
+from service.common.tokenizer import ChatTurn
+from service.core.runtime import Runtime
+from service.core.scheduler.request import Request
+from service.protocol import GenerationRequest, ResponseFormat, SamplingParams
+
+SCHEMA = {
+    "type": "array",
+    "minItems": 200,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0},
+            "name": {"type": "string", "maxLength": 24},
+            "price": {"type": "number"},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            "in_stock": {"type": "boolean"},
+        },
+        "required": ["id", "name", "price", "tags", "in_stock"],
+        "additionalProperties": False,
+    },
+}
+PROMPTS = [
+    "List the products of a grocery store as a JSON array.",
+    "Give the catalogue of a bookshop as JSON.",
+    "Describe the items sold by a hardware store, as a JSON list.",
+    "Write the inventory of a toy shop in JSON.",
+]
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str) -> dict:
+    """C requests at once; tokens/s over the wall time until the last one finished."""
+    assert runtime.loop is not None and runtime.loaded is not None
+    tok = runtime.loaded.tokenizer
+    compiled = None
+    if constrained:
+        assert runtime.grammar is not None
+        compiled = runtime.grammar.compile(ResponseFormat("json_schema", json.dumps(SCHEMA)))
+    sink = Collect(args.concurrency)
+    started = time.perf_counter()
+    for i in range(args.concurrency):
+        prompt = tok.render_chat([ChatTurn("user", PROMPTS[i % len(PROMPTS)])])
+        request = GenerationRequest(
+            f"{tag}-{i}",
+            tuple(prompt),
+            SamplingParams(),
+            max_tokens=args.max_tokens,
+            ignore_eos=not constrained,
+            cache_prompt=False,
+        )
+        seq = Request(request, sink, rid=i)
+        seq.grammar = compiled
+        runtime.loop.submit(seq)
+    if not sink.wait(600):
+        raise TimeoutError(f"{tag}: {len(sink.finals)} of {args.concurrency} finished")
+    seconds = time.perf_counter() - started
+    reasons = sorted(set(sink.finals.values()))
+    return {"tok_s": sink.tokens / seconds, "tokens": sink.tokens, "finish": reasons}
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    arr = np.asarray(values)
+    return {"p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--replicates", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("bench/out/structured_output.json"))
+    args = ap.parse_args()
+
+    config = CoreConfig(scheduling=SchedulingConfig(max_batch_size=args.concurrency))
+    runtime = Runtime(config)
+    runtime.start()
+    runtime.wait_ready(300)
+    assert runtime.scheduler is not None and runtime.scheduler.constraints is not None
+    stats = runtime.scheduler.constraints.stats
+    load = [os.getloadavg()[0]]
+    run(runtime, args, False, "warm-free")  # compiles, first shapes, the grammar tokenizer
+    run(runtime, args, True, "warm-json")
+    stats.recent.clear()
+    replicates = []
+    for r in range(args.replicates):
+        order = [False, True] if r % 2 == 0 else [True, False]
+        result: dict[str, Any] = {}
+        for constrained in order:
+            name = "json_schema" if constrained else "free"
+            result[name] = run(runtime, args, constrained, f"{name}-{r}")
+            load.append(os.getloadavg()[0])
+        result["ratio"] = result["json_schema"]["tok_s"] / result["free"]["tok_s"]
+        replicates.append(result)
+        print(
+            f"replicate {r + 1}: free {result['free']['tok_s']:.1f} tok/s, json_schema "
+            f"{result['json_schema']['tok_s']:.1f} tok/s, ratio {result['ratio']:.3f}",
+            flush=True,
+        )
+    steps = list(stats.recent)
+    per_step = [s for s, _ in steps]
+    per_row = [s / n for s, n in steps for _ in range(n)]
+    runtime.shutdown()
+
+    def summary(values: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    out = {
+        "commit": git_commit(),
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "replicates": replicates,
+        "free_tok_s": summary([r["free"]["tok_s"] for r in replicates]),
+        "json_schema_tok_s": summary([r["json_schema"]["tok_s"] for r in replicates]),
+        "ratio": summary([r["ratio"] for r in replicates]),
+        "mask_step_seconds": percentiles(per_step),
+        "mask_row_step_seconds": percentiles(per_row),
+        "masked_steps": len(per_step),
+        "load_average_1m": load,
+        "cpus": os.cpu_count(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+
+    def row(label: str, s: dict[str, float], unit: str = "", scale: float = 1.0) -> str:
+        return (
+            f"| {label} | {s['median'] * scale:.3g}{unit} | "
+            f"{s['min'] * scale:.3g} – {s['max'] * scale:.3g}{unit} |"
+        )
+
+    print(f"\ncommit {out['commit']}, C={args.concurrency}, {args.max_tokens} tokens each")
+    print("| | median | range |\n|---|---:|---:|")
+    print(row("unconstrained tok/s", out["free_tok_s"]))
+    print(row("json_schema tok/s", out["json_schema_tok_s"]))
+    print(row("ratio", out["ratio"], "×"))
+    ms, mr = out["mask_step_seconds"], out["mask_row_step_seconds"]
+    print(
+        f"mask time per step: p50 {ms['p50'] * 1e6:.0f} µs, p99 {ms['p99'] * 1e6:.0f} µs; "
+        f"per row-step: p50 {mr['p50'] * 1e6:.0f} µs, p99 {mr['p99'] * 1e6:.0f} µs "
+        f"({len(per_step)} steps)"
+    )
+    print(f"load average (1 min) during the runs: {', '.join(f'{x:.1f}' for x in load)}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
