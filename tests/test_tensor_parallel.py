@@ -1,15 +1,16 @@
 """Tensor parallel on the CPU: the ring backend's local processes, served through gRPC.
 
 A tiny seeded llama with 4 heads and 2 K/V heads at TP=2, and the embedded SmolLM2 (9 heads,
-3 K/V heads) at TP=3: concurrent greedy requests give the tokens of one rank (mlx-lm alone for
-the tiny model, a TP=1 server for SmolLM2), with the logprob margin reported; cancellation and
-preemption behave as with one rank; a killed rank ends the open RPCs with UNAVAILABLE and the
-server exits non-zero; impossible sizes are refused at start.
+3 K/V heads) at TP=3: concurrent greedy requests (one with a response format) give the tokens
+of one rank (mlx-lm alone for the tiny model, a TP=1 server for SmolLM2), with the logprob
+margin reported; cancellation and preemption behave as with one rank; a killed rank ends the
+open RPCs with UNAVAILABLE and the server exits non-zero; impossible sizes are refused at start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -128,9 +129,20 @@ def test_tp2_cancellation_and_preemption(tp_model) -> None:
 
 
 def test_smollm2_tp3_gives_the_tokens_of_one_rank(stub) -> None:
-    """The embedded model's 9 heads and 3 K/V heads, one of each per rank."""
+    """The embedded model's 9 heads and 3 K/V heads, one of each per rank; a request with a
+    response format beside the free ones (rank 0 fills the masks, every rank applies them)."""
     questions = ["What is the capital of France?", "Name a primary color."]
     requests = [chat_request(q, max_tokens=6, cache_prompt=False) for q in questions]
+    questions.append("Describe a person as JSON.")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    requests.append(
+        chat_request(
+            questions[-1],
+            max_tokens=10,
+            cache_prompt=False,
+            response_format=pb.ResponseFormat(json_schema=json.dumps(schema)),
+        )
+    )
     want = [stub.Generate(r, timeout=120) for r in requests]  # the shared TP=1 server
     with (
         running_server("--tensor-parallel", "3", "--log-format", "json") as server,

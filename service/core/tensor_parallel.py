@@ -160,6 +160,10 @@ class ReplicatedRunner:
         self._send(Dispatch(pending.plan.step))
         return self._runner.dispatch(pending)
 
+    def take_prefill(self, pending: Any) -> StepResult:
+        # Prefill forwards are read at submit on every rank: nothing for the followers to do.
+        return self._runner.take_prefill(pending)
+
     def sample(self, pending: Any, masks: RowMasks) -> Any:
         self._send(Sample(pending.plan.step, masks))
         return self._runner.sample(pending, masks)
