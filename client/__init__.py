@@ -7,6 +7,7 @@ from client.client import (
     GenerationClient,
     TLSConfig,
     build_request,
+    response_format,
     to_generate_request,
     to_stream_request,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "TLSConfig",
     "build_request",
     "error_details",
+    "response_format",
     "to_generate_request",
     "to_stream_request",
 ]

@@ -13,6 +13,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,7 +21,14 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from client.client import DEFAULT_TARGET, TOKEN_ENV, GenerationClient, TLSConfig, build_request
+from client.client import (
+    DEFAULT_TARGET,
+    TOKEN_ENV,
+    GenerationClient,
+    TLSConfig,
+    build_request,
+    response_format,
+)
 from client.errors import ErrorClass, ErrorDetails, error_details
 from mlxserve.v1 import generation_pb2 as pb
 
@@ -159,6 +167,20 @@ def _generation_options() -> argparse.ArgumentParser:
     gen.add_argument(
         "--no-cache-prompt", action="store_true", help="bypass the server's prompt-prefix cache"
     )
+    formats = gen.add_mutually_exclusive_group()
+    formats.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="structured output: a JSON Schema (JSON text, or @FILE)",
+    )
+    formats.add_argument("--json-object", action="store_true", help="the reply is a JSON object")
+    formats.add_argument("--regex", help="the reply matches this regular expression in full")
+    formats.add_argument(
+        "--grammar", help="the reply follows this grammar (llguidance's Lark syntax, or @FILE)"
+    )
+    formats.add_argument(
+        "--choice", action="append", help="the reply is exactly one of these (repeatable)"
+    )
     return gen
 
 
@@ -213,6 +235,25 @@ def _chat_turns(args: argparse.Namespace, prompt: str) -> list[tuple[str, str]]:
     return [*turns, ("user", prompt)]
 
 
+def _text_or_file(value: str | None) -> str | None:
+    if value is not None and value.startswith("@"):
+        return Path(value[1:]).read_text()
+    return value
+
+
+def _response_format(args: argparse.Namespace) -> pb.ResponseFormat | None:
+    schema, grammar = _text_or_file(args.json_schema), _text_or_file(args.grammar)
+    if not (schema is not None or args.json_object or args.regex or grammar or args.choice):
+        return None
+    return response_format(
+        json_schema=schema,
+        json_object=args.json_object,
+        regex=args.regex,
+        grammar=grammar,
+        choice=args.choice,
+    )
+
+
 def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
     prompt = _read_prompt(args)
     # Default to chat: the embedded model is an instruct model and answers chats, not raw text.
@@ -235,6 +276,7 @@ def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
         top_logprobs=args.top_logprobs,
         request_id=args.request_id,
         cache_prompt=False if args.no_cache_prompt else None,
+        response_format=_response_format(args),
     )
 
 

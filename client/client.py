@@ -157,6 +157,38 @@ def _chat_messages(chat: ChatLike) -> list[pb.ChatMessage]:
     return messages
 
 
+def response_format(
+    *,
+    json_schema: str | Mapping[str, Any] | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
+) -> pb.ResponseFormat:
+    """A ResponseFormat of exactly one kind (structured output). `json_schema`: the schema as
+    JSON text or as a dict (sent as its JSON text); `grammar`: llguidance's Lark-like syntax;
+    `choice`: the reply is exactly one of these strings."""
+    given = {
+        "json_schema": json_schema is not None,
+        "json_object": json_object,
+        "regex": regex is not None,
+        "grammar": grammar is not None,
+        "choice": choice is not None,
+    }
+    if sum(given.values()) != 1:
+        raise ValueError("give exactly one of json_schema, json_object, regex, grammar, choice")
+    if json_schema is not None:
+        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        return pb.ResponseFormat(json_schema=text)
+    if json_object:
+        return pb.ResponseFormat(json_object=True)
+    if regex is not None:
+        return pb.ResponseFormat(regex=regex)
+    if grammar is not None:
+        return pb.ResponseFormat(grammar=grammar)
+    return pb.ResponseFormat(choice=pb.ChoiceList(options=list(choice or ())))
+
+
 def build_request(
     prompt: str | None = None,
     *,
@@ -180,10 +212,13 @@ def build_request(
     top_logprobs: int = 0,
     request_id: str = "",
     cache_prompt: bool | None = None,
+    response_format: pb.ResponseFormat | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one input (raw `prompt`, `chat` or `token_ids`).
 
-    Parameters left as None stay unset, so the server applies its defaults.
+    Parameters left as None stay unset, so the server applies its defaults. `response_format`
+    (see `response_format()`) constrains the reply to a JSON Schema, a regex, a grammar or a
+    choice.
     """
     inputs_given = sum(x is not None for x in (prompt, chat, token_ids))
     if inputs_given != 1:
@@ -225,6 +260,8 @@ def build_request(
         req.stopping.ignore_eos = True
     if cache_prompt is not None:
         req.cache_prompt = cache_prompt
+    if response_format is not None:
+        req.response_format.CopyFrom(response_format)
     return req
 
 

@@ -19,6 +19,7 @@ from client import (
     TLSConfig,
     build_request,
     error_details,
+    response_format,
     to_stream_request,
 )
 from client.bench.server import ServerProcess
@@ -204,6 +205,36 @@ def test_build_request_round_trips_to_stream_request() -> None:
     assert not request.sampling.HasField("top_p")
     with pytest.raises(ValueError):
         build_request("hi", chat=[("user", "hi")])
+
+
+def test_response_format_builder() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = build_request("hi", response_format=response_format(json_schema=schema))
+    assert json.loads(request.response_format.json_schema) == schema
+    assert response_format(choice=["x", "y"]).choice.options == ["x", "y"]
+    assert response_format(json_object=True).WhichOneof("format") == "json_object"
+    assert response_format(regex="[a-z]+").regex == "[a-z]+"
+    assert to_stream_request(request).response_format == request.response_format
+    with pytest.raises(ValueError):
+        response_format(regex="a", grammar='start: "a"')
+    with pytest.raises(ValueError):
+        response_format()
+
+
+@pytest.mark.slow
+def test_cli_and_client_constrain_the_reply(server_target: str) -> None:
+    done = run_cli(
+        server_target, "generate", "Is Paris in France?", "--choice", "yes", "--choice", "no"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() in ("yes", "no")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    with GenerationClient(server_target) as client:
+        reply = client.generate(
+            QUESTION, max_tokens=32, response_format=response_format(json_schema=schema)
+        )
+    assert reply.finish_reason == pb.FINISH_REASON_STOP
+    assert isinstance(json.loads(reply.text)["city"], str)
 
 
 # -- TLS, mutual TLS and tokens --------------------------------------------------------------

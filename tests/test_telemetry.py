@@ -450,6 +450,46 @@ def test_a_cancelled_stream_is_counted_as_cancelled(traced: Any) -> None:
     )
 
 
+@pytest.mark.slow
+def test_structured_output_on_the_span_and_in_the_metrics(traced: Any) -> None:
+    """The span names the format's kind; the metrics count requests by kind, refusals by
+    code, the front end's compiles and cache lookups, and the core's compiles and mask times."""
+    server, rec, url = traced
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    request = chat_request(
+        "Give me a number as JSON.",
+        max_tokens=12,
+        response_format=pb.ResponseFormat(json_schema=json.dumps(schema)),
+    )
+    traceparent, trace_id, _ = new_traceparent()
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        stub.Generate(request, metadata=[("traceparent", traceparent)], timeout=120)
+        stub.Generate(request, timeout=120)  # compiled already: a hit
+        refused = chat_request("Hi", max_tokens=2, response_format=pb.ResponseFormat(regex="a("))
+        with pytest.raises(grpc.RpcError):
+            stub.Generate(refused, timeout=60)
+    attrs = _attrs(rec.span_of_trace(trace_id).attributes)
+    assert attrs["mlxserve.response_format"] == "json_schema"
+    assert attrs["gen_ai.output.type"] == "json"
+    samples = scrape_metrics(url)
+    by_kind = {"model": MODEL, "kind": "json_schema"}
+    assert metric(samples, "mlxserve_structured_output_requests_total", **by_kind) >= 2
+    assert metric(samples, "mlxserve_grammar_compile_seconds_count", **by_kind) >= 1
+    hits = {"model": MODEL, "result": "hit"}
+    assert metric(samples, "mlxserve_grammar_cache_lookups_total", **hits) >= 1
+    regex = {"model": MODEL, "kind": "regex", "code": "invalid"}
+    assert metric(samples, "mlxserve_structured_output_refusals_total", **regex) >= 1
+    assert metric(samples, "mlxserve_core_grammar_compiles_total", model=MODEL) >= 1
+    assert metric(samples, "mlxserve_core_grammar_cache_hits_total", model=MODEL) >= 1
+    steps = metric(samples, "mlxserve_grammar_mask_seconds_count", model=MODEL)
+    row_steps = metric(samples, "mlxserve_grammar_mask_row_seconds_count", model=MODEL)
+    assert steps > 0 and row_steps >= steps
+    assert metric(samples, "mlxserve_grammar_mask_seconds_sum", model=MODEL) > 0
+    top = {"model": MODEL, "le": "+Inf"}
+    assert metric(samples, "mlxserve_grammar_mask_seconds_bucket", **top) == steps
+
+
 # -- a real Prometheus --------------------------------------------------------------------------
 
 PROMETHEUS = shutil.which("prometheus")
