@@ -73,6 +73,16 @@ def harness(script: Script, **config) -> Harness:
     return h
 
 
+def run_document(grammar: Compiled, doc: list[int], max_tokens: int = 64) -> tuple[Harness, str]:
+    """One constrained request steered towards `doc`, run to its end."""
+    script = Script()
+    h = harness(script)
+    script.docs["doc"] = doc
+    h.submit("doc", max_tokens=max_tokens, grammar=grammar)
+    h.run()
+    return h, "doc"
+
+
 # -- on its own --------------------------------------------------------------------------------
 
 
@@ -136,13 +146,9 @@ def test_drafts_are_cut_to_what_the_grammar_allows_and_masked_per_position(perso
 
 
 def test_a_constrained_request_gives_its_document_and_stops_at_its_end(person, tok) -> None:
-    script = Script()
-    h = harness(script)
-    script.docs["json"] = tok.encode(DOC)
-    h.submit("json", max_tokens=64, grammar=person)
-    h.run()
-    assert h.tokens("json") == script.docs["json"]  # no EOS needed: "}" ends it
-    assert h.final("json").finish_reason is FinishReason.STOP
+    h, rid = run_document(person, tok.encode(DOC))
+    assert h.tokens(rid) == tok.encode(DOC)  # no EOS needed: "}" ends it
+    assert h.final(rid).finish_reason is FinishReason.STOP
     assert not h.sched.constraints.active.any()
 
 
@@ -185,13 +191,9 @@ def test_eos_only_where_the_grammar_may_end(cache, tok) -> None:
 
 
 def test_max_tokens_cuts_a_document_with_length(person, tok) -> None:
-    script = Script()
-    h = harness(script)
-    script.docs["cut"] = tok.encode(DOC)
-    h.submit("cut", max_tokens=4, grammar=person)
-    h.run()
-    assert h.tokens("cut") == script.docs["cut"][:4]
-    assert h.final("cut").finish_reason is FinishReason.LENGTH
+    h, rid = run_document(person, tok.encode(DOC), max_tokens=4)
+    assert h.tokens(rid) == tok.encode(DOC)[:4]
+    assert h.final(rid).finish_reason is FinishReason.LENGTH
 
 
 def test_a_prefill_that_ends_samples_under_its_mask_and_decodes_from_the_next_plan(person, tok):

@@ -51,6 +51,15 @@ CHOICES = ["positive", "negative", "neutral"]
 SUM_GRAMMAR = 'start: "sum(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
 
 
+def person_request(max_tokens: int = 48, **fields: Any) -> pb.GenerateRequest:
+    return chat_request(
+        "Describe a person.",
+        max_tokens=max_tokens,
+        response_format=fmt(json_schema=PERSON),
+        **fields,
+    )
+
+
 def fmt(**kind: Any) -> pb.ResponseFormat:
     if "json_schema" in kind and not isinstance(kind["json_schema"], str):
         kind["json_schema"] = json.dumps(kind["json_schema"])
@@ -135,9 +144,7 @@ def test_every_kind_inside_one_batch_beside_free_rows(stub, reference, grammars)
         chat_request("What is the capital of France?", max_tokens=16),
     ]
     kinds = {
-        "json_schema": chat_request(
-            "Describe a person.", max_tokens=48, response_format=fmt(json_schema=PERSON)
-        ),
+        "json_schema": person_request(),
         "json_object": chat_request(
             "Give me a JSON object about a cat.",
             max_tokens=48,
@@ -177,9 +184,7 @@ def test_every_kind_inside_one_batch_beside_free_rows(stub, reference, grammars)
 
 
 def test_streamed_chunks_extend_the_document(stub) -> None:
-    request = chat_request(
-        "Describe a person.", max_tokens=48, response_format=fmt(json_schema=PERSON)
-    )
+    request = person_request()
     text, chunks = "", 0
     for message in stub.StreamGenerate(to_stream(request), timeout=300):
         text += message.text
@@ -192,21 +197,10 @@ def test_streamed_chunks_extend_the_document(stub) -> None:
 
 
 def test_stop_strings_and_max_tokens_end_a_document_early(stub, grammars) -> None:
-    stopped = stub.Generate(
-        chat_request(
-            "Describe a person.",
-            max_tokens=48,
-            response_format=fmt(json_schema=PERSON),
-            stopping=pb.StoppingCriteria(stop=[", "]),
-        ),
-        timeout=300,
-    )
+    stopped = stub.Generate(person_request(stopping=pb.StoppingCriteria(stop=[", "])), timeout=300)
     assert stopped.finish_reason == pb.FINISH_REASON_STOP and stopped.stop_string == ", "
     assert ", " not in stopped.text and stopped.text.startswith('{"name": ')
-    cut = stub.Generate(
-        chat_request("Describe a person.", max_tokens=5, response_format=fmt(json_schema=PERSON)),
-        timeout=300,
-    )
+    cut = stub.Generate(person_request(max_tokens=5), timeout=300)
     assert cut.finish_reason == pb.FINISH_REASON_LENGTH  # says the document is incomplete
     assert len(cut.token_ids) == 5
     assert accepted_prefix(grammars, PERSON, list(cut.token_ids))
@@ -314,13 +308,7 @@ def one_slot() -> Iterator[tuple[ServerProcess, pb_grpc.GenerationServiceStub]]:
 
 def test_a_preempted_request_resumes_its_document(one_slot) -> None:
     _, stub = one_slot
-    request = chat_request(
-        "Describe a person.",
-        max_tokens=48,
-        response_format=fmt(json_schema=PERSON),
-        priority=0,
-        cache_prompt=False,
-    )
+    request = person_request(priority=0, cache_prompt=False)
     alone = stub.Generate(request, timeout=300)
     validate(PERSON, alone.text)
     before = stub.CacheStats(pb.CacheStatsRequest(), timeout=10).preemptions
