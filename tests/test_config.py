@@ -233,6 +233,7 @@ def test_help_lists_the_flags_by_group():
     add_server_arguments(parser)
     text = parser.format_help().split("\noptions:", 1)[1]
     groups = ["transport and security", "front end", "scheduler", "KV cache", "model"]
+    groups.append("structured output")
     positions = [text.index(f"\n{g}:") for g in [*groups, "observability"]]
     assert positions == sorted(positions)
     assert text.index("--tls-cert") < text.index("\nfront end:") < text.index("--api-workers")
@@ -244,3 +245,18 @@ def test_each_process_gets_only_its_part():
     assert (core.model.path, core.kv.kv_cache_budget) == ("/m", "none")
     assert not hasattr(core, "transport") and not hasattr(frontend, "scheduling")
     assert frontend.transport.port == 50123 and not hasattr(frontend, "kv")
+
+
+def test_structured_output_flags_reach_both_processes(monkeypatch):
+    config = parse("--max-grammar-compile-ms", "750", "--grammar-cache-size", "32")
+    assert config.core.structured.max_grammar_compile_ms == 750.0
+    assert config.frontend_process.structured.grammar_cache_size == 32
+    monkeypatch.setenv("MLXSERVE_MAX_GRAMMAR_COMPILE_MS", "1500")
+    monkeypatch.setenv("MLXSERVE_GRAMMAR_CACHE_SIZE", "8")
+    config = parse()
+    assert config.structured.max_grammar_compile_ms == 1500.0
+    assert config.structured.grammar_cache_size == 8
+    with pytest.raises(ConfigError, match="--max-grammar-compile-ms"):
+        parse("--max-grammar-compile-ms", "0")
+    with pytest.raises(ConfigError, match="--grammar-cache-size"):
+        parse("--grammar-cache-size", "0")

@@ -16,6 +16,7 @@ from service.frontend.validation import (
     prompt_token_ids,
     sampling_params,
 )
+from service.protocol import ResponseFormat
 
 VOCAB = 100
 
@@ -388,3 +389,46 @@ def test_input_at_the_size_bound_is_tokenized() -> None:
     message = pb.GenerateRequest(text="x" * (3 * 64))  # might still fit: tokenize it
     with pytest.raises(AssertionError, match="tokenized"):
         prompt_token_ids(message, RefusingTokenizer(), slot_context=64)
+
+
+# -- response_format ----------------------------------------------------------------------------
+
+
+def test_response_formats_become_the_requests_format() -> None:
+    assert _validate(_text()).response_format is None
+    assert _validate(_text(response_format=pb.ResponseFormat())).response_format is None
+    schema = '{"type": "object"}'
+    cases = [
+        (pb.ResponseFormat(json_schema=schema), ResponseFormat("json_schema", schema)),
+        (pb.ResponseFormat(json_object=True), ResponseFormat("json_object")),
+        (pb.ResponseFormat(regex="[a-z]+"), ResponseFormat("regex", "[a-z]+")),
+        (pb.ResponseFormat(grammar='start: "a"'), ResponseFormat("grammar", 'start: "a"')),
+        (
+            pb.ResponseFormat(choice=pb.ChoiceList(options=["a", "b"])),
+            ResponseFormat("choice", options=("a", "b")),
+        ),
+    ]
+    for message, expected in cases:
+        assert _validate(_text(response_format=message)).response_format == expected
+        stream = pb.StreamGenerateRequest(text="hi", response_format=message)
+        assert _validate(stream).response_format == expected
+
+
+@pytest.mark.parametrize(
+    ("response_format", "field"),
+    [
+        (pb.ResponseFormat(json_schema=""), "response_format.json_schema"),
+        (pb.ResponseFormat(regex=" "), "response_format.regex"),
+        (pb.ResponseFormat(grammar=""), "response_format.grammar"),
+        (pb.ResponseFormat(json_object=False), "response_format.json_object"),
+        (pb.ResponseFormat(choice=pb.ChoiceList()), "response_format.choice.options"),
+        (
+            pb.ResponseFormat(choice=pb.ChoiceList(options=["a", "b", ""])),
+            "response_format.choice.options[2]",
+        ),
+    ],
+)
+def test_malformed_response_formats_name_their_field(response_format, field) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        _validate(_text(response_format=response_format))
+    assert refused.value.field == field
