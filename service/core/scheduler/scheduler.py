@@ -37,7 +37,7 @@ from service.core.scheduler.outbox import Outbox
 from service.core.scheduler.plan import Chunk, Draft, RowJoin, RowLeave, StepPlan, StepResult
 from service.core.scheduler.prefill_cost import PrefillCostModel, RowShape, RunningMedian
 from service.core.scheduler.prefill_plan import PrefillPlan
-from service.core.scheduler.prompt_lookup import NgramIndex
+from service.core.scheduler.prompt_lookup import DraftPacing, NgramIndex
 from service.core.scheduler.request import Request, SequenceStatus
 from service.protocol import Final, FinishReason, TokenLogprob
 
@@ -230,8 +230,8 @@ class Scheduler:
             return False
         spec = self.config.speculation
         decoding = int(self._decoding.sum())
-        if spec is not None and 0 < decoding <= spec.max_batch:
-            return False
+        if spec is not None and 0 < decoding <= spec.max_batch and self._any_drafting():
+            return False  # drafts are made from the last token: it must be read first
         return decoding > 0 and all(
             s.status is SequenceStatus.DECODING and not s.cancel_requested for s in self._running
         )
@@ -521,15 +521,30 @@ class Scheduler:
         return out
 
     # -- speculative decoding ----------------------------------------------------------
+    def _any_drafting(self) -> bool:
+        """Whether a decoding row may draft in the next plan (not paused by its pacing)."""
+        return any(
+            s.status is SequenceStatus.DECODING
+            and not s.request.sampling.has_penalties
+            and (s.pacing is None or s.pacing.ready)
+            for s in self._running
+        )
+
     def _draft(self, seq: Request | None, spec: SpeculationConfig) -> list[int]:
-        """Prompt-lookup draft tokens for a decoding row (none when it may not speculate)."""
+        """Prompt-lookup draft tokens for a decoding row (none when it may not speculate, or
+        while its pacing says its drafts do not pay)."""
         if seq is None or seq.status is not SequenceStatus.DECODING:
             return []
         req = seq.request
         if req.sampling.has_penalties:
             return []  # penalties follow each token: they cannot score a draft in one pass
+        if seq.pacing is None:
+            seq.pacing = DraftPacing(spec.num_draft_tokens)
+        allowed = seq.pacing.allowed()
+        if allowed == 0 or self._fed[seq.slot] > seq.prompt_len + seq.num_generated - 1:
+            return []  # paused, or its last token is still in flight (planned ahead)
         room = min(
-            spec.num_draft_tokens,
+            allowed,
             req.max_tokens - seq.num_generated - 1,
             self.config.slot_context - seq.prompt_len - seq.num_generated - 1,
         )
@@ -540,7 +555,10 @@ class Scheduler:
         if seq.lookup is None:
             seq.lookup = NgramIndex(spec.min_ngram, spec.max_ngram)
             seq.lookup.extend(seq.all_token_ids)
-        return seq.lookup.propose(room)
+        draft = seq.lookup.propose(room)
+        if not draft:
+            seq.pacing.miss()
+        return draft
 
     def _verify(self, plan: StepPlan, slots: np.ndarray, drafts: list[list[int]]) -> None:
         """One forward checks every row's draft (rows without one take a plain step in it).
@@ -754,6 +772,8 @@ class Scheduler:
             drafted, accepted = int(result.drafted[i]), int(result.counts[i]) - 1
             seq.drafted_tokens += drafted
             seq.accepted_tokens += accepted
+            if seq.pacing is not None:
+                seq.pacing.record(drafted, accepted)
             if drafted:
                 self.outbox.drafts(seq.sink, seq.rid, drafted, accepted)
         self._accept_verified(result)
