@@ -1061,7 +1061,9 @@ class Run:
 
 
 def _server_flags(path: Path) -> list[str]:
-    return ["--model", str(path), "--parallel", "4", "--log-format", "json"]
+    # float32 whatever the device: the reference is mlx-lm's float32 generation (on a GPU the
+    # server's own default is bfloat16).
+    return ["--model", str(path), "--parallel", "4", "--dtype", "float32", "--log-format", "json"]
 
 
 def _decode_line(records: list[dict[str, Any]]) -> str:
