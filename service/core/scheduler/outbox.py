@@ -63,11 +63,6 @@ class Outbox:
     def final(self, sink: OutputSink, rid: int, final: Final) -> None:
         self._of(sink).finals[rid] = final
 
-    @property
-    def lifecycle_changed(self) -> bool:
-        """Whether a request was admitted, started, preempted or ended this tick."""
-        return any(out.events or out.finals for out in self._sparse.values())
-
     def take(self) -> list[tuple[OutputSink, Outputs]]:
         """This tick's messages, one per sink that has something; the outbox starts over."""
         outputs = dict(self._sparse)
