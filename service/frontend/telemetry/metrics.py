@@ -136,7 +136,13 @@ class Metrics:
                 f"{MULTIPROC_ENV} was set after prometheus_client was imported in this process"
             )
         self.model = ""
-        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._request_counters(self.registry)
+        self._latencies(self.registry)
+        self._grpc(self.registry)
+        self._server: Any = None
+
+    def _request_counters(self, r: CollectorRegistry) -> None:
         m = ["model"]
         self.prompt_tokens = Counter(
             "mlxserve_prompt_tokens",
@@ -190,6 +196,9 @@ class Metrics:
             m,
             registry=r,
         )
+
+    def _latencies(self, r: CollectorRegistry) -> None:
+        m = ["model"]
         self.ttft = Histogram(
             "mlxserve_time_to_first_token_seconds",
             "Arrival in the engine to the first generated token.",
@@ -231,7 +240,9 @@ class Metrics:
         self.request_generation_tokens = tokens(
             "mlxserve_request_generation_tokens", "Generated tokens of a finished request."
         )
-        # gRPC server metrics, named as go-grpc-prometheus and py-grpc-prometheus name them.
+
+    def _grpc(self, r: CollectorRegistry) -> None:
+        """gRPC server metrics, named as go-grpc-prometheus and py-grpc-prometheus name them."""
         self.rpc_started = Counter(
             "grpc_server_started", "RPCs started on the server.", GRPC_LABELS, registry=r
         )
@@ -254,7 +265,6 @@ class Metrics:
         self.rpc_sent = Counter(
             "grpc_server_msg_sent", "Response messages sent.", GRPC_LABELS, registry=r
         )
-        self._server: Any = None
 
     def set_model(self, model: str) -> None:
         """The served model is known: export zeros for its finish reasons and rejections, so
