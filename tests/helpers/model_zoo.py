@@ -811,7 +811,7 @@ FAMILIES: list[Family] = [
     ),
 ]
 FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
-# The families issue 12 requires; the rest are extras.
+# The families the server must serve (README's list); the rest are extras.
 REQUIRED = [f.name for f in FAMILIES[: FAMILIES.index(FAMILY_BY_NAME["qwen3_8bit"]) + 1]]
 
 
@@ -1067,7 +1067,7 @@ def _server_flags(path: Path) -> list[str]:
 
 
 def _decode_line(records: list[dict[str, Any]]) -> str:
-    """The start-up line naming the decode path (the design doc's wording where the server
+    """The start-up line naming the decode path (the server's wording where it
     logs it, else the "model loaded" record's decode_path field)."""
     for record in records:
         event = str(record.get("event", ""))
