@@ -27,11 +27,15 @@ class Outbox:
         self._sparse: dict[int, Outputs] = {}  # sink index -> events, logprobs, finals
 
     def sink_index(self, sink: OutputSink) -> int:
+        """The sink's index by its batch key; the latest sink object of a key is the one
+        delivered to (a front end that registers again gets a new one)."""
         key = sink.batch_key
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = len(self._sinks)
             self._sinks.append(sink)
+        else:
+            self._sinks[index] = sink
         return index
 
     def bind(self, slot: int, sink: OutputSink, rid: int) -> None:
