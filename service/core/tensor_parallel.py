@@ -154,6 +154,10 @@ class ReplicatedRunner:
         self._send(Dispatch(pending.plan.step))
         return self._runner.dispatch(pending)
 
+    def take_prefill(self, pending: Any) -> StepResult:
+        """The prefill forwards' results: read at submit on every rank; no command."""
+        return self._runner.take_prefill(pending)
+
     def collect(self, pending: Any) -> StepResult:
         self._send(Collect(pending.plan.step))
         return self._runner.collect(pending)  # a failure raises (no containment here)
