@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,7 +33,7 @@ import structlog
 from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 from service.core.scheduler.request import Request, SequenceStatus
 from service.core.scheduler.scheduler import QueueFullError, Scheduler
-from service.protocol import CacheCounters, SlotView
+from service.protocol import SlotView
 
 log = structlog.get_logger(__name__)
 
@@ -64,11 +63,6 @@ class _Abort:
     rid: int
 
 
-@dataclass
-class _StatsQuery:
-    reply: Callable[[CacheCounters], None]
-
-
 _STOP = object()
 
 
@@ -79,19 +73,20 @@ class CoreLoop:
         runner: Runner,
         *,
         overlap_steps: bool,
-        counters: Callable[[Scheduler], CacheCounters],
+        on_turn: Callable[[Scheduler], None] | None = None,
         on_finished: Callable[[Request], None] | None = None,
         fatal_errors: bool = False,
     ) -> None:
         """overlap_steps: step N+1 may be dispatched before N is read (in-place pool writes);
-        counters: the cache and batch counters of a stats reply (on this thread);
+        on_turn: told after each turn, before its outputs go out (where the state other threads
+        read is published: whoever saw a token finds its request there);
         on_finished: told of each request whose final output was delivered;
         fatal_errors: an error outside the runner's containment ends the loop (tensor
         parallel: the other ranks could not follow)."""
         self.scheduler = scheduler
         self.runner = runner
         self._overlap = overlap_steps
-        self._counters = counters
+        self._on_turn = on_turn
         self._fatal = fatal_errors
         self._on_finished = on_finished
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -99,7 +94,6 @@ class CoreLoop:
         self._undrained = 0  # submitted, not yet handed to the scheduler
         self._requests: dict[tuple[Hashable, int], Request] = {}
         self._inflight: tuple[StepPlan, Any] | None = None
-        self.stats_published = 0.0
 
     # -- called from other threads ------------------------------------------------------
     def submit(self, seq: Request) -> None:
@@ -120,10 +114,6 @@ class CoreLoop:
     def abort(self, frontend: Hashable, rid: int) -> None:
         """End the request a front end knows as `rid` (its client left, a stop string)."""
         self._inbox.put(_Abort(frontend, rid))
-
-    def query_stats(self, reply: Callable[[CacheCounters], None]) -> None:
-        """`reply` is called on this loop's thread with the counters after the current step."""
-        self._inbox.put(_StatsQuery(reply))
 
     def stop(self) -> None:
         self._inbox.put(_STOP)
@@ -200,7 +190,6 @@ class CoreLoop:
             item = self._inbox.get(block=block)
         except queue.Empty:
             return True
-        queries = []
         while True:
             if item is _STOP:
                 return False
@@ -215,20 +204,16 @@ class CoreLoop:
                 seq = self._requests.get((item.frontend, item.rid))
                 if seq is not None:
                     self.scheduler.cancel(seq)
-            elif isinstance(item, _StatsQuery):
-                queries.append(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        if queries:
-            counters = self._counters(self.scheduler)
-            for query in queries:
-                query.reply(counters)
         return True
 
     def _deliver(self) -> None:
         """The tick's outputs, one `deliver` per sink; finished requests leave the table."""
+        if self._on_turn is not None:
+            self._on_turn(self.scheduler)
         for sink, outputs in self.scheduler.outbox.take():
             for rid in outputs.finals:
                 seq = self._requests.pop((sink.batch_key, rid), None)
@@ -238,21 +223,19 @@ class CoreLoop:
                 sink.deliver(outputs)
             except Exception:
                 log.exception("delivering outputs failed")
-        self.stats_published = time.monotonic()
 
 
-def slot_views(scheduler: Scheduler) -> list[SlotView]:
+def slot_views(running: list[Request], context: Callable[[Request], int]) -> list[SlotView]:
     """The per-slot view of a stats reply: every running request's state (built when asked)."""
-    views = []
-    for seq in scheduler.running:
-        if seq.status in (SequenceStatus.PREFILLING, SequenceStatus.DECODING):
-            views.append(
-                SlotView(
-                    seq.request_id,
-                    seq.status.value,
-                    seq.num_generated,
-                    scheduler.context_tokens(seq),
-                    seq.request.priority,
-                )
-            )
-    return views
+    live = (SequenceStatus.PREFILLING, SequenceStatus.DECODING)
+    return [
+        SlotView(
+            seq.request_id,
+            seq.status.value,
+            seq.num_generated,
+            context(seq),
+            seq.request.priority,
+        )
+        for seq in running
+        if seq.status in live
+    ]

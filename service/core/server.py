@@ -146,11 +146,10 @@ class CoreServer:
                     self._compiling[(frontend, message.rid)] = True
             loop.abort(frontend, message.rid)
         elif isinstance(message, protocol.StatsQuery):
-            if loop is None:
-                self._reply_stats(peer, message.qid, protocol.CacheCounters())
-            else:
-                qid = message.qid
-                loop.query_stats(lambda counters: self._reply_stats(peer, qid, counters))
+            counters = self.runtime.counters() if loop is not None else protocol.CacheCounters()
+            router.send_multipart(
+                [peer, protocol.encode(protocol.StatsReply(message.qid, counters))]
+            )
         elif isinstance(message, protocol.Hello):
             self._peers[message.frontend] = peer
             self._sinks[message.frontend] = FrontendSink(
@@ -224,10 +223,6 @@ class CoreServer:
             req.rid, error.reason, "invalid_format", format_field(kind), error.code
         )
         self._send_later(peer, refused)
-
-    def _reply_stats(self, peer: bytes, qid: int, counters: protocol.CacheCounters) -> None:
-        """On the loop thread: queue the reply for this thread to send."""
-        self._send_later(peer, protocol.StatsReply(qid, counters))
 
     def _send_later(self, peer: bytes | None, message: Any) -> None:
         """Queue a message for a front end (None: every front end) and wake the main thread."""

@@ -161,7 +161,7 @@ class ReplicatedRunner:
         return self._runner.dispatch(pending)
 
     def take_prefill(self, pending: Any) -> StepResult:
-        # Prefill forwards are read at submit on every rank: nothing for the followers to do.
+        """The prefill forwards' results: read at submit on every rank; no command."""
         return self._runner.take_prefill(pending)
 
     def sample(self, pending: Any, masks: RowMasks) -> Any:

@@ -26,7 +26,7 @@ from service.core.scheduler.constraints import Constraints
 from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 from service.core.scheduler.request import Request
 from service.core.scheduler.scheduler import Scheduler, SchedulerConfig
-from service.protocol import CacheCounters, Event, Final, GenerationRequest, Outputs
+from service.protocol import Event, Final, GenerationRequest, Outputs
 
 VOCAB = 1000
 EOS = 999
@@ -367,9 +367,7 @@ class Harness:
             clock=self.engine.clock,
             constraints=constraints,
         )
-        self.loop = CoreLoop(
-            self.sched, self.engine, overlap_steps=False, counters=lambda _: CacheCounters()
-        )
+        self.loop = CoreLoop(self.sched, self.engine, overlap_steps=False)
         self.received: dict[str, list[list[Delivered]]] = {}
         self.seqs: dict[str, Request] = {}
         # Per request, the fake clock's time of each delivery that carried tokens.

@@ -190,7 +190,14 @@ class Metrics:
                 f"{MULTIPROC_ENV} was set after prometheus_client was imported in this process"
             )
         self.model = ""
-        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._request_counters(self.registry)
+        self._latencies(self.registry)
+        self._grpc(self.registry)
+        self._structured_output(self.registry)
+        self._server: Any = None
+
+    def _request_counters(self, r: CollectorRegistry) -> None:
         m = ["model"]
         self.prompt_tokens = Counter(
             "mlxserve_prompt_tokens",
@@ -244,33 +251,9 @@ class Metrics:
             m,
             registry=r,
         )
-        self.structured_requests = Counter(
-            "mlxserve_structured_output_requests",
-            "Requests with a response format, by kind, as they were queued.",
-            [*m, "kind"],
-            registry=r,
-        )
-        self.format_refusals = Counter(
-            "mlxserve_structured_output_refusals",
-            "Response formats refused (INVALID_ARGUMENT), by kind and the engine's code: "
-            "invalid, unsupported, too_complex, timeout.",
-            [*m, "kind", "code"],
-            registry=r,
-        )
-        self.grammar_compile = Histogram(
-            "mlxserve_grammar_compile_seconds",
-            "Compiling a response format on a front end (cache misses; refusals included).",
-            [*m, "kind"],
-            buckets=COMPILE_SECONDS_BUCKETS,
-            registry=r,
-        )
-        self.grammar_lookups = Counter(
-            "mlxserve_grammar_cache_lookups",
-            "A front end's lookups of compiled response formats, by result: hit (compiled or "
-            "compiling already) or miss.",
-            [*m, "result"],
-            registry=r,
-        )
+
+    def _latencies(self, r: CollectorRegistry) -> None:
+        m = ["model"]
         self.ttft = Histogram(
             "mlxserve_time_to_first_token_seconds",
             "Arrival in the engine to the first generated token.",
@@ -312,7 +295,9 @@ class Metrics:
         self.request_generation_tokens = tokens(
             "mlxserve_request_generation_tokens", "Generated tokens of a finished request."
         )
-        # gRPC server metrics, named as go-grpc-prometheus and py-grpc-prometheus name them.
+
+    def _grpc(self, r: CollectorRegistry) -> None:
+        """gRPC server metrics, named as go-grpc-prometheus and py-grpc-prometheus name them."""
         self.rpc_started = Counter(
             "grpc_server_started", "RPCs started on the server.", GRPC_LABELS, registry=r
         )
@@ -335,7 +320,38 @@ class Metrics:
         self.rpc_sent = Counter(
             "grpc_server_msg_sent", "Response messages sent.", GRPC_LABELS, registry=r
         )
-        self._server: Any = None
+
+    def _structured_output(self, r: CollectorRegistry) -> None:
+        """Response formats as this front end sees them (the engine core's are scraped from
+        its stats: service.protocol.GrammarCounters)."""
+        m = ["model"]
+        self.structured_requests = Counter(
+            "mlxserve_structured_output_requests",
+            "Requests with a response format, by kind, as they were queued.",
+            [*m, "kind"],
+            registry=r,
+        )
+        self.format_refusals = Counter(
+            "mlxserve_structured_output_refusals",
+            "Response formats refused (INVALID_ARGUMENT), by kind and the engine's code: "
+            "invalid, unsupported, too_complex, timeout.",
+            [*m, "kind", "code"],
+            registry=r,
+        )
+        self.grammar_compile = Histogram(
+            "mlxserve_grammar_compile_seconds",
+            "Compiling a response format on a front end (cache misses; refusals included).",
+            [*m, "kind"],
+            buckets=COMPILE_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.grammar_lookups = Counter(
+            "mlxserve_grammar_cache_lookups",
+            "A front end's lookups of compiled response formats, by result: hit (compiled or "
+            "compiling already) or miss.",
+            [*m, "result"],
+            registry=r,
+        )
 
     def set_model(self, model: str) -> None:
         """The served model is known: export zeros for its finish reasons and rejections, so
