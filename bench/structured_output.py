@@ -6,8 +6,9 @@ Each replicate runs both, in alternating order (drift hits both), C requests sub
 every one generating exactly --max-tokens tokens (the unconstrained ones ignore EOS; the
 schema asks for more items than that many tokens can hold, so no document ends early). Prints
 tokens/s (median and range over the replicates), the constrained/unconstrained ratio per
-replicate, and the mask time per step and per row-step (p50, p99 over all the constrained
-steps); writes JSON with the git commit and the machine's load.
+replicate, the process's CPU time per token (steadier than wall time on a shared machine), and
+the mask time per step and per row-step (p50, p99 over all the constrained steps); writes JSON
+with the git commit and the machine's load.
 
     env $(.venv/bin/python -m service.common.blas --env) .venv/bin/python \\
         bench/structured_output.py --concurrency 8 --max-tokens 128 --replicates 3 \\
@@ -73,7 +74,7 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
         assert runtime.grammar is not None
         compiled = runtime.grammar.compile(ResponseFormat("json_schema", json.dumps(SCHEMA)))
     sink = Collect(args.concurrency)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for i in range(args.concurrency):
         prompt = tok.render_chat([ChatTurn("user", PROMPTS[i % len(PROMPTS)])])
         request = GenerationRequest(
@@ -90,8 +91,14 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
     if not sink.wait(600):
         raise TimeoutError(f"{tag}: {len(sink.finals)} of {args.concurrency} finished")
     seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started
     reasons = sorted(set(sink.finals.values()))
-    return {"tok_s": sink.tokens / seconds, "tokens": sink.tokens, "finish": reasons}
+    return {
+        "tok_s": sink.tokens / seconds,
+        "tokens": sink.tokens,
+        "cpu_ms_per_token": 1000 * cpu / sink.tokens,
+        "finish": reasons,
+    }
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -128,6 +135,9 @@ def main() -> int:
             result[name] = run(runtime, args, constrained, f"{name}-{r}")
             load.append(os.getloadavg()[0])
         result["ratio"] = result["json_schema"]["tok_s"] / result["free"]["tok_s"]
+        result["cpu_ratio"] = (
+            result["json_schema"]["cpu_ms_per_token"] / result["free"]["cpu_ms_per_token"]
+        )
         replicates.append(result)
         print(
             f"replicate {r + 1}: free {result['free']['tok_s']:.1f} tok/s, json_schema "
@@ -150,6 +160,7 @@ def main() -> int:
         "free_tok_s": summary([r["free"]["tok_s"] for r in replicates]),
         "json_schema_tok_s": summary([r["json_schema"]["tok_s"] for r in replicates]),
         "ratio": summary([r["ratio"] for r in replicates]),
+        "cpu_per_token_ratio": summary([r["cpu_ratio"] for r in replicates]),
         "mask_step_seconds": percentiles(per_step),
         "mask_row_step_seconds": percentiles(per_row),
         "masked_steps": len(per_step),
@@ -169,7 +180,8 @@ def main() -> int:
     print("| | median | range |\n|---|---:|---:|")
     print(row("unconstrained tok/s", out["free_tok_s"]))
     print(row("json_schema tok/s", out["json_schema_tok_s"]))
-    print(row("ratio", out["ratio"], "×"))
+    print(row("ratio (tok/s)", out["ratio"], "×"))
+    print(row("CPU per token, json_schema / free", out["cpu_per_token_ratio"], "×"))
     ms, mr = out["mask_step_seconds"], out["mask_row_step_seconds"]
     print(
         f"mask time per step: p50 {ms['p50'] * 1e6:.0f} µs, p99 {ms['p99'] * 1e6:.0f} µs; "
