@@ -28,7 +28,8 @@ serve: install
 test: install
 	env $(BLAS_ENV) $(PY) -m pytest -q
 
-# Unit tests only (no server, no real model): under a minute.
+# The tests not marked slow (no server or other process of ours, no real model; tests/conftest.py
+# says what is slow): under a minute.
 test-fast: install
 	env $(BLAS_ENV) $(PY) -m pytest -q -m "not slow"
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from service.core.engine import paged_attention
 from service.core.engine.paged_attention import paged_decode_attention
-from tests.test_paged_attention import naive, random_case
+from tests.helpers.attention import naive, random_case
 
 print("kernel available:", paged_attention.kernel_available())
 worst = 0.0

@@ -13,7 +13,7 @@ from service.core.engine.kv_paged import PagedKVStorage
 from service.core.models import activations
 from service.core.models.loader import load_model
 from service.core.models.presets import dummy_model
-from tests.tiny import generate, make_engine
+from tests.helpers.tiny import generate, make_engine
 
 
 def test_fast_exp_is_within_an_ulp_over_the_float32_range():
@@ -53,6 +53,7 @@ def test_install_leaves_half_precision_models_alone():
     assert activations.install(model) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_fast_activations_give_mlx_lm_tokens_on_the_real_model():
     """The embedded model, eight prompts of different lengths decoding together (so prefill

@@ -18,15 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import Balancing, GenerationClient
-from tests.conftest import (
-    ServerProcess,
-    chat_request,
-    free_port,
-    running_replicas,
-    start_draining,
-)
+from tests.helpers.requests import chat_request
+from tests.helpers.server import ServerProcess, free_port, running_replicas, start_draining
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 DEADLINE_S = 60.0
 CALLS = 4

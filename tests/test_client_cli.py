@@ -23,8 +23,8 @@ from client import (
 )
 from client.bench.server import ServerProcess
 from mlxserve.v1 import generation_pb2 as pb
-from tests.certs import Pki, make_pki
-from tests.conftest import running_server
+from tests.helpers.certs import Pki, make_pki
+from tests.helpers.server import running_server
 
 pytestmark = pytest.mark.model
 
@@ -58,6 +58,7 @@ def run_cli(
     )
 
 
+@pytest.mark.slow
 def test_generate_greedy_chat_answers_paris(server_target: str) -> None:
     done = run_cli(server_target, "generate", QUESTION, "--max-tokens", "16", "--temperature", "0")
     assert done.returncode == 0, done.stderr
@@ -65,6 +66,7 @@ def test_generate_greedy_chat_answers_paris(server_target: str) -> None:
     assert "completion=" in done.stderr
 
 
+@pytest.mark.slow
 def test_stream_prints_tokens_and_finish(server_target: str) -> None:
     done = run_cli(server_target, "stream", QUESTION, "--max-tokens", "16")
     assert done.returncode == 0, done.stderr
@@ -72,18 +74,21 @@ def test_stream_prints_tokens_and_finish(server_target: str) -> None:
     assert "finish=" in done.stderr
 
 
+@pytest.mark.slow
 def test_stats_lists_batch_state(server_target: str) -> None:
     done = run_cli(server_target, "stats")
     assert done.returncode == 0, done.stderr
     assert "active_sequences:" in done.stdout
 
 
+@pytest.mark.slow
 def test_info_json(server_target: str) -> None:
     done = run_cli(server_target, "info", "--json")
     assert done.returncode == 0, done.stderr
     assert '"model_id"' in done.stdout
 
 
+@pytest.mark.slow
 def test_invalid_request_is_a_usage_error_naming_the_field(server_target: str) -> None:
     done = run_cli(server_target, "generate", "hi", "--temperature", "-1")
     assert done.returncode == 2
@@ -99,6 +104,7 @@ def test_invalid_request_is_a_usage_error_naming_the_field(server_target: str) -
     assert error["retry_delay_seconds"] is None
 
 
+@pytest.mark.slow
 def test_exit_status_says_rejected(server_target: str) -> None:
     """A request id that is already running: ALREADY_EXISTS, exit status 4, and the reason."""
     request = build_request(
@@ -117,6 +123,7 @@ def test_exit_status_says_rejected(server_target: str) -> None:
     assert "  reason: REQUEST_ID_IN_USE" in done.stderr.splitlines()
 
 
+@pytest.mark.slow
 async def test_clients_read_the_error_details(server_target: str) -> None:
     bad = build_request("Hi", top_p=0.0)
     with GenerationClient(server_target) as client, pytest.raises(grpc.RpcError) as sync_err:
@@ -131,15 +138,17 @@ async def test_clients_read_the_error_details(server_target: str) -> None:
         assert [v.field for v in details.field_violations] == ["sampling.top_p"]
 
 
+@pytest.mark.slow
 def test_exit_status_says_unavailable() -> None:
     """Nothing listens there: UNAVAILABLE, exit status 3 (retry later)."""
-    from tests.conftest import free_port
+    from tests.helpers.server import free_port
 
     done = run_cli(f"127.0.0.1:{free_port()}", "info", "--timeout", "5")
     assert done.returncode == 3, done.stderr
     assert "error: UNAVAILABLE:" in done.stderr
 
 
+@pytest.mark.slow
 def test_sync_client(server_target: str) -> None:
     with GenerationClient(server_target) as client:
         client.wait_ready(10)
@@ -163,6 +172,7 @@ def test_sync_client(server_target: str) -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.slow
 async def test_async_client(server_target: str) -> None:
     async with AsyncGenerationClient(server_target) as client:
         await client.wait_ready(10)
@@ -224,6 +234,7 @@ def _tls_flags(pki: Pki) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_cli_with_tls_and_token(secured) -> None:
     target, pki = secured
     done = run_cli(
@@ -237,6 +248,7 @@ def test_cli_with_tls_and_token(secured) -> None:
     assert '"model_id"' in done.stdout
 
 
+@pytest.mark.slow
 def test_cli_token_from_the_environment(secured) -> None:
     target, pki = secured
     done = run_cli(target, *_tls_flags(pki), "stats", env={"MLXSERVE_TOKEN": TOKEN})
@@ -244,6 +256,7 @@ def test_cli_token_from_the_environment(secured) -> None:
     assert "active_sequences:" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("drop", "code"),
     [("--token", "UNAUTHENTICATED"), ("--tls-cert", "UNAVAILABLE"), ("--tls-ca", "UNAVAILABLE")],
@@ -262,6 +275,7 @@ def test_cli_without_token_or_certificates_is_refused(secured, drop, code) -> No
     assert done.stderr.splitlines()[-1].startswith(f"error: {code}:"), done.stderr
 
 
+@pytest.mark.slow
 def test_cli_a_certificate_without_its_key_is_a_usage_error(secured) -> None:
     target, pki = secured
     done = run_cli(target, "--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "info")
@@ -269,6 +283,7 @@ def test_cli_a_certificate_without_its_key_is_a_usage_error(secured) -> None:
     assert "--tls-cert and --tls-key" in done.stderr
 
 
+@pytest.mark.slow
 def test_clients_with_tls_and_token(secured) -> None:
     target, pki = secured
     tls = TLSConfig(ca_file=pki.ca, cert_file=pki.client_cert, key_file=pki.client_key)
@@ -283,6 +298,7 @@ def test_clients_with_tls_and_token(secured) -> None:
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.slow
 async def test_async_client_with_tls_and_token(secured) -> None:
     target, pki = secured
     tls = TLSConfig(ca_file=pki.ca, cert_file=pki.client_cert, key_file=pki.client_key)
@@ -293,6 +309,7 @@ async def test_async_client_with_tls_and_token(secured) -> None:
         assert (await client.cache_stats()).total_completed >= 1
 
 
+@pytest.mark.slow
 def test_bench_runs_against_a_secured_server(secured, tmp_path) -> None:
     target, pki = secured
     out = tmp_path / "bench.json"

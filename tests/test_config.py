@@ -21,7 +21,7 @@ from service.core.engine.storage import PoolShape, make_storage
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.runtime import Runtime
-from tests.tiny import tiny_llama
+from tests.helpers.tiny import tiny_llama
 
 
 def parse(*argv: str) -> ServerConfig:
@@ -136,6 +136,7 @@ def test_a_max_prefill_stall_ms_that_is_no_number_names_the_flag(capsys):
     assert "--max-prefill-stall-ms: 'soon' is not auto or a number" in capsys.readouterr().err
 
 
+@pytest.mark.model  # the dummy preset takes the embedded model's tokenizer
 def test_runtime_resolves_the_cpu_path_on_this_machine():
     runtime = Runtime(
         CoreConfig(

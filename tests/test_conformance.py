@@ -1,11 +1,12 @@
 """Every model family served through real gRPC gives mlx-lm's own greedy tokens.
 
-For each family of tests/model_zoo.py (a tiny seeded checkpoint shrunk from a real config.json),
-one real server runs with --parallel 4 and gets two phases of concurrent greedy requests: four
-prompts of different lengths (one longer than every sliding window, one that leaves a cached
-prefix), then a prompt sharing that prefix (over two KV blocks) beside a fresh one. Each answer
-must equal mlx-lm's greedy generation of the same prompt alone, token for token, with logprobs
-within 1e-4. GetModelInfo must describe the checkpoint (family, quantization, float dtype).
+For each family of tests/helpers/model_zoo.py (a tiny seeded checkpoint shrunk from a real
+config.json), one real server runs with --parallel 4 and gets two phases of concurrent greedy
+requests: four prompts of different lengths (one longer than every sliding window, one that
+leaves a cached prefix), then a prompt sharing that prefix (over two KV blocks) beside a fresh
+one. Each answer must equal mlx-lm's greedy generation of the same prompt alone, token for
+token, with logprobs within 1e-4. GetModelInfo must describe the checkpoint (family,
+quantization, float dtype).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import pytest
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests import model_zoo
-from tests.conftest import chat_request, running_server
-from tests.model_zoo import FAMILIES, Family
+from tests.helpers import model_zoo
+from tests.helpers.model_zoo import FAMILIES, Family
+from tests.helpers.requests import chat_request
+from tests.helpers.server import running_server
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 
 def _param(family: Family):

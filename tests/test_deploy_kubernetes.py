@@ -15,7 +15,7 @@ import yaml
 from service.common.config import ServerConfig, add_server_arguments, config_from_args
 from service.frontend.server import DRAIN_LAST_MESSAGES_S, SERVICE_NAME
 from service.launcher import CORE_STOP_TIMEOUT_S
-from tests.conftest import REPO_ROOT
+from tests.helpers.paths import REPO_ROOT
 
 MANIFESTS = REPO_ROOT / "deploy" / "kubernetes"
 HEALTH_NAMES = {"", SERVICE_NAME}  # what the server sets SERVING / NOT_SERVING

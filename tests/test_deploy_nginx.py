@@ -30,14 +30,13 @@ import pytest
 from client import Balancing, GenerationClient
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import (
-    REPO_ROOT,
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.requests import chat_request, to_stream
+from tests.helpers.server import (
     ServerProcess,
-    chat_request,
     free_port,
     running_replicas,
     start_draining,
-    to_stream,
     wait_until,
 )
 
@@ -51,6 +50,7 @@ STREAM_TOKENS = 16
 FAIL_TIMEOUT_S = 1
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.model,
     pytest.mark.skipif(
         NGINX is None, reason="nginx is not installed (scripts/install.sh installs Debian's)"

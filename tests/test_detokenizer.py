@@ -11,6 +11,8 @@ from service.common.tokenizer import Tokenizer, tokenizer_from_gguf
 from service.core.models.loader import embedded_gguf_path
 from service.frontend.detokenizer import IncrementalDetokenizer
 
+pytestmark = pytest.mark.model
+
 MULTIBYTE = "café ☕ 日本語 🎉"
 
 

@@ -30,7 +30,7 @@ from service.core.models import rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import materialize, model_family
-from tests.tiny import Driven
+from tests.helpers.tiny import Driven
 
 V = 512
 LLAMA3_ROPE = {

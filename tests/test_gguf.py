@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from service.core.models.gguf import LAYER_NAMES, TOP_NAMES, load_gguf_llama
 from service.core.models.loader import embedded_gguf_path
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 

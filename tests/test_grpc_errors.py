@@ -22,16 +22,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import (
-    ServerProcess,
-    chat_request,
-    running_server,
-    to_stream,
-    wait_idle,
-    wait_until,
-)
+from tests.helpers.requests import chat_request, to_stream
+from tests.helpers.server import ServerProcess, running_server, wait_idle, wait_until
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 VOCAB = 49152
 BUSY = "Server is busy. Retry later."

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from mlxserve.v1 import generation_pb2 as pb
-from tests.conftest import chat_request, to_stream, with_id
+from tests.helpers.requests import chat_request, to_stream, with_id
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 QUESTION = "What is the capital of France?"
 STOP = pb.FINISH_REASON_STOP

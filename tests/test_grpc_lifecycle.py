@@ -11,9 +11,9 @@ import pytest
 
 from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
-from tests.conftest import chat_request, to_stream, with_id
+from tests.helpers.requests import chat_request, to_stream, with_id
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 # Requests that would run for a long time if nothing stopped them.
 LONG = pb.StoppingCriteria(max_tokens=400, ignore_eos=True)

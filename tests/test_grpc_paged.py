@@ -12,20 +12,11 @@ import pytest
 from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import (
-    EMBEDDED_MODEL_ID,
-    ServerProcess,
-    chat_request,
-    free_port,
-    metric,
-    running_server,
-    scrape_metrics,
-    to_stream,
-    wait_idle,
-    with_id,
-)
+from tests.helpers.metrics import EMBEDDED_MODEL_ID, metric, scrape_metrics
+from tests.helpers.requests import chat_request, to_stream, with_id
+from tests.helpers.server import ServerProcess, free_port, running_server, wait_idle
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 # ~1000 tokens of system prompt shared by every request of the sharing test.
 SYSTEM = " ".join(

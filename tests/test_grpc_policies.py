@@ -20,9 +20,11 @@ import pytest
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.core.scheduler.scheduler import MIN_PREFILL_CHUNK, STALL_BOUND_STEPS
-from tests.conftest import REPO_ROOT, chat_request, free_port, running_server, to_stream, with_id
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.requests import chat_request, to_stream, with_id
+from tests.helpers.server import free_port, running_server
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 QUESTION = "What is the capital of France?"
 PARAGRAPH = (

@@ -43,6 +43,7 @@ def _reflect_v1(channel: grpc.Channel, **request) -> reflection_pb2.ServerReflec
     return next(iter(call(iter([reflection_pb2.ServerReflectionRequest(**request)]), timeout=10)))
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("reflect", [_reflect, _reflect_v1], ids=["v1alpha", "v1"])
 def test_reflection_lists_the_services(channel, reflect) -> None:
@@ -51,6 +52,7 @@ def test_reflection_lists_the_services(channel, reflect) -> None:
     assert {GENERATION_SERVICE, HEALTH_SERVICE, REFLECTION_V1, REFLECTION_V1ALPHA} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_reflection_v1_serves_the_file_descriptors(channel) -> None:
     """Through v1: the API's file, and v1's own file (so tools can describe the v1 service)."""
@@ -75,12 +77,14 @@ def test_reflection_v1_serves_the_file_descriptors(channel) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_reflection_v1_unknown_symbol_is_not_found(channel) -> None:
     response = _reflect_v1(channel, file_containing_symbol="no.such.Symbol")
     assert response.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_reflection_serves_the_file_descriptor(channel) -> None:
     response = _reflect(channel, file_containing_symbol=GENERATION_SERVICE)
@@ -97,6 +101,7 @@ def test_reflection_serves_the_file_descriptor(channel) -> None:
     assert not methods["Generate"].server_streaming
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_descriptor_pool_from_reflection(channel) -> None:
     """What a generic client does with no .proto at hand: build descriptors by reflection."""
@@ -117,6 +122,7 @@ def test_descriptor_pool_from_reflection(channel) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("service", ["", GENERATION_SERVICE])
 def test_health_is_serving(channel, service: str) -> None:
@@ -125,6 +131,7 @@ def test_health_is_serving(channel, service: str) -> None:
     assert answer.status == SERVING
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_health_of_an_unknown_service_is_not_found(channel) -> None:
     health = health_pb2_grpc.HealthStub(channel)
@@ -133,6 +140,7 @@ def test_health_of_an_unknown_service_is_not_found(channel) -> None:
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_health_was_not_serving_while_the_model_loaded(server) -> None:
     """The shared server's start was watched from the moment the process existed (health
@@ -149,6 +157,7 @@ def test_health_was_not_serving_while_the_model_loaded(server) -> None:
     assert details.reason == "MODEL_LOADING" and details.retry_delay == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_health_list_reports_every_service(channel) -> None:
     health = health_pb2_grpc.HealthStub(channel)
@@ -159,6 +168,7 @@ def test_health_list_reports_every_service(channel) -> None:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_every_advertised_health_method_answers(channel) -> None:
     """Each method of grpc.health.v1.Health (as the server's reflection lists them) is

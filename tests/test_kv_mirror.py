@@ -13,7 +13,7 @@ from service.core.engine.config import EngineConfig
 from service.core.engine.engine import StepRow
 from service.core.engine.sampler import SamplingParams
 from service.core.kv.block_pool import KVCacheManager
-from tests.tiny import PROMPTS, generate, layout_of, make_engine, paged, prompt, tiny_llama
+from tests.helpers.tiny import PROMPTS, generate, layout_of, make_engine, paged, prompt, tiny_llama
 
 MIRROR = EngineConfig(decode_attention="mirror")
 

@@ -14,7 +14,7 @@ from service.core.engine.engine import StepRow, shape_bucket
 from service.core.engine.kv_paged import SlotsNotReservedError
 from service.core.engine.sampler import SamplingParams
 from service.core.kv.block_pool import BlockUpdate, KVCacheManager
-from tests.tiny import (
+from tests.helpers.tiny import (
     HEAD_DIM,
     KV_HEADS,
     LAYERS,

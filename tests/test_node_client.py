@@ -14,7 +14,7 @@ import pytest
 from google.protobuf import json_format
 
 from mlxserve.v1 import generation_pb2 as pb
-from tests.conftest import chat_request
+from tests.helpers.requests import chat_request
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_MODULES = ROOT / ".tools" / "node_modules"
@@ -36,7 +36,11 @@ def _missing() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.model, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.model,
+    pytest.mark.skipif(_missing() is not None, reason=str(_missing())),
+]
 
 
 def _generate(out: Path) -> Path:

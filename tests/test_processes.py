@@ -20,43 +20,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import (
-    EMBEDDED_MODEL_ID,
-    GENERATION_SERVICE,
-    chat_request,
-    free_port,
-    metric,
-    running_server,
-    scrape_metrics,
-    start_server,
-    to_stream,
-)
+from tests.helpers.metrics import EMBEDDED_MODEL_ID, metric, scrape_metrics
+from tests.helpers.processes import children, core_of, maps_mlx
+from tests.helpers.requests import chat_request, to_stream
+from tests.helpers.server import GENERATION_SERVICE, free_port, running_server, start_server
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.model,
     pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc"),
 ]
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def maps_mlx(pid: int) -> bool:
-    return "libmlx" in Path(f"/proc/{pid}/maps").read_text()
-
-
-def core_of(pid: int) -> int:
-    (core,) = [c for c in children(pid) if maps_mlx(c)]
-    return core
 
 
 def test_only_the_engine_core_imports_mlx() -> None:

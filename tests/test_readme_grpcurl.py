@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.certs import Pki, make_pki
-from tests.conftest import ServerProcess, running_server
+from tests.helpers.certs import Pki, make_pki
+from tests.helpers.server import ServerProcess, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 README_ADDRESS = "localhost:50051"
@@ -66,6 +66,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
 README_TOKEN = "readme-token"
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.skipif(GRPCURL is None, reason="grpcurl not found (the dev extra installs it)")
 @pytest.mark.parametrize("command", readme_grpcurl_commands())

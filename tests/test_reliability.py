@@ -18,15 +18,10 @@ from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.common.config import ModelConfig, SchedulingConfig, ServerConfig
-from tests.conftest import (
-    GENERATION_SERVICE,
-    chat_request,
-    in_process_server,
-    running_server,
-    to_stream,
-)
+from tests.helpers.requests import chat_request, to_stream
+from tests.helpers.server import GENERATION_SERVICE, in_process_server, running_server
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 LONG = pb.StoppingCriteria(max_tokens=400, ignore_eos=True)
 CORRUPT = b"\x08\xff"  # field 1 as a varint that never ends

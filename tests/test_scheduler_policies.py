@@ -1,20 +1,20 @@
-"""Scheduler policies (docs/scheduler.md) on the fake engine of test_scheduler, tick by tick:
-adaptive / fixed / disabled chunking, chunks sized by the prefill stall bound on a fake clock
-(issue 14), decode steps between the chunks of a long prompt, the prefill grant interval,
-batched prefill and its token cap, priority order, and preemption (victim choice per policy;
-the victim keeps its tokens and is re-prefilled)."""
+"""Scheduler policies (docs/scheduler.md) on the fake engine of tests/helpers/fake_engine.py,
+tick by tick: adaptive / fixed / disabled chunking, chunks sized by the prefill stall bound on
+a fake clock (issue 14), decode steps between the chunks of a long prompt, the prefill grant
+interval, batched prefill and its token cap, priority order, and preemption (victim choice per
+policy; the victim keeps its tokens and is re-prefilled)."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
-from test_scheduler import Forward, Harness, ListSink
 
 from service.core.engine.config import EngineConfig
 from service.core.scheduler.request import Request, SequenceStatus
 from service.core.scheduler.scheduler import MIN_PREFILL_CHUNK, PrefillPass
 from service.protocol import FinishReason, GenerationRequest
+from tests.helpers.fake_engine import Forward, Harness, ListSink
 
 
 def tick(h: Harness) -> list[Forward]:

@@ -9,7 +9,11 @@ import sys
 import pytest
 
 from service.core.models.loader import EMBEDDED_INSTALL
-from tests.conftest import REPO_ROOT, free_port
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.server import free_port
+
+# Each test starts `python -m service` (which exits at once).
+pytestmark = pytest.mark.slow
 
 # Runs `python -m service ARGS` with the embedded model's package hidden from find_spec, as in
 # a fresh `pip install 'mlxserve[cpu]'` where it was not installed yet.

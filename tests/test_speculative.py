@@ -16,17 +16,10 @@ from service.core.engine.engine import DraftRow
 from service.core.engine.sampler import RowSamplerState, verify_draft
 from service.core.scheduler.prompt_lookup import NgramIndex
 from service.protocol import SamplingParams
-from tests.conftest import (
-    EMBEDDED_MODEL_ID,
-    chat_request,
-    free_port,
-    metric,
-    running_server,
-    scrape_metrics,
-    to_stream,
-    wait_idle,
-)
-from tests.tiny import PROMPTS, make_engine, paged, prompt, tiny_llama
+from tests.helpers.metrics import EMBEDDED_MODEL_ID, metric, scrape_metrics
+from tests.helpers.requests import chat_request, to_stream
+from tests.helpers.server import free_port, running_server, wait_idle
+from tests.helpers.tiny import PROMPTS, make_engine, paged, prompt, tiny_llama
 
 # -- drafting ------------------------------------------------------------------------------------
 
@@ -134,6 +127,7 @@ SUMMARY = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_greedy_output_is_unchanged_by_speculation(stub) -> None:
     """The embedded model on a repetitive prompt, alone and two rows together: the same tokens
@@ -170,6 +164,7 @@ def test_greedy_output_is_unchanged_by_speculation(stub) -> None:
         assert stats.active_sequences == 0 and stats.active_blocks == 0
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_no_match_means_no_drafts(stub) -> None:
     request = chat_request("Name a primary color.", max_tokens=8, cache_prompt=False)
@@ -188,6 +183,7 @@ def test_prompts_of_the_tiny_model_are_repetitive_enough() -> None:
     assert index.propose(2)
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_speculation_through_preemption_and_cancellation(stub) -> None:
     """One slot, preemption on: a speculating request is evicted by a higher-priority one and

@@ -35,16 +35,11 @@ from hypothesis.strategies import SearchStrategy
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import (
-    REPO_ROOT,
-    ServerProcess,
-    chat_request,
-    running_server,
-    to_stream,
-    wait_idle,
-)
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.requests import chat_request, to_stream
+from tests.helpers.server import ServerProcess, running_server, wait_idle
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 VOCAB = 49152  # the embedded SmolLM2's vocabulary (checked against GetModelInfo)
 DEFAULT_MAX_TOKENS = 2  # the module server's --default-max-tokens: the fuzz leaves it unset too

@@ -27,18 +27,9 @@ from client import GenerationClient
 from client.cli import main as cli_main
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import (
-    EMBEDDED_MODEL_ID,
-    MetricSamples,
-    ServerProcess,
-    chat_request,
-    free_port,
-    metric,
-    scrape_metrics,
-    start_server,
-    to_stream,
-    wait_until,
-)
+from tests.helpers.metrics import EMBEDDED_MODEL_ID, MetricSamples, metric, scrape_metrics
+from tests.helpers.requests import chat_request, to_stream
+from tests.helpers.server import ServerProcess, free_port, start_server, wait_until
 
 pytestmark = pytest.mark.model
 
@@ -177,6 +168,7 @@ def exception_events(span: trace_pb2.Span) -> list[str]:
     return [e.name for e in span.events if e.name == "exception"]
 
 
+@pytest.mark.slow
 def test_generate_span_continues_the_callers_trace(traced: Any) -> None:
     server, rec, _ = traced
     traceparent, trace_id, parent_id = new_traceparent()
@@ -228,6 +220,7 @@ def finish_reasons(span: trace_pb2.Span) -> list[str]:
     return _attrs(span.attributes)["gen_ai.response.finish_reasons"]
 
 
+@pytest.mark.slow
 def test_stream_span_and_cancellation(traced: Any) -> None:
     server, rec, _ = traced
     traceparent, trace_id, parent_id = new_traceparent()
@@ -260,6 +253,7 @@ def test_stream_span_and_cancellation(traced: Any) -> None:
         assert not exception_events(span)
 
 
+@pytest.mark.slow
 def test_a_stop_string_and_raw_text_on_the_span(traced: Any) -> None:
     """A stop string ends the request on the front end (the core only sees an abort): the span
     still says stop. Raw text input is a text_completion."""
@@ -284,6 +278,7 @@ def test_a_stop_string_and_raw_text_on_the_span(traced: Any) -> None:
     assert dict(events(span))["finished"]["finish_reason"] == "stop"
 
 
+@pytest.mark.slow
 def test_span_status_follows_the_grpc_status(traced: Any) -> None:
     server, rec, _ = traced
     with grpc.insecure_channel(server.target) as channel:
@@ -329,6 +324,7 @@ def test_span_status_follows_the_grpc_status(traced: Any) -> None:
         assert finish_reasons(span) == ["cancelled"]
 
 
+@pytest.mark.slow
 def test_client_library_and_cli_propagate_trace_context(
     traced: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -354,6 +350,7 @@ def test_client_library_and_cli_propagate_trace_context(
 # -- metrics --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_metrics_move_as_requests_run(traced: Any) -> None:
     server, _, url = traced
     before = scrape_metrics(url)
@@ -428,6 +425,7 @@ def test_metrics_move_as_requests_run(traced: Any) -> None:
     assert metric(after, "mlxserve_kv_cache_used_blocks", model=MODEL) == 0
 
 
+@pytest.mark.slow
 def test_a_cancelled_stream_is_counted_as_cancelled(traced: Any) -> None:
     server, _, url = traced
     before = scrape_metrics(url)
@@ -524,6 +522,7 @@ def wait_for_series(base: str, query: str, timeout: float = 20.0) -> list[dict[s
     return result
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_the_server_under_load(traced: Any, prometheus: str) -> None:
     server, _, _ = traced
     wait_for_series(prometheus, 'up{job="mlxserve"} == 1')

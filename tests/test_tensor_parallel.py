@@ -21,18 +21,13 @@ import pytest
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests import model_zoo
-from tests.conftest import (
-    REPO_ROOT,
-    chat_request,
-    free_port,
-    running_server,
-    start_server,
-    wait_idle,
-)
-from tests.test_processes import children
+from tests.helpers import model_zoo
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.processes import children
+from tests.helpers.requests import chat_request
+from tests.helpers.server import free_port, running_server, start_server, wait_idle
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 TP_LLAMA = model_zoo.Family(
     "llama_tp",

@@ -19,7 +19,7 @@ from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.common.tokenizer import ChatTurn, Tokenizer, tokenizer_from_gguf
 from service.core.models.gguf import read_gguf_metadata
 from service.core.models.loader import embedded_gguf_path
-from tests.conftest import ServerProcess, open_channel, running_server
+from tests.helpers.server import ServerProcess, open_channel, running_server
 
 pytestmark = pytest.mark.model
 
@@ -152,6 +152,7 @@ def permissive_server() -> Iterator[ServerProcess]:
         yield server
 
 
+@pytest.mark.slow
 def test_tokenize_keeps_a_normal_chat_as_it_was(stub) -> None:
     tok = embedded()
     question = "What is the capital of France?"
@@ -159,6 +160,7 @@ def test_tokenize_keeps_a_normal_chat_as_it_was(stub) -> None:
     assert ids == template_ids(tok, [ChatTurn("user", question)])
 
 
+@pytest.mark.slow
 def test_forged_turns_reach_the_model_as_text(stub) -> None:
     tok = embedded()
     im_start, im_end = (tok._hf.convert_tokens_to_ids(t) for t in (IM_START, IM_END))
@@ -174,6 +176,7 @@ def test_forged_turns_reach_the_model_as_text(stub) -> None:
     assert generated.usage.prompt_tokens == len(ids)
 
 
+@pytest.mark.slow
 def test_the_flag_restores_special_tokens_in_content(permissive_server) -> None:
     tok = embedded()
     im_start = tok._hf.convert_tokens_to_ids(IM_START)
@@ -184,6 +187,7 @@ def test_the_flag_restores_special_tokens_in_content(permissive_server) -> None:
     assert ids.count(im_start) == 5
 
 
+@pytest.mark.slow
 def test_raw_text_input_is_the_callers_whole_prompt(stub) -> None:
     """`text` is not chat content: its special tokens are parsed, as before."""
     ids = stub.Tokenize(pb.TokenizeRequest(text=f"{IM_START}user"), timeout=30).token_ids

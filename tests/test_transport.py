@@ -25,15 +25,9 @@ from service.frontend.transport import (
     read_tokens,
     server_credentials,
 )
-from tests.certs import Pki, make_pki
-from tests.conftest import (
-    REPO_ROOT,
-    ServerProcess,
-    free_port,
-    open_channel,
-    running_server,
-    wait_idle,
-)
+from tests.helpers.certs import Pki, make_pki
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.server import ServerProcess, free_port, open_channel, running_server, wait_idle
 
 TOKENS = "# operators\nfirst-token\n\n   second-token   \n# retired: old-token\n"
 GOOD = [("authorization", "Bearer second-token")]
@@ -113,6 +107,7 @@ def _check_health(channel: grpc.Channel, **kwargs) -> health_pb2.HealthCheckResp
     return stub.Check(health_pb2.HealthCheckRequest(), timeout=10, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_a_client_pinging_at_the_policy_interval_keeps_its_connection(server) -> None:
     """Before: gRPC's default policy (pings at most every 5 minutes, none without calls) sent a
@@ -146,6 +141,7 @@ def _long_stream(max_tokens: int) -> pb.StreamGenerateRequest:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_an_aged_connection_is_closed_while_its_stream_completes() -> None:
     """--max-connection-age 0.5: the server sends GOAWAY about half a second after the
@@ -173,6 +169,7 @@ def test_an_aged_connection_is_closed_while_its_stream_completes() -> None:
             assert states.wait_ready_after(goaway_at, timeout=10), states.states
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_a_stream_past_the_grace_is_cut_and_its_slot_freed() -> None:
     """With a short grace the aged connection is closed under a stream still running: the
@@ -241,6 +238,7 @@ def tls_channel(tls_server: ServerProcess, pki: Pki) -> Iterator[grpc.Channel]:
         yield channel
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("rpc", list(RPCS))
 def test_every_rpc_works_over_tls_with_a_token(tls_channel, rpc) -> None:
@@ -248,6 +246,7 @@ def test_every_rpc_works_over_tls_with_a_token(tls_channel, rpc) -> None:
     assert response
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_generation_over_tls_answers(tls_channel) -> None:
     stub = pb_grpc.GenerationServiceStub(tls_channel)
@@ -264,6 +263,7 @@ def test_generation_over_tls_answers(tls_channel) -> None:
     assert "Paris" in response.text
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("rpc", list(RPCS))
 @pytest.mark.parametrize(
@@ -285,6 +285,7 @@ def test_a_missing_or_unknown_token_is_unauthenticated(tls_channel, rpc, metadat
     assert reason in refused.value.details()
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_an_unauthenticated_request_is_refused_before_it_is_decoded(tls_channel) -> None:
     """Undecodable bytes without a token get UNAUTHENTICATED, not a decode error: nothing
@@ -298,12 +299,14 @@ def test_an_unauthenticated_request_is_refused_before_it_is_decoded(tls_channel)
     assert undecodable.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_health_and_reflection_need_no_token(tls_channel) -> None:
     assert _check_health(tls_channel).status == health_pb2.HealthCheckResponse.SERVING
     assert _reflection_services(tls_channel) >= {"mlxserve.v1.GenerationService"}
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_a_plaintext_client_cannot_talk_to_a_tls_server(tls_server) -> None:
     with grpc.insecure_channel(tls_server.target) as plain:
@@ -316,6 +319,7 @@ def test_a_plaintext_client_cannot_talk_to_a_tls_server(tls_server) -> None:
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_a_client_trusting_another_ca_refuses_the_server(tls_server, pki) -> None:
     credentials = grpc.ssl_channel_credentials(root_certificates=pki.other_ca.read_bytes())
@@ -347,6 +351,7 @@ def mtls_server(pki: Pki, token_file: Path) -> Iterator[ServerProcess]:
         yield server
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_mutual_tls_serves_a_client_with_a_certificate_the_ca_signed(mtls_server, pki) -> None:
     with open_channel(mtls_server.target, pki.channel_credentials(client_cert=True)) as channel:
@@ -354,6 +359,7 @@ def test_mutual_tls_serves_a_client_with_a_certificate_the_ca_signed(mtls_server
         assert stub.Tokenize(pb.TokenizeRequest(text="Hi"), metadata=GOOD, timeout=10).token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("client", ["no certificate", "another CA's certificate"])
 def test_mutual_tls_refuses_other_clients(mtls_server, pki, client) -> None:
@@ -374,6 +380,7 @@ def test_mutual_tls_refuses_other_clients(mtls_server, pki, client) -> None:
             _check_health(channel)  # no handshake, no health either
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_reflection_requires_a_token_when_told_to(mtls_server, pki) -> None:
     with open_channel(mtls_server.target, pki.channel_credentials(client_cert=True)) as channel:
@@ -426,6 +433,7 @@ def test_a_client_ca_that_is_not_pem_is_refused(pki, tmp_path) -> None:
         server_credentials(config)
 
 
+@pytest.mark.slow
 def test_the_server_refuses_to_start_with_a_mismatched_key(pki) -> None:
     """One line, exit status 2, before the model loads."""
     flags = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.client_key)]

@@ -6,7 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT
+import pytest
+
+from tests.helpers.paths import REPO_ROOT
+
+# Each test starts an interpreter that imports the service's modules.
+pytestmark = pytest.mark.slow
 
 MLX = ("mlx", "mlx_lm")
 CORE_ONLY = (

@@ -13,8 +13,8 @@ fixed spread: the top-1 / top-2 gaps stay far above float noise, so a mismatch i
 never a near-tie. Quantized variants go through `mlx_lm.utils.quantize_model`, and every
 checkpoint is written with mlx-lm's `save_model` / `save_config`, as `mlx_lm.convert` does.
 
-`python -m tests.model_zoo --report [FAMILY ...]` builds the checkpoints, runs the conformance
-check of each against a real server and prints the summary table.
+`python -m tests.helpers.model_zoo --report [FAMILY ...]` builds the checkpoints, runs the
+conformance check of each against a real server and prints the summary table.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import mlx.nn as nn
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.helpers.server import start_server
 
 VOCAB_SIZE = 49152  # the embedded SmolLM2 tokenizer
 EOS_ID = 2  # <|im_end|> in that tokenizer
@@ -1094,8 +1095,6 @@ def _send(stub: pb_grpc.GenerationServiceStub, names: tuple[str, ...], ids, tag:
 def conformance(path: Path, family: Family) -> tuple[dict[str, Generation], Run]:
     """mlx-lm's reference for the family's prompts, and what a real server gives for them.
     The server starts (a subprocess, waited on from a thread) while the reference runs."""
-    from tests.conftest import start_server
-
     run = Run()
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -1229,7 +1228,7 @@ def min_gap(expected: dict[str, Generation]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.model_zoo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tests.helpers.model_zoo", description=__doc__)
     parser.add_argument("--report", action="store_true", help="run the conformance table")
     parser.add_argument("--root", type=Path, help="where to write checkpoints (default: tmp)")
     parser.add_argument("families", nargs="*", help="family names (default: all)")
