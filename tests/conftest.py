@@ -2,9 +2,10 @@
 
 The tiers are marked explicitly: a test is `slow` (left out of `make test-fast`) if it starts a
 process of the service (server, launcher, CLI) or nginx / Prometheus / Node, loads the
-embedded model, or builds or loads real model checkpoints; `model` if it reads the embedded
-model's files. The hooks below check the marks where they can: a test that uses the shared
-server's fixtures must be marked slow, and only a test marked slow may start a server.
+embedded model, builds or loads real model checkpoints, or builds a wheel; `model` if it reads
+the embedded model's files. The hooks below check the marks where they can: a test that uses
+the shared server's fixtures must be marked slow, and only a test marked slow may start a
+server.
 """
 
 from __future__ import annotations
