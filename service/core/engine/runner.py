@@ -158,6 +158,9 @@ class ModelRunner:
             int, mx.array
         ] = {}  # recent forwards' sampled tokens, by forward id
         self._forward_id = 0
+        # Compiled decode steps pad to at least this many rows: warm-up sets it to trace each
+        # row bucket's graph before requests reach it.
+        self.min_rows = 0
 
     @property
     def batched(self) -> bool:
