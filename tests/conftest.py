@@ -10,6 +10,14 @@ server.
 
 from __future__ import annotations
 
+import os
+
+# On CUDA, MLX runs float32 matmuls as TF32 by default, and their rounding differs between batch
+# sizes by more than the 1e-4 the parity tests allow on logprobs: full float32 for this process
+# and the servers it starts (read by MLX at its first matmul).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
