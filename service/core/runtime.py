@@ -201,6 +201,7 @@ class Runtime:
             fatal_errors=self.group is not None,
         )
         warm_up_seconds = self._warm_up(engine_config)
+        self._publish(self.scheduler)  # stats before the first turn: the pool as built
         self._log_loaded(lm, fam, engine_config, fast_mlp_layers, warm_up_seconds, started)
         self.serving = True
 
