@@ -77,6 +77,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     cache_prompt: bool = True
+    adapter: str = ""  # a served LoRA adapter's name; empty: the base model
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -182,6 +183,21 @@ class Speculation(msgspec.Struct):
     max_ngram: int = 0
 
 
+class AdapterDescription(msgspec.Struct):
+    """A served LoRA adapter (GetModelInfo's AdapterInfo; field names are its)."""
+
+    name: str
+    path: str = ""
+    fine_tune_type: str = "lora"  # "lora" or "dora"
+    rank: int = 0
+    scale: float = 0.0
+    # What the adapter's config targets: module names inside a layer ("self_attn.q_proj") or
+    # of the whole model ("lm_head").
+    target_modules: list[str] = msgspec.field(default_factory=list)
+    num_layers: int = 0  # layers it adapts (of the model's)
+    memory_bytes: int = 0  # its weights as the server holds them
+
+
 class ModelInfo(msgspec.Struct):
     """The served model, as GetModelInfo describes it (field names are its response's)."""
 
@@ -200,6 +216,7 @@ class ModelInfo(msgspec.Struct):
     cache_layers: str = ""
     tensor_parallel: int = 1
     speculation: Speculation = msgspec.field(default_factory=Speculation)
+    adapters: list[AdapterDescription] = msgspec.field(default_factory=list)
 
 
 # -- front end -> core -------------------------------------------------------------------------
