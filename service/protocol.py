@@ -137,6 +137,7 @@ class SlotView(msgspec.Struct, array_like=True):
     generated_tokens: int
     context_tokens: int  # tokens in its KV cache
     priority: int
+    adapter: str = ""  # its LoRA adapter ("": the base model)
 
 
 class CacheCounters(msgspec.Struct):
@@ -241,7 +242,18 @@ class StatsQuery(msgspec.Struct, tag=True):
     qid: int
 
 
-ToCore = Hello | Add | Abort | StatsQuery
+class LoadAdapter(msgspec.Struct, tag=True):
+    qid: int
+    name: str
+    path: str  # on the engine core's file system
+
+
+class UnloadAdapter(msgspec.Struct, tag=True):
+    qid: int
+    name: str
+
+
+ToCore = Hello | Add | Abort | StatsQuery | LoadAdapter | UnloadAdapter
 
 # -- core -> front end (ROUTER replies) ----------------------------------------------------------
 
@@ -262,7 +274,10 @@ class LoadFailed(msgspec.Struct, tag=True):
 
 class Rejected(msgspec.Struct, tag=True):
     rid: int
-    message: str  # the waiting queue is full: RESOURCE_EXHAUSTED
+    message: str
+    # "queue_full": RESOURCE_EXHAUSTED; "adapter": the request's adapter is not (or no longer)
+    # served, NOT_FOUND.
+    reason: str = "queue_full"
 
 
 class StatsReply(msgspec.Struct, tag=True):
@@ -274,7 +289,23 @@ class Health(msgspec.Struct, tag=True):
     healthy: bool  # several engine steps in a row failed (False), or one succeeded again
 
 
-FromCore = Ready | LoadFailed | Rejected | StatsReply | Health
+class AdapterReply(msgspec.Struct, tag=True):
+    """How a LoadAdapter or UnloadAdapter went."""
+
+    qid: int
+    adapter: AdapterDescription | None = None  # loaded
+    pending_requests: int = 0  # unloaded once these requests have ended
+    error: str | None = None
+    reason: str = ""  # with an error: "exists", "not_found" or "refused"
+
+
+class AdaptersChanged(msgspec.Struct, tag=True):
+    """The adapters requests may use now (to every front end, after a load or an unload)."""
+
+    adapters: list[AdapterDescription]
+
+
+FromCore = Ready | LoadFailed | Rejected | StatsReply | Health | AdapterReply | AdaptersChanged
 
 _to_core = msgspec.msgpack.Decoder(ToCore)
 _from_core = msgspec.msgpack.Decoder(FromCore)

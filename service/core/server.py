@@ -76,6 +76,10 @@ class CoreServer:
         self._stopping = threading.Event()
         self.runtime.on_engine_health = lambda ok: self._send_later(None, protocol.Health(ok))
         self.runtime.on_request_finished = forget_trace
+        self.runtime.on_request_rejected = self._reject_request
+        self.runtime.on_adapters_changed = lambda adapters: self._send_later(
+            None, protocol.AdaptersChanged(adapters)
+        )
 
     def serve(self) -> int:
         router = self.context.socket(zmq.ROUTER)
@@ -137,6 +141,8 @@ class CoreServer:
             else:
                 qid = message.qid
                 loop.query_stats(lambda counters: self._reply_stats(peer, qid, counters))
+        elif isinstance(message, (protocol.LoadAdapter, protocol.UnloadAdapter)):
+            self._adapter_command(peer, message)
         elif isinstance(message, protocol.Hello):
             self._peers[message.frontend] = peer
             self._sinks[message.frontend] = FrontendSink(
@@ -160,6 +166,29 @@ class CoreServer:
         except QueueFullError as exc:
             rejected = protocol.Rejected(message.rid, str(exc))
             router.send_multipart([peer, protocol.encode(rejected)])
+
+    def _adapter_command(
+        self, peer: bytes, message: protocol.LoadAdapter | protocol.UnloadAdapter
+    ) -> None:
+        loop, qid = self.runtime.loop, message.qid
+
+        def reply(outcome: protocol.AdapterReply) -> None:  # on the loop thread
+            outcome.qid = qid
+            self._send_later(peer, outcome)
+
+        if loop is None:
+            reply(protocol.AdapterReply(qid, error="the model is loading", reason="refused"))
+        elif isinstance(message, protocol.LoadAdapter):
+            loop.load_adapter(message.name, message.path, reply)
+        else:
+            loop.unload_adapter(message.name, reply)
+
+    def _reject_request(self, seq: Request, message: str) -> None:
+        """On the loop thread: a request whose adapter is no longer served."""
+        forget_trace(seq)
+        peer = self._peers.get(str(seq.sink.batch_key))
+        if peer is not None:
+            self._send_later(peer, protocol.Rejected(seq.rid, message, reason="adapter"))
 
     def _reply_stats(self, peer: bytes, qid: int, counters: protocol.CacheCounters) -> None:
         """On the loop thread: queue the reply for this thread to send."""

@@ -169,9 +169,12 @@ class Driven:
         adopt: bool = False,
         want_logprobs: bool = False,
         top_logprobs: int = 0,
+        adapter: int = 0,
+        root: int | None = None,
     ) -> Seq:
-        """`adopt`: admit it as the scheduler does (cached prefix adopted, prompt reserved)."""
-        blocks = self.kv.new_sequence()
+        """`adopt`: admit it as the scheduler does (cached prefix adopted, prompt reserved);
+        `adapter`: its LoRA adapter's slot; `root`: its prefix-cache namespace."""
+        blocks = self.kv.new_sequence(root=root)
         cached = 0
         if adopt:
             admitted = self.kv.admit(blocks, prompt_token_ids, True, 0)
@@ -182,7 +185,14 @@ class Driven:
         plan = self._plan()
         plan.joins.append(
             RowJoin(
-                slot, seq_id, params, list(prompt_token_ids), cached, want_logprobs, top_logprobs
+                slot,
+                seq_id,
+                params,
+                list(prompt_token_ids),
+                cached,
+                want_logprobs,
+                top_logprobs,
+                adapter=adapter,
             )
         )
         seq = Seq(seq_id, slot, blocks, self)
@@ -195,6 +205,11 @@ class Driven:
         self._plan().leaves.append(RowLeave(seq.slot, True))
         self._free.append(seq.slot)
         self._live.pop(seq.slot, None)
+        self._flush()
+
+    def unload_adapter(self, slot: int) -> None:
+        """A plan that clears an adapter slot (its adapter was unloaded)."""
+        self._plan().unload.append(slot)
         self._flush()
 
     def _flush(self) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.core.kv.block_pool import SequenceBlocks
+from service.core.scheduler.adapters import AdapterEntry
 from service.core.scheduler.prefill_plan import PrefillPlan
 from service.core.scheduler.prompt_lookup import NgramIndex
 from service.protocol import FinishReason, GenerationRequest, Outputs
@@ -57,6 +58,7 @@ class Request:
     lookup: NgramIndex | None = None  # prompt-lookup n-gram index (speculative decoding)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    adapter: AdapterEntry | None = None  # its LoRA adapter, held from arrival to the end
 
     @property
     def request_id(self) -> str:

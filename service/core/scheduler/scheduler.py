@@ -18,6 +18,11 @@ reserves each decode step's slot (preempting when blocks run short), registers c
 blocks in the prefix cache, gives back the slots of rejected draft tokens, and frees a
 sequence's blocks when it finishes or is preempted. Each plan carries the block tables that
 changed and the manager's pending `BlockUpdate`; the runner only runs forwards.
+
+It also decides the LoRA adapter slots (service.core.scheduler.adapters): a request takes its
+adapter when it arrives (an adapter that is not served is refused then), its row joins with the
+adapter's slot, its prefix-cache lookups stay within the adapter's namespace, and an adapter
+being unloaded leaves the runner in the plan after its last request ended.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 import structlog
 
 from service.core.kv.block_pool import KVManager
+from service.core.scheduler.adapters import AdapterTable
 from service.core.scheduler.outbox import Outbox
 from service.core.scheduler.plan import Chunk, Draft, RowJoin, RowLeave, StepPlan, StepResult
 from service.core.scheduler.prefill_cost import PrefillCostModel, RowShape, RunningMedian
@@ -151,13 +157,16 @@ class Scheduler:
         batched: bool = True,
         on_health: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        adapters: AdapterTable | None = None,
     ) -> None:
         """kv: the KV manager of the runner's storage (a KVCacheManager for the paged pool,
         UnpagedKV for storage without blocks); batched: rows share a forward (else each
         prefill row is a forward of its own); on_health: told when the engine turns
-        unhealthy or healthy again; clock: times decode steps for the stall bound."""
+        unhealthy or healthy again; clock: times decode steps for the stall bound; adapters:
+        the LoRA adapters the runner serves, by slot."""
         self.config = config
         self.kv = kv
+        self.adapters = adapters if adapters is not None else AdapterTable()
         self.batched = batched
         self._on_health = on_health
         self._clock = clock
@@ -189,6 +198,10 @@ class Scheduler:
 
     # -- requests ----------------------------------------------------------------------
     def add(self, seq: Request) -> None:
+        """Queue a request; raises AdapterUnavailableError (nothing queued) when it names an
+        adapter that is not served."""
+        if seq.request.adapter:
+            seq.adapter = self.adapters.acquire(seq.request.adapter)
         seq.arrival_order = next(self._order)
         heapq.heappush(self._waiting, (-seq.request.priority, seq.arrival_order, seq))
         self._event(seq, "queued", queue_depth=len(self._waiting))
@@ -217,7 +230,13 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """Something runs or waits, or the runner has yet to hear of rows that ended."""
-        return bool(self._running or self._waiting or self._leaves or self._forget)
+        return bool(
+            self._running
+            or self._waiting
+            or self._leaves
+            or self._forget
+            or self.adapters.unload_pending
+        )
 
     # -- the plan ----------------------------------------------------------------------
     def decode_only(self) -> bool:
@@ -258,6 +277,7 @@ class Scheduler:
         """The plan's membership and table changes, and the pool's pending update."""
         plan.leaves, self._leaves = self._leaves, []
         plan.forget, self._forget = self._forget, []
+        plan.unload = self.adapters.take_unloaded()
         for slot in sorted(self._dirty):
             seq = self._owner[slot]
             if seq is not None and seq.blocks is not None:
@@ -299,7 +319,9 @@ class Scheduler:
         for the running rows. False (nothing held) if blocks are short."""
         req = seq.request
         tokens = seq.all_token_ids
-        blocks = self.kv.new_sequence(cache_prefix=req.cache_prompt)
+        adapter = seq.adapter
+        root = adapter.root if adapter is not None else None
+        blocks = self.kv.new_sequence(cache_prefix=req.cache_prompt, root=root)
         keep_free = 0
         if self._decoding.any():
             keep_free = int(self.config.kv_admission_watermark * self.kv.num_blocks)
@@ -328,6 +350,7 @@ class Scheduler:
                 req.logprobs,
                 req.top_logprobs,
                 resume=seq.preemptions > 0,
+                adapter=adapter.slot if adapter is not None else 0,
             )
         )
         if seq.admitted_at is None:
@@ -842,6 +865,8 @@ class Scheduler:
         if seq.slot < 0 and seq.preemptions:
             self._forget.append(seq.seq_id)  # the runner still keeps its sampler
         self._release(seq, final=True)
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter)
         if reason is FinishReason.ERROR:
             self.stats.total_failed += 1
         else:
@@ -872,6 +897,7 @@ class Scheduler:
         log.info(
             "request finished",
             request_id=seq.request_id,
+            adapter=seq.request.adapter or None,
             finish_reason=reason.value,
             prompt_tokens=seq.prompt_len,
             completion_tokens=seq.num_generated,
