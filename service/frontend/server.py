@@ -148,7 +148,7 @@ async def serve_frontend(
                 log.error("the model could not be loaded", error=str(exc))
                 exit_code = exit_code or LOAD_FAILED_EXIT
                 raise
-            servicer.model = await loop.run_in_executor(None, served_model, ready)
+            servicer.set_model(await loop.run_in_executor(None, served_model, ready))
             telemetry.model_ready(servicer.model.info.model_id)
             if config.observability.metrics_port and index == 0:
                 _serve_metrics(config, telemetry, client, ready.pid)

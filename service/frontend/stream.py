@@ -33,6 +33,7 @@ class Failure(enum.Enum):
 
     QUEUE_FULL = "queue_full"
     CORE_GONE = "core_gone"
+    ADAPTER_NOT_FOUND = "adapter_not_found"  # unloaded while the request was on its way
 
 
 @dataclass

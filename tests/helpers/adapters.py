@@ -197,6 +197,41 @@ def train_all(root: Path, names: tuple[str, ...] | None = None) -> Path:
     return root
 
 
+# Words of the embedded adapter's training sequences (one BPE token or two each).
+WORDS = [
+    *("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "red", "house"),
+    *("where", "blue", "birds", "sing", "every", "morning", "while", "old", "men", "read"),
+    *("long", "books", "near", "quiet", "rivers", "under", "tall", "green", "trees"),
+]
+EMBEDDED_ADAPTER = {
+    "fine_tune_type": "lora",
+    "num_layers": 2,
+    "batch_size": 2,
+    "learning_rate": 5e-2,
+    "lora_parameters": {
+        "rank": 4,
+        "scale": 20.0,
+        "dropout": 0.0,
+        "keys": ["self_attn.q_proj", "self_attn.v_proj"],
+    },
+}
+
+
+def embedded_adapter(root: Path) -> tuple[Path, Path]:
+    """The embedded SmolLM2 written as an mlx-lm float32 checkpoint (the weights the server
+    serves), and a tiny adapter trained on it: rank 4 on q/v of the last two layers, a few
+    iterations over word sequences of one successor rule. (checkpoint, adapter)"""
+    from tests.helpers import model_zoo
+
+    base = model_zoo.build_embedded(root)
+    adapter = root / "smollm2-adapter"
+    if not (adapter / "adapters.safetensors").exists():
+        spell = WORDS.__getitem__
+        data = dataset(root / "smollm2-data", seed=3, vocab=len(WORDS), words=spell)
+        train(base, data, adapter, EMBEDDED_ADAPTER, iters=6)
+    return base, adapter
+
+
 def copy_adapter(
     src: Path,
     dst: Path,
