@@ -6,6 +6,7 @@ what cannot be served is refused at start, with the reason."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -321,3 +322,37 @@ def test_an_adapter_trained_on_the_embedded_model(embedded_lora) -> None:
             assert_is(future.result(), ref, (name, p))
     with_adapter = mlx_lm_generate(checkpoint, adapter, prompts[0], 10).tokens
     assert with_adapter != mlx_lm_generate(checkpoint, None, prompts[0], 10).tokens
+
+
+def test_the_cli_chooses_lists_loads_and_unloads_adapters(
+    work: Path, server: ServerProcess
+) -> None:
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "client", "--target", server.target, *argv],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    prompt = trained.prompts(1, seed=3)[0]
+    text = " ".join(f"w{t}" for t in prompt)
+    done = cli(
+        "generate",
+        "--raw",
+        text,
+        "--adapter",
+        "all7",
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["token_ids"] == reference(work, "all7", prompt, 4).tokens
+    refused = cli("generate", "--raw", text, "--adapter", "nope")
+    assert refused.returncode == 2 and "NOT_FOUND" in refused.stderr
+    assert "qv_head" in cli("info").stdout
+    path = str(work / "adapters" / "dora_mlp")
+    loaded = cli("load-adapter", "cli", path)
+    assert loaded.returncode == 0 and "dora" in loaded.stdout
+    unloaded = cli("unload-adapter", "cli")
+    assert unloaded.returncode == 0 and "0 running" in unloaded.stdout
