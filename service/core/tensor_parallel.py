@@ -170,6 +170,11 @@ class ReplicatedRunner:
         self._send(Dispatch(pending.plan.step))
         return self._runner.dispatch(pending)
 
+    def take_prefill(self, pending: Any) -> StepResult:
+        """The step's prefill results, read at submit on every rank: nothing to send (the
+        followers' collect reads what they did not hand out)."""
+        return self._runner.take_prefill(pending)
+
     def collect(self, pending: Any) -> StepResult:
         self._send(Collect(pending.plan.step))
         return self._runner.collect(pending)  # a failure raises (no containment here)
