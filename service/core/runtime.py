@@ -22,6 +22,7 @@ from service.common.config import ConfigError, CoreConfig
 from service.core.engine import paged_attention
 from service.core.engine.compiled_decode import row_buckets
 from service.core.engine.config import EngineConfig, resolve
+from service.core.engine.memory import release_freed_memory
 from service.core.engine.runner import FaultInjector, ModelRunner, Row
 from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
 from service.core.kv.block_pool import KVCacheManager, KVManager, UnpagedKV
@@ -229,6 +230,7 @@ class Runtime:
         for adapter in [lora.load_adapter(name, path, lm.model) for name, path in specs]:
             adapters.add(adapter)
         if specs:
+            release_freed_memory()  # the files' tensors, copied into the stacks
             log.info(
                 "adapters loaded",
                 adapters=[

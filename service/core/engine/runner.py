@@ -38,6 +38,7 @@ from service.core.engine.batch_view import StepLayout
 from service.core.engine.compiled_decode import DecodeGraph
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import SlotsNotReservedError
+from service.core.engine.memory import release_freed_memory
 from service.core.engine.sampler import RowSamplerState, sample, verify_draft
 from service.core.engine.state_store import SequenceState, StateStore, StateUndo
 from service.core.engine.storage import KVStorage
@@ -640,6 +641,8 @@ class ModelRunner:
         if self.adapters is None:
             self.adapters = lora.AdapterSet(self.model)
         self.adapters.add(adapter, slot)
+        del adapter  # its tensors now live in the stacks alone
+        release_freed_memory()
         if self.decode_graph is not None:
             self.decode_graph.reset()  # the traced graphs hold the stacks as they were
         return self.adapters.describe(name)
@@ -653,6 +656,7 @@ class ModelRunner:
         if (self.adapter_slots[[r.slot for r in self.rows if r is not None]] == slot).any():
             raise ValueError(f"adapter {name!r} is unloaded while a row uses it")
         self.adapters.remove(name)
+        release_freed_memory()
         if self.decode_graph is not None:
             self.decode_graph.reset()
 

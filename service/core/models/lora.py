@@ -139,7 +139,7 @@ class Adapter:
     def dora(self) -> bool:
         return self.fine_tune_type == "dora"
 
-    def describe(self, layers: Sequence[str], nbytes: int | None = None) -> AdapterDescription:
+    def describe(self, layers: Sequence[str]) -> AdapterDescription:
         """`layers`: the full names of the model's layers (prefixes of the modules)."""
         adapted = {
             layer for layer in layers if any(m.startswith(layer + ".") for m in self.modules)
@@ -152,7 +152,7 @@ class Adapter:
             scale=self.scale,
             target_modules=sorted(self.keys),
             num_layers=len(adapted),
-            memory_bytes=self.nbytes if nbytes is None else nbytes,
+            memory_bytes=self.nbytes,
         )
 
 
@@ -335,9 +335,17 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> Adapter:
 # -- the wrapper ---------------------------------------------------------------------------------
 
 
+_PROMOTED: dict[tuple[mx.Dtype, mx.Dtype], mx.Dtype] = {}
+
+
 def _promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
     """The dtype MLX's binary ops (and matmul) give for operands of dtypes a and b."""
-    return (mx.zeros((1,), dtype=a) * mx.zeros((1,), dtype=b)).dtype
+    if a == b:
+        return a
+    key = (a, b)
+    if key not in _PROMOTED:
+        _PROMOTED[key] = (mx.zeros((1,), dtype=a) * mx.zeros((1,), dtype=b)).dtype
+    return _PROMOTED[key]
 
 
 def _dequantized(linear: nn.Module) -> mx.array:
@@ -566,7 +574,8 @@ class MultiLoRALinear(nn.Module):
         self, x: mx.array, rows: RowAdapters, a: mx.array, b: mx.array, local: mx.array
     ) -> mx.array:
         """scale * ((x @ A) @ B) of each row [B, N, out], in promote(x, A)'s dtype."""
-        z = mx.gather_mm(x.astype(_promote(x.dtype, a.dtype)), a, rhs_indices=local)
+        dtype = _promote(x.dtype, a.dtype)
+        z = mx.gather_mm(x if x.dtype == dtype else x.astype(dtype), a, rhs_indices=local)
         if self._reduce and self._group is not None:
             z = mx.distributed.all_sum(z, group=self._group)
         z = mx.gather_mm(z, b, rhs_indices=local)
@@ -590,7 +599,11 @@ class MultiLoRALinear(nn.Module):
             parts = [(stack.a, stack.b, local)]
         out, delta = y, None
         for a, b, local in parts:  # a row is in one part at most: the others add exact zeros
-            d = self._update(x3, rows, a, b, local).astype(x.dtype).reshape(y.shape)
+            d = self._update(x3, rows, a, b, local)
+            if d.dtype != x.dtype:
+                d = d.astype(x.dtype)
+            if x.ndim == 2:
+                d = d.reshape(y.shape)
             out = out + d
             delta = d if delta is None else delta + d
         held = self._dora
@@ -617,7 +630,8 @@ class AdapterSet:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._slots: dict[str, int] = {}
-        self._adapters: dict[str, Adapter] = {}
+        # What GetModelInfo says of each; the weights themselves live in the stacks only.
+        self._described: dict[str, AdapterDescription] = {}
         self._wrappers: dict[str, MultiLoRALinear] = {}
         self._num_slots = 1
         self._scales = _Scales()
@@ -650,13 +664,13 @@ class AdapterSet:
         for wrapper in self._wrappers.values():  # every wrapper can index every slot
             wrapper.resize(self._num_slots)
         self._slots[adapter.name] = slot
-        self._adapters[adapter.name] = adapter
+        self._described[adapter.name] = adapter.describe(self._layers)
         return slot
 
     def remove(self, name: str) -> int:
         """Take an adapter out; returns the slot it held (free again)."""
         slot = self._slots.pop(name)
-        self._adapters.pop(name)
+        self._described.pop(name)
         self._scales.set(slot, 0.0)
         for wrapper in self._wrappers.values():
             wrapper.clear_slot(slot)
@@ -678,11 +692,8 @@ class AdapterSet:
     def names(self) -> list[str]:
         return list(self._slots)
 
-    def adapter(self, name: str) -> Adapter:
-        return self._adapters[name]
-
     def describe(self, name: str) -> AdapterDescription:
-        return self._adapters[name].describe(self._layers, self._adapters[name].nbytes)
+        return self._described[name]
 
     def descriptions(self) -> list[AdapterDescription]:
         return [self.describe(n) for n in sorted(self._slots, key=self._slots.__getitem__)]
@@ -704,5 +715,5 @@ class AdapterSet:
             )
         self._wrappers.clear()
         self._slots.clear()
-        self._adapters.clear()
+        self._described.clear()
         self._num_slots = 1
