@@ -219,6 +219,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--replicates", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=49152, help="prompt ids stay below it")
+    parser.add_argument(
+        "--blas-threads",
+        type=int,
+        default=None,
+        help="OPENBLAS_NUM_THREADS of the servers (default: OpenBLAS's own, one per core); 1 "
+        "keeps a shared machine's other load from stretching every BLAS call",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu/multi_lora.json")
     args = parser.parse_args()
 
@@ -230,6 +237,8 @@ def main() -> None:
     keys = args.keys.split(",")
     model_flags = ["--model", args.model] if args.model else []
     common = [*model_flags, "--max-batch-size", str(args.streams), "--log-format", "json"]
+    if args.blas_threads is not None:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # the servers inherit it
     with tempfile.TemporaryDirectory(prefix="multi-lora-") as tmp:
         flags = []
         for i, name in enumerate(names):

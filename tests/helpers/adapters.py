@@ -207,7 +207,7 @@ EMBEDDED_ADAPTER = {
     "fine_tune_type": "lora",
     "num_layers": 2,
     "batch_size": 2,
-    "learning_rate": 5e-2,
+    "learning_rate": 1e-2,
     "lora_parameters": {
         "rank": 4,
         "scale": 20.0,
