@@ -1,6 +1,6 @@
 """In-process soak: the server's runtime serves short distinct chat requests; prints RSS beside
 MLX's active and cached memory and the paged pool's reserved bytes, to tell the pool arrays,
-MLX's buffer cache and freed-but-kept heap memory apart (issue 14 item 4).
+MLX's buffer cache and freed-but-kept heap memory apart.
 
     env $(python -m service.common.blas --env) python bench/memory_soak.py [--requests 316] [--trim]
 

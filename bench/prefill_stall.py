@@ -1,4 +1,4 @@
-"""Prefill stalls with and without the stall bound (issue 14 item 4; a benchmark, not a test).
+"""Prefill stalls with and without the stall bound (a benchmark, not a test).
 
 A server on the embedded model (`--max-batch-size 5`) runs 4 greedy chat streams (ignore_eos);
 once they decode steadily, a prompt of exactly `--prompt-tokens` token ids (default 8191: the

@@ -1,4 +1,4 @@
-"""Issue 3's shared-prefix workload: KV memory with and without sharing, TTFT adopting vs cold.
+"""A shared-prefix workload: KV memory with and without sharing, TTFT adopting vs cold.
 
 Eight chat requests share a ~1000-token system prompt. With the prefix cache on, one request
 warms the cache, then the eight run together and adopt its blocks; with `cache_prompt: false`

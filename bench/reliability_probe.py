@@ -1,4 +1,4 @@
-"""Black-box probes of a running server for issue 14's items 1-6 (before/after figures).
+"""Black-box probes of a running server (before/after figures of the reliability work).
 
     python bench/reliability_probe.py --target 127.0.0.1:50051 undecodable
     python bench/reliability_probe.py --target ... reuse

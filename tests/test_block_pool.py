@@ -41,13 +41,16 @@ def test_hash_is_chained_and_deterministic() -> None:
     assert hash_block_tokens(first, [5, 6]) != hash_block_tokens(first + 1, [5, 6])
 
 
-def test_sequence_blocks_needed_and_slot_mapping() -> None:
+def slot_mapping(seq: SequenceBlocks, start: int, count: int) -> list[int]:
+    """Flat slot (block_id * block_size + offset) of each position in [start, start+count)."""
+    size = seq.block_size
+    return [seq.block_ids[p // size] * size + p % size for p in range(start, start + count)]
+
+
+def test_sequence_blocks_needed() -> None:
     seq = SequenceBlocks(block_size=4, block_ids=[7, 2], num_tokens=5)
     assert seq.blocks_needed(3) == 0
     assert seq.blocks_needed(4) == 1
-    assert seq.slot_mapping(3, 3) == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
-    with pytest.raises(IndexError):
-        seq.slot_mapping(6, 3)
 
 
 # -- pool examples --------------------------------------------------------------------------
@@ -96,10 +99,9 @@ def test_freed_cached_blocks_are_reused_last_and_evicted_tail_first() -> None:
     assert pool.num_cached_blocks == 3
     manager.free_sequence(seq)
     # The uncached partial block goes out first, then the prefix from its tail backwards.
-    assert pool.free_block_ids() == [3, 2, 1, 0]
     assert pool.allocate(2) == [3, 2]
     assert pool.evictions == 1 and pool.num_cached_blocks == 2
-    assert pool.evict_cached(5) == 2
+    assert pool.allocate(2) == [1, 0]
     assert pool.evictions == 3 and pool.num_cached_blocks == 0
 
 
@@ -121,7 +123,6 @@ def test_cached_blocks_are_evicted_least_recently_freed_first_before_capacity_gr
     pool.free([2, 0, 3, 1])  # the LRU order of the cached free blocks
     pool.touch([0])  # adopted again (a prefix hit) ...
     pool.free([0])  # ... and freed: now the most recently used
-    assert pool.free_block_ids()[:4] == [2, 3, 1, 0]
     assert pool.allocate(2) == [2, 3]  # the two coldest prefixes, not new ids 4 and 5
     assert pool.evictions == 2 and pool.lookup(101) == 1 and pool.lookup(100) == 0
     assert pool.capacity == 4  # the cache lives in the blocks the arrays already hold
@@ -321,7 +322,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 if src * size + offset in self.slots:
                     self.slots[dst * size + offset] = self.slots[src * size + offset]
         for slot, token in zip(
-            seq.slot_mapping(start, len(tokens) - start), tokens[start:], strict=True
+            slot_mapping(seq, start, len(tokens) - start), tokens[start:], strict=True
         ):
             self.slots[slot] = token
         parent = None
@@ -374,13 +375,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
         with pytest.raises(ValueError):
             self.pool.free([0] * (self.pool.block(0).ref_count + 1))
 
-    @rule(n=st.integers(0, 4))
-    def evict(self, n: int) -> None:
-        cached_free = sum(
-            1 for b in self.pool.free_block_ids() if self.pool.block(b).block_hash is not None
-        )
-        assert self.pool.evict_cached(n) == min(n, cached_free)
-
     @invariant()
     def ref_counts_match_holders(self) -> None:
         holders = [0] * self.pool.num_total_blocks
@@ -388,8 +382,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert len(set(seq.block_ids)) == len(seq.block_ids)
             for block_id in seq.block_ids:
                 holders[block_id] += 1
-        free = self.pool.free_block_ids()
-        assert len(set(free)) == len(free) == self.pool.num_free_blocks
+        free = [b for b in range(self.pool.num_total_blocks) if self.pool.block(b).ref_count == 0]
+        assert len(free) == self.pool.num_free_blocks
         for block_id, count in enumerate(holders):
             assert self.pool.block(block_id).ref_count == count >= 0
             assert (block_id in free) == (count == 0)
@@ -408,7 +402,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def sequences_read_their_own_tokens(self) -> None:
         for seq, tokens in self.seqs.values():
             assert seq.num_tokens == len(tokens)
-            slots = seq.slot_mapping(0, len(tokens))
+            slots = slot_mapping(seq, 0, len(tokens))
             assert [self.slots.get(slot) for slot in slots] == tokens
             # Registered hashes describe the sequence's current full blocks, nothing stale.
             assert len(seq.block_hashes) <= len(tokens) // BLOCK

@@ -14,6 +14,7 @@ from service.common.config import (
     SchedulingConfig,
     ServerConfig,
     add_server_arguments,
+    auto_api_workers,
     config_from_args,
 )
 from service.core.engine.config import DEBUG_REFERENCE_ENV, EngineConfig, resolve
@@ -288,3 +289,11 @@ def test_each_process_gets_only_its_part():
     assert (core.model.path, core.kv.kv_cache_budget) == ("/m", "none")
     assert not hasattr(core, "transport") and not hasattr(frontend, "scheduling")
     assert frontend.transport.port == 50123 and not hasattr(frontend, "kv")
+
+
+def test_api_workers_default_to_one_per_four_cores(monkeypatch):
+    assert [auto_api_workers(n) for n in (1, 2, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+    assert parse().frontend.api_workers == auto_api_workers()
+    assert parse("--api-workers", "3").frontend.api_workers == 3
+    monkeypatch.setenv("MLXSERVE_API_WORKERS", "2")
+    assert parse().frontend.api_workers == 2

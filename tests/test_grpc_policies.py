@@ -1,6 +1,6 @@
 """Scheduler policies through real gRPC on the embedded SmolLM2 (docs/scheduler.md):
-chunked prefill interleaved with decode steps, chunks sized by the prefill stall bound
-(issue 14), priority preemption, the per-slot context budget, --no-batch, and deterministic
+chunked prefill interleaved with decode steps, chunks sized by the prefill stall bound,
+priority preemption, the per-slot context budget, --no-batch, and deterministic
 CLI == server."""
 
 from __future__ import annotations

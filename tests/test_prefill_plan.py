@@ -54,7 +54,6 @@ def test_cached_prefix_off_a_boundary_runs_up_to_the_next_boundary_first() -> No
 def test_cached_prefix_covering_everything_plans_nothing() -> None:
     plan = PrefillPlan(512, cached_tokens=512)
     assert plan.chunks(256) == []
-    assert plan.is_done(0)
 
 
 def test_next_chunk_starts_at_the_later_of_computed_and_cached() -> None:
@@ -74,12 +73,8 @@ def test_chunk_size_may_change_between_chunks_and_stays_aligned() -> None:
     assert plan.next_chunk(2560, 2048) == (2560, 4096)
 
 
-def test_is_done() -> None:
-    plan = PrefillPlan(100, cached_tokens=32)
-    assert not plan.is_done(0)
-    assert not plan.is_done(99)
-    assert plan.is_done(100)
-    assert PrefillPlan(0).chunks(16) == [] and PrefillPlan(0).is_done(0)
+def test_an_empty_plan_has_no_chunks() -> None:
+    assert PrefillPlan(0).chunks(16) == []
 
 
 @given(

@@ -7,13 +7,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from mlxserve.v1 import generation_pb2 as pb
-from service.frontend.request_decoding import describe_decode_error
+from service.frontend.request_decoding import explain_decode_error
 
 
 def _reason(message_class, data: bytes) -> str:
     with pytest.raises(DecodeError) as info:
         message_class.FromString(data)
-    return describe_decode_error(data, message_class.DESCRIPTOR, info.value)
+    return explain_decode_error(data, message_class.DESCRIPTOR, info.value).message
 
 
 def _corrupt_string(message, value: str) -> bytes:

@@ -450,6 +450,22 @@ def test_rejected_drafts_give_their_slots_back() -> None:
     assert kv.num_free_blocks == 32
 
 
+def test_rows_whose_drafts_never_pay_stop_verifying() -> None:
+    """Drafts from a prompt the fake model never follows are all rejected: the row backs off
+    and most steps are plain decode steps again (queued ahead, not read first)."""
+    spec = SpeculationConfig(num_draft_tokens=4, max_batch=2, min_ngram=1, max_ngram=1)
+    h = Harness(max_batch_size=2, speculation=spec)
+    # After each generated token t the prompt offers "t 1": a draft [1, ...] the model, which
+    # says t + 1, rejects.
+    prompt = [x for t in range(8, 68) for x in (t, 1)] + [7]
+    h.submit("a", prompt=prompt, max_tokens=60)
+    h.run()
+    verify = [p for p in h.engine.plans if p.verify]
+    decode = [p for p in h.engine.plans if p.decode]
+    assert 0 < len(verify) < len(decode) / 4
+    assert h.tokens("a") == list(range(8, 68))
+
+
 # -- LoRA adapters ----------------------------------------------------------------------------
 
 

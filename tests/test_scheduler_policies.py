@@ -1,6 +1,6 @@
 """Scheduler policies (docs/scheduler.md) on the fake engine of tests.helpers.fake_runner.py,
 tick by tick: adaptive / fixed / disabled chunking, chunks sized by the prefill stall bound on
-a fake clock (issue 14), decode steps between the chunks of a long prompt, the prefill grant
+a fake clock, decode steps between the chunks of a long prompt, the prefill grant
 interval, batched prefill and its token cap, priority order, and preemption (victim choice per
 policy; the victim keeps its tokens and is re-prefilled)."""
 

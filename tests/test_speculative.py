@@ -12,8 +12,13 @@ import pytest
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.core.engine.config import resolve
+from service.core.engine.paged_attention import kernel_available
 from service.core.engine.sampler import RowSamplerState, verify_draft
-from service.core.scheduler.prompt_lookup import NgramIndex
+from service.core.engine.storage import PoolShape, make_storage
+from service.core.models.families import family
+from service.core.models.layout import probe_layout
+from service.core.scheduler.prompt_lookup import MAX_PAUSE, DraftPacing, NgramIndex
 from service.protocol import SamplingParams
 from tests.helpers.metrics import EMBEDDED_MODEL_ID, metric, scrape_metrics
 from tests.helpers.requests import chat_request, to_stream
@@ -38,6 +43,26 @@ def test_a_later_occurrence_wins_over_an_earlier_one() -> None:
     index = NgramIndex(1, 1)
     index.extend([5, 1, 5, 2, 5])
     assert index.propose(1) == [2]
+
+
+def test_pacing_drafts_while_drafts_are_accepted_and_backs_off_when_they_miss() -> None:
+    pacing = DraftPacing(4)
+    assert pacing.allowed() == 4
+    pacing.record(4, 4)
+    assert pacing.allowed() == 4  # capped at the configured length
+    pacing.record(4, 1)
+    assert pacing.allowed() == 2  # as many as were accepted, plus one
+    pacing.record(2, 0)
+    assert pacing.allowed() == 1
+    pacing.record(1, 0)  # nothing accepted at length 1: pause one plan
+    assert (pacing.ready, pacing.allowed(), pacing.allowed()) == (False, 0, 1)
+    pacing.record(1, 0)  # again: pause twice as long
+    assert [pacing.allowed() for _ in range(3)] == [0, 0, 1]
+    pacing.record(1, 1)  # a hit resets the back-off and lengthens the draft
+    assert pacing.allowed() == 2
+    for _ in range(20):
+        pacing.miss()
+    assert pacing.paused == MAX_PAUSE
 
 
 # -- verification is exact ---------------------------------------------------------------------
@@ -108,6 +133,40 @@ def test_engine_verification_matches_plain_decoding_and_rolls_back() -> None:
         assert len(blocks.block_ids) == -(-s.num_cached // storage.block_size)
     for s in seqs:
         spec.release(s)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the compiled direct decode path is CUDA's")
+def test_cuda_verification_as_a_decode_step_matches_plain_decoding() -> None:
+    """On CUDA a verification forward runs as the compiled decode step of one virtual row per
+    position: its tokens equal plain greedy decoding's, drafts right or wrong."""
+    model = tiny_llama(hidden_size=128, heads=4, kv_heads=2)  # head_dim 32: the kernel's
+    layout = probe_layout(model)
+    config = resolve(family("llama"), layout, paged=True, batched=True, cuda=True)
+    assert config.compile_decode and config.decode_attention == "direct"
+
+    def engine():
+        storage = make_storage(config, model, layout, PoolShape(num_blocks=64, block_size=8))
+        return make_engine(model, storage, config)
+
+    plain = engine()
+    seqs = [plain.add_sequence(f"p{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
+    want = [[r.token_id] for r in plain.prefill([_row(s, p) for s, p in zip(seqs, PROMPTS)])]
+    for _ in range(12):
+        for w, r in zip(want, plain.step([_row(s) for s in seqs])):
+            w.append(r.token_id)
+    spec = engine()
+    seqs = [spec.add_sequence(f"s{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
+    got = [[r.token_id] for r in spec.prefill([_row(s, p) for s, p in zip(seqs, PROMPTS)])]
+    while min(len(g) for g in got) < 13:
+        rows = []
+        for i, s in enumerate(seqs):
+            n = len(got[i])
+            truth = want[i][n : n + 3]
+            draft = [*truth[:2], (truth[2] + 1) % 256] if len(truth) == 3 else []
+            rows.append(DraftRow(s, got[i][-1], draft))
+        for i, verified in enumerate(spec.verify(rows)):
+            got[i] += [r.token_id for r in verified.results]
+    assert [g[:13] for g in got] == want
     assert spec.manager is not None and spec.manager.stats().num_active_blocks == 0
 
 

@@ -438,13 +438,18 @@ def test_a_cancelled_stream_is_counted_as_cancelled(traced: Any) -> None:
     rpc = {"grpc_service": SERVICE, "grpc_method": "StreamGenerate", "grpc_type": "server_stream"}
     cancelled = {**rpc, "grpc_code": "CANCELLED"}
 
+    key = {"model": MODEL, "finish_reason": "cancelled"}
+
     def counted() -> MetricSamples | None:
+        # The status is recorded as the RPC ends; the request's count as its task unwinds.
         samples = scrape_metrics(url)
-        was = metric(before, "grpc_server_handled_total", **cancelled)
-        return samples if metric(samples, "grpc_server_handled_total", **cancelled) > was else None
+        handled = metric(samples, "grpc_server_handled_total", **cancelled)
+        requests = metric(samples, "mlxserve_requests_total", **key)
+        was_handled = metric(before, "grpc_server_handled_total", **cancelled)
+        was_requests = metric(before, "mlxserve_requests_total", **key)
+        return samples if handled > was_handled and requests > was_requests else None
 
     after = wait_until(counted, "the cancelled stream to be counted", 10)
-    key = {"model": MODEL, "finish_reason": "cancelled"}
     assert metric(after, "mlxserve_requests_total", **key) == (
         metric(before, "mlxserve_requests_total", **key) + 1
     )

@@ -213,6 +213,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser, peers: ModuleType | Non
     )
     out.add_argument("--ready-timeout", type=float, default=300.0)
     out.add_argument("--request-timeout", type=float, default=600.0)
+    out.add_argument(
+        "--channels",
+        type=int,
+        default=8,
+        help="gRPC channels (each its own connection) the requests are spread over, as several "
+        "callers would open them: one connection reaches one of the server's front ends",
+    )
 
 
 def default_out_path() -> Path:
@@ -375,9 +382,9 @@ def run_bench(args: argparse.Namespace, peers: Mapping[str, PeerRun] | None = No
         plan = build_plan(workload, count_tokens_via_rpc(target, **connection))
         meta["plan"] = _plan_summary(plan)
         progress(f"server SERVING at {target}; plan {meta['plan']}")
-        ours = GrpcTarget(target, request_timeout=args.request_timeout, **connection).run(
-            plan, progress
-        )
+        ours = GrpcTarget(
+            target, request_timeout=args.request_timeout, channels=args.channels, **connection
+        ).run(plan, progress)
         meta["server_after"] = _server_snapshot(target, connection)
     finally:
         if server is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 
@@ -25,7 +26,9 @@ _FINISH = {
 
 
 class GrpcTarget:
-    """Streams every request; TTFT and inter-token gaps from message arrival times."""
+    """Streams every request; TTFT and inter-token gaps from message arrival times. The
+    requests are spread over `channels` channels, each its own connection, as several callers
+    would open them (a server's front ends share one port: one connection reaches one)."""
 
     name = "ours"
 
@@ -36,21 +39,34 @@ class GrpcTarget:
         request_timeout: float | None = 600.0,
         tls: TLSConfig | None = None,
         token: str | None = None,
+        channels: int = 1,
     ) -> None:
         self.target = target
         self.request_timeout = request_timeout
         self.tls, self.token = tls, token
+        self.channels = max(1, channels)
 
     def run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
         return asyncio.run(self._run(plan, progress))
 
     async def _run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
-        async with AsyncGenerationClient(self.target, tls=self.tls, token=self.token) as client:
+        # Channels with equal arguments share one connection: a local subchannel pool each.
+        options = [("grpc.use_local_subchannel_pool", 1)] if self.channels > 1 else []
+        clients = [
+            AsyncGenerationClient(self.target, tls=self.tls, token=self.token, options=options)
+            for _ in range(self.channels)
+        ]
+        sent = itertools.count()
+        try:
 
             async def send(spec: RequestSpec) -> RequestRecord:
+                client = clients[next(sent) % len(clients)]
                 return await self._one_request(client, plan.workload, spec)
 
             return await run_plan(self.name, plan, send, progress)
+        finally:
+            for client in clients:
+                await client.close()
 
     async def _one_request(
         self, client: AsyncGenerationClient, workload: Workload, spec: RequestSpec

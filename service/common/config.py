@@ -61,6 +61,27 @@ class TransportConfig:
                 raise ConfigError(f"{flag} {path}: no such file")
 
 
+WORKER_CORES = 4  # CPU cores per gRPC front end by default (--api-workers auto)
+MAX_AUTO_WORKERS = 4
+
+
+def auto_api_workers(cpus: int | None = None) -> int:
+    """Front ends by default: one per WORKER_CORES cores, at least one and at most
+    MAX_AUTO_WORKERS (each runs one event loop on one core; the engine core takes another)."""
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    return max(1, min(MAX_AUTO_WORKERS, cpus // WORKER_CORES))
+
+
+def _api_workers(value: str) -> int:
+    """--api-workers: a count, or auto (by CPU count)."""
+    if value.strip().lower() == "auto":
+        return auto_api_workers()
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not auto or a number") from None
+
+
 @dataclass
 class FrontendConfig:
     api_workers: int = 1
@@ -319,6 +340,7 @@ class Flag:
     parse: Callable[[str], Any] | None = None  # None: the field's type (str, int, float)
     switch: bool = False  # store_true
     env: tuple[str, ...] = ()  # default: MLXSERVE_FIELD
+    default: str | None = None  # the flag's default, parsed (None: the dataclass's)
     # Given any number of times; the variable holds comma-separated values. Flags on the
     # command line replace the variable's values.
     repeated: bool = False
@@ -370,7 +392,9 @@ GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
             Flag(
                 "api_workers",
                 "gRPC front-end processes sharing the port (SO_REUSEPORT); one engine core "
-                "serves them all",
+                "serves them all; auto (the default): one per 4 CPU cores, at most 4",
+                parse=_api_workers,
+                default="auto",
             ),
             Flag("default_max_tokens", "max_tokens of a request that sets none"),
             Flag(
@@ -420,12 +444,14 @@ GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
             ),
             Flag(
                 "max_batch_prefill",
-                "waiting requests prefilled together (default by device: more on a GPU)",
+                "waiting requests prefilled together (default by device: the whole batch on a "
+                "GPU, as far as --max-batch-prefill-tokens goes; 4 elsewhere)",
                 parse=_optional_int,
             ),
             Flag(
                 "max_batch_prefill_tokens",
-                "token cap of one batched prefill (default 2*max_batch_prefill*min(chunk,512))",
+                "token cap of one batched prefill (default 16384 on a GPU, else "
+                "2*max_batch_prefill*min(chunk,512))",
                 parse=_optional_int,
             ),
             Flag(
@@ -571,6 +597,8 @@ def _add_flag(section: Any, group: type, flag: Flag, default: Any, annotation: A
         )
     else:
         parse = flag.parse or _scalar_type(annotation)
+        if env_value is None and flag.default is not None:
+            env_value = flag.default
         default = parse(env_value) if env_value is not None else default
         kwargs.update(type=parse, default=default, metavar=names[0].lstrip("-").upper())
     if len(names) > 1 and not flag.switch:

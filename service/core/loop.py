@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,7 +31,7 @@ from service.core.scheduler.adapters import AdapterUnavailableError
 from service.core.scheduler.plan import StepPlan, StepResult
 from service.core.scheduler.request import Request, SequenceStatus
 from service.core.scheduler.scheduler import QueueFullError, Scheduler
-from service.protocol import AdapterDescription, AdapterReply, CacheCounters, SlotView
+from service.protocol import AdapterDescription, AdapterReply, SlotView
 
 log = structlog.get_logger(__name__)
 
@@ -43,8 +42,8 @@ class Runner(Protocol):
 
     def submit(self, plan: StepPlan, dispatch: bool = True) -> Any: ...
     def dispatch(self, pending: Any) -> Any: ...
-    def collect(self, pending: Any) -> StepResult: ...
     def take_prefill(self, pending: Any) -> StepResult: ...
+    def collect(self, pending: Any) -> StepResult: ...
     def load_adapter(self, name: str, path: str, slot: int) -> AdapterDescription: ...
 
 
@@ -60,11 +59,6 @@ class _Cancel:
 class _Abort:
     frontend: Hashable
     rid: int
-
-
-@dataclass
-class _StatsQuery:
-    reply: Callable[[CacheCounters], None]
 
 
 @dataclass
@@ -90,14 +84,15 @@ class CoreLoop:
         runner: Runner,
         *,
         overlap_steps: bool,
-        counters: Callable[[Scheduler], CacheCounters],
+        on_turn: Callable[[Scheduler], None] | None = None,
         on_finished: Callable[[Request], None] | None = None,
         fatal_errors: bool = False,
         on_rejected: Callable[[Request, str], None] | None = None,
         on_adapters_changed: Callable[[], None] | None = None,
     ) -> None:
         """overlap_steps: step N+1 may be dispatched before N is read (in-place pool writes);
-        counters: the cache and batch counters of a stats reply (on this thread);
+        on_turn: told after each turn, before its outputs go out (where the state other threads
+        read is published: whoever saw a token finds its request there);
         on_finished: told of each request whose final output was delivered;
         fatal_errors: an error outside the runner's containment ends the loop (tensor
         parallel: the other ranks could not follow); on_rejected: told of a request refused
@@ -106,7 +101,7 @@ class CoreLoop:
         self.scheduler = scheduler
         self.runner = runner
         self._overlap = overlap_steps
-        self._counters = counters
+        self._on_turn = on_turn
         self._fatal = fatal_errors
         self._on_finished = on_finished
         self._on_rejected = on_rejected
@@ -116,7 +111,6 @@ class CoreLoop:
         self._undrained = 0  # submitted, not yet handed to the scheduler
         self._requests: dict[tuple[Hashable, int], Request] = {}
         self._inflight: tuple[StepPlan, Any] | None = None
-        self.stats_published = 0.0
 
     # -- called from other threads ------------------------------------------------------
     def submit(self, seq: Request) -> None:
@@ -137,10 +131,6 @@ class CoreLoop:
     def abort(self, frontend: Hashable, rid: int) -> None:
         """End the request a front end knows as `rid` (its client left, a stop string)."""
         self._inbox.put(_Abort(frontend, rid))
-
-    def query_stats(self, reply: Callable[[CacheCounters], None]) -> None:
-        """`reply` is called on this loop's thread with the counters after the current step."""
-        self._inbox.put(_StatsQuery(reply))
 
     def load_adapter(self, name: str, path: str, reply: Callable[[AdapterReply], None]) -> None:
         """`reply` is called on this loop's thread once the adapter is loaded or refused."""
@@ -216,7 +206,6 @@ class CoreLoop:
             item = self._inbox.get(block=block)
         except queue.Empty:
             return True
-        queries = []
         while True:
             if item is _STOP:
                 return False
@@ -230,8 +219,6 @@ class CoreLoop:
                 seq = self._requests.get((item.frontend, item.rid))
                 if seq is not None:
                     self.scheduler.cancel(seq)
-            elif isinstance(item, _StatsQuery):
-                queries.append(item)
             elif isinstance(item, _LoadAdapter):
                 item.reply(self._load_adapter(item.name, item.path))
             elif isinstance(item, _UnloadAdapter):
@@ -240,10 +227,6 @@ class CoreLoop:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        if queries:
-            counters = self._counters(self.scheduler)
-            for query in queries:
-                query.reply(counters)
         return True
 
     def _add(self, seq: Request) -> None:
@@ -297,6 +280,8 @@ class CoreLoop:
 
     def _deliver(self) -> None:
         """The tick's outputs, one `deliver` per sink; finished requests leave the table."""
+        if self._on_turn is not None:
+            self._on_turn(self.scheduler)
         for sink, outputs in self.scheduler.outbox.take():
             for rid in outputs.finals:
                 seq = self._requests.pop((sink.batch_key, rid), None)
@@ -306,22 +291,20 @@ class CoreLoop:
                 sink.deliver(outputs)
             except Exception:
                 log.exception("delivering outputs failed")
-        self.stats_published = time.monotonic()
 
 
-def slot_views(scheduler: Scheduler) -> list[SlotView]:
+def slot_views(running: list[Request], context: Callable[[Request], int]) -> list[SlotView]:
     """The per-slot view of a stats reply: every running request's state (built when asked)."""
-    views = []
-    for seq in scheduler.running:
-        if seq.status in (SequenceStatus.PREFILLING, SequenceStatus.DECODING):
-            views.append(
-                SlotView(
-                    seq.request_id,
-                    seq.status.value,
-                    seq.num_generated,
-                    scheduler.context_tokens(seq),
-                    seq.request.priority,
-                    seq.request.adapter,
-                )
-            )
-    return views
+    live = (SequenceStatus.PREFILLING, SequenceStatus.DECODING)
+    return [
+        SlotView(
+            seq.request_id,
+            seq.status.value,
+            seq.num_generated,
+            context(seq),
+            seq.request.priority,
+            seq.request.adapter,
+        )
+        for seq in running
+        if seq.status in live
+    ]

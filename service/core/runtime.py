@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,7 +26,7 @@ from service.core.engine.config import EngineConfig, resolve
 from service.core.engine.memory import release_freed_memory
 from service.core.engine.runner import FaultInjector, ModelRunner, Row
 from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
-from service.core.kv.block_pool import KVCacheManager, KVManager, UnpagedKV
+from service.core.kv.block_pool import KVCacheManager, KVCacheStats, KVManager, UnpagedKV
 from service.core.kv.budget import parse_budget
 from service.core.loop import CoreLoop, slot_views
 from service.core.models import activations, lora, rope
@@ -75,6 +76,20 @@ def fault_injector_from_env() -> FaultInjector | None:
     return inject
 
 
+@dataclass
+class _Snapshot:
+    """What the loop publishes after each turn for stats queries."""
+
+    running: list[Request] = field(default_factory=list)
+    context: Callable[[Request], int] = lambda seq: 0
+    queued: int = 0
+    completed: int = 0
+    failed: int = 0
+    preemptions: int = 0
+    kv: KVCacheStats | None = None
+    free_cached: int = 0
+
+
 class Runtime:
     def __init__(self, config: CoreConfig, run_dir: Path | None = None) -> None:
         """run_dir: where the ranks' sockets live (tensor parallel)."""
@@ -113,6 +128,7 @@ class Runtime:
         self.kv: KVManager = UnpagedKV()
         self.block_manager: KVCacheManager | None = None
         self.bytes_per_block = 0
+        self._snapshot = _Snapshot()
 
     # -- start-up --------------------------------------------------------------------
     def start(self) -> None:
@@ -183,7 +199,7 @@ class Runtime:
             self.scheduler,
             self.runner,
             overlap_steps=engine_config.overlap_steps,
-            counters=self.counters,
+            on_turn=self._publish,
             on_finished=self.on_request_finished,
             # Tensor parallel: the other ranks cannot follow a step rank 0 gave up on.
             fatal_errors=self.group is not None,
@@ -529,25 +545,41 @@ class Runtime:
         return PoolShape(blocks, PAGED_BLOCK_SIZE)
 
     # -- what the front ends are told ---------------------------------------------------
-    def counters(self, sched: Scheduler) -> CacheCounters:
-        """The cache and batch state now (on the loop thread: a stats query's reply)."""
+    def _publish(self, sched: Scheduler) -> None:
+        """After each turn, on the loop thread: what a stats query reads (scalars and the list
+        of running requests; no per-row work here)."""
+        manager = self.block_manager
+        self._snapshot = _Snapshot(
+            running=list(sched.running),
+            context=sched.context_tokens,
+            queued=self.loop.queue_depth if self.loop is not None else 0,
+            completed=sched.stats.total_completed,
+            failed=sched.stats.total_failed,
+            preemptions=sched.stats.preemptions,
+            kv=manager.stats() if manager is not None else None,
+            free_cached=manager.pool.num_free_cached_blocks if manager is not None else 0,
+        )
+
+    def counters(self) -> CacheCounters:
+        """The cache and batch state after the last turn (any thread: a stats query is answered
+        at once, however long the turn under way takes)."""
         assert self.runner is not None
+        snap = self._snapshot
         storage = self.runner.storage
         out = CacheCounters(
             storage_backend=storage.name,
             reserved_bytes=storage.reserved_bytes,
             slot_context_tokens=self.slot_context,
             max_batch_size=self.batch_size,
-            active_sequences=len(sched.running),
-            queued_requests=self.loop.queue_depth if self.loop is not None else 0,
-            total_completed=sched.stats.total_completed,
-            total_failed=sched.stats.total_failed,
-            preemptions=sched.stats.preemptions,
-            slots=slot_views(sched),
+            active_sequences=len(snap.running),
+            queued_requests=snap.queued,
+            total_completed=snap.completed,
+            total_failed=snap.failed,
+            preemptions=snap.preemptions,
+            slots=slot_views(snap.running, snap.context),
         )
-        manager = self.block_manager
-        if manager is not None:
-            stats = manager.stats()
+        if snap.kv is not None:
+            stats = snap.kv
             budget_bytes = stats.num_total_blocks * self.bytes_per_block
             out.block_size = stats.block_size
             out.total_blocks = stats.num_total_blocks
@@ -555,7 +587,7 @@ class Runtime:
             out.free_blocks = stats.num_free_blocks
             out.cached_blocks = stats.num_cached_blocks
             # Allocated: holding data, in use or kept as an evictable cached prefix.
-            out.allocated_blocks = stats.num_active_blocks + manager.pool.num_free_cached_blocks
+            out.allocated_blocks = stats.num_active_blocks + snap.free_cached
             out.used_bytes = stats.num_active_blocks * self.bytes_per_block
             out.budget_bytes = 0 if self.kv_budget_unlimited else budget_bytes
             out.capacity_bytes = budget_bytes
@@ -566,7 +598,7 @@ class Runtime:
         elif self.runner.config.native_caches:
             out.used_bytes = storage.reserved_bytes
         else:
-            used = sum(sched.context_tokens(s) for s in sched.running)
+            used = sum(snap.context(s) for s in snap.running)
             out.used_bytes = used * storage.bytes_per_token
             out.capacity_bytes = self.batch_size * self.slot_context * storage.bytes_per_token
         return out

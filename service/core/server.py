@@ -136,11 +136,10 @@ class CoreServer:
         elif isinstance(message, protocol.Abort) and loop is not None:
             loop.abort(self._frontend_of(peer), message.rid)
         elif isinstance(message, protocol.StatsQuery):
-            if loop is None:
-                self._reply_stats(peer, message.qid, protocol.CacheCounters())
-            else:
-                qid = message.qid
-                loop.query_stats(lambda counters: self._reply_stats(peer, qid, counters))
+            counters = self.runtime.counters() if loop is not None else protocol.CacheCounters()
+            router.send_multipart(
+                [peer, protocol.encode(protocol.StatsReply(message.qid, counters))]
+            )
         elif isinstance(message, (protocol.LoadAdapter, protocol.UnloadAdapter)):
             self._adapter_command(peer, message)
         elif isinstance(message, protocol.Hello):
@@ -189,10 +188,6 @@ class CoreServer:
         peer = self._peers.get(str(seq.sink.batch_key))
         if peer is not None:
             self._send_later(peer, protocol.Rejected(seq.rid, message, reason="adapter"))
-
-    def _reply_stats(self, peer: bytes, qid: int, counters: protocol.CacheCounters) -> None:
-        """On the loop thread: queue the reply for this thread to send."""
-        self._send_later(peer, protocol.StatsReply(qid, counters))
 
     def _send_later(self, peer: bytes | None, message: Any) -> None:
         """Queue a message for a front end (None: every front end) and wake the main thread."""

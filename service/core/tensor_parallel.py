@@ -171,8 +171,7 @@ class ReplicatedRunner:
         return self._runner.dispatch(pending)
 
     def take_prefill(self, pending: Any) -> StepResult:
-        """The step's prefill results, read at submit on every rank: nothing to send (the
-        followers' collect reads what they did not hand out)."""
+        """The prefill forwards' results: read at submit on every rank; no command."""
         return self._runner.take_prefill(pending)
 
     def collect(self, pending: Any) -> StepResult:

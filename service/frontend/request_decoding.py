@@ -38,11 +38,6 @@ class Undecodable:
         self.field = field  # the string field that is not UTF-8, when that is the trouble
 
 
-def describe_decode_error(data: bytes, message_type: Descriptor, error: DecodeError) -> str:
-    """A client-facing reason, naming the field when a string field holds invalid UTF-8."""
-    return explain_decode_error(data, message_type, error).message
-
-
 def explain_decode_error(data: bytes, message_type: Descriptor, error: DecodeError) -> Undecodable:
     field = _non_utf8_field(data, message_type)
     if field is not None:

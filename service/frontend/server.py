@@ -49,132 +49,165 @@ async def serve_frontend(
     """Serve until SIGTERM/SIGINT (then drain) or until the core dies. `core_alive`: per
     engine-core rank, a pipe end that reads EOF once that process is gone; `on_stop`: called
     when a stop signal arrives. Returns the exit code."""
-    telemetry = Telemetry.from_config(config)  # tracing from OTEL_*, metrics on --metrics-port
-    client = CoreClient(run_dir, index)
-    auth = transport.auth_interceptor(config.transport)
-    server = grpc.aio.server(
-        # Innermost last: the RPC observer (spans, gRPC metrics) sees every RPC's final status,
-        # an authentication refusal's or an undecodable request's too; authentication refuses
-        # before anything decodes the request.
-        interceptors=[
-            *telemetry.server_interceptors(SERVICE_NAME),
-            *([auth] if auth is not None else []),
-            DecodeErrorInterceptor(),
-        ],
-        options=transport.server_options(config.transport, config.frontend.api_workers),
-    )
-    servicer = GenerationServicer(config, client, telemetry)
-    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-    health_servicer = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
-    address = f"{config.transport.host}:{config.transport.port}"
-    listening = False
+    return await Frontend(config, run_dir, index, core_alive, on_stop).serve()
 
-    async def listen(event: str) -> None:
-        nonlocal listening
-        bound = transport.bind(server, config.transport)  # TLS when --tls-cert is set
+
+class Frontend:
+    """One front-end process's gRPC server, from start-up through the core's Ready to the
+    drain."""
+
+    def __init__(
+        self,
+        config: FrontendProcessConfig,
+        run_dir: Path,
+        index: int,
+        core_alive: list[Connection],
+        on_stop: Callable[[], None] | None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.core_alive = core_alive
+        self.on_stop = on_stop
+        # Tracing from OTEL_*, metrics on --metrics-port.
+        self.telemetry = Telemetry.from_config(config)
+        self.client = CoreClient(run_dir, index)
+        self.server = self._grpc_server()
+        self.servicer = GenerationServicer(config, self.client, self.telemetry)
+        pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), self.server)
+        self.address = f"{config.transport.host}:{config.transport.port}"
+        self.listening = False
+        self.stop = asyncio.Event()
+        self.stop_now = asyncio.Event()  # a second signal: no more waiting
+        self.exit_code = 0
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        config = self.config
+        auth = transport.auth_interceptor(config.transport)
+        return grpc.aio.server(
+            # Innermost last: the RPC observer (spans, gRPC metrics) sees every RPC's final
+            # status, an authentication refusal's or an undecodable request's too;
+            # authentication refuses before anything decodes the request.
+            interceptors=[
+                *self.telemetry.server_interceptors(SERVICE_NAME),
+                *([auth] if auth is not None else []),
+                DecodeErrorInterceptor(),
+            ],
+            options=transport.server_options(config.transport, config.frontend.api_workers),
+        )
+
+    async def serve(self) -> int:
+        await self.set_health(False)
+        # Front end 0 listens at once, to answer NOT_SERVING while the model loads. The others
+        # listen only once ready: the kernel hands each new connection to any listener on the
+        # port, and a caller that found the server SERVING must not reach one still loading.
+        if self.index == 0:
+            await self.listen("listening; the engine core loads the model")
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+        for pipe in self.core_alive:
+            loop.add_reader(pipe.fileno(), self._on_core_exit)
+        self.client.on_health = lambda healthy: asyncio.ensure_future(
+            self.set_health(healthy and self.servicer.serving)
+        )
+        try:
+            if await self._until_ready():
+                await self.stop.wait()
+        finally:
+            await self._shut_down()
+        return self.exit_code
+
+    async def listen(self, event: str) -> None:
+        bound = transport.bind(self.server, self.config.transport)  # TLS with --tls-cert
         if bound == 0:
-            raise ConfigError(f"could not bind {address}: is another server using the port?")
-        await server.start()
-        listening = True
-        log.info(event, address=address, frontend=index, tls=config.transport.tls_cert is not None)
+            raise ConfigError(f"could not bind {self.address}: is another server using the port?")
+        await self.server.start()
+        self.listening = True
+        tls = self.config.transport.tls_cert is not None
+        log.info(event, address=self.address, frontend=self.index, tls=tls)
 
-    async def set_health(serving: bool) -> None:
+    async def set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse
         for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, status.SERVING if serving else status.NOT_SERVING)
+            await self.health.set(name, status.SERVING if serving else status.NOT_SERVING)
 
-    await set_health(False)
-    # Front end 0 listens at once, to answer NOT_SERVING while the model loads. The others
-    # listen only once ready: the kernel hands each new connection to any listener on the
-    # port, and a caller that found the server SERVING must not reach one still loading.
-    if index == 0:
-        await listen("listening; the engine core loads the model")
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    stop_now = asyncio.Event()  # a second signal: no more waiting
-    exit_code = 0
-
-    def on_signal() -> None:
-        if stop.is_set():
-            log.warning("second stop signal: stopping now", frontend=index)
-            stop_now.set()
+    def _on_signal(self) -> None:
+        if self.stop.is_set():
+            log.warning("second stop signal: stopping now", frontend=self.index)
+            self.stop_now.set()
             return
-        if on_stop is not None:
-            on_stop()
-        stop.set()
+        if self.on_stop is not None:
+            self.on_stop()
+        self.stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-
-    def on_core_exit() -> None:
-        nonlocal exit_code
-        for pipe in core_alive:
+    def _on_core_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        for pipe in self.core_alive:
             loop.remove_reader(pipe.fileno())
-        if stop.is_set():
+        if self.stop.is_set():
             return  # we are stopping it ourselves
-        if servicer.model is None:
+        if self.servicer.model is None:
             # While loading, a rank may exit because the model cannot be loaded: give rank 0's
             # reason (LoadFailed) a moment to arrive before calling it a crash.
-            loop.call_later(LOAD_FAILURE_GRACE_S, core_gone)
+            loop.call_later(LOAD_FAILURE_GRACE_S, self._core_gone)
         else:
-            core_gone()
+            self._core_gone()
 
-    def core_gone() -> None:
-        nonlocal exit_code
-        if stop.is_set():
+    def _core_gone(self) -> None:
+        if self.stop.is_set():
             return
-        log.error("the engine core exited: ending every open request", frontend=index)
-        exit_code = CORE_DIED_EXIT
-        client.core_died()
-        stop.set()
+        log.error("the engine core exited: ending every open request", frontend=self.index)
+        self.exit_code = CORE_DIED_EXIT
+        self.client.core_died()
+        self.stop.set()
 
-    for pipe in core_alive:
-        loop.add_reader(pipe.fileno(), on_core_exit)
-    client.on_health = lambda healthy: asyncio.ensure_future(
-        set_health(healthy and servicer.serving)
-    )
-    try:
-        connect = asyncio.ensure_future(client.connect())
-        waiter = asyncio.ensure_future(stop.wait())
+    async def _until_ready(self) -> bool:
+        """Wait for the core's model (or a stop); then serve it. False: stopped first."""
+        connect = asyncio.ensure_future(self.client.connect())
+        waiter = asyncio.ensure_future(self.stop.wait())
         await asyncio.wait({connect, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
-        if connect.done():
-            try:
-                ready = connect.result()
-            except LoadFailedError as exc:
-                log.error("the model could not be loaded", error=str(exc))
-                exit_code = exit_code or LOAD_FAILED_EXIT
-                raise
-            servicer.set_model(await loop.run_in_executor(None, served_model, ready))
-            telemetry.model_ready(servicer.model.info.model_id)
-            if config.observability.metrics_port and index == 0:
-                _serve_metrics(config, telemetry, client, ready.pid)
-            await set_health(True)
-            if listening:
-                log.info("serving", address=address, frontend=index)
-            else:
-                await listen("serving")
-            await stop.wait()
-        else:
+        if not connect.done():
             connect.cancel()
-    finally:
-        servicer.draining = True
-        await health_servicer.enter_graceful_shutdown()
-        if not exit_code:
-            await _drain(servicer, config.frontend.drain_timeout, stop_now, index)
-        if listening:
-            await server.stop(grace=0 if stop_now.is_set() else DRAIN_LAST_MESSAGES_S)
-        servicer.close()
-        for pipe in core_alive:
+            return False
+        try:
+            ready = connect.result()
+        except LoadFailedError as exc:
+            log.error("the model could not be loaded", error=str(exc))
+            self.exit_code = self.exit_code or LOAD_FAILED_EXIT
+            raise
+        loop = asyncio.get_running_loop()
+        self.servicer.set_model(await loop.run_in_executor(None, served_model, ready))
+        self.telemetry.model_ready(self.servicer.model.info.model_id)
+        if self.config.observability.metrics_port and self.index == 0:
+            _serve_metrics(self.config, self.telemetry, self.client, ready.pid)
+        await self.set_health(True)
+        if self.listening:
+            log.info("serving", address=self.address, frontend=self.index)
+        else:
+            await self.listen("serving")
+        return True
+
+    async def _shut_down(self) -> None:
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        if not self.exit_code:
+            await _drain(
+                self.servicer, self.config.frontend.drain_timeout, self.stop_now, self.index
+            )
+        if self.listening:
+            await self.server.stop(grace=0 if self.stop_now.is_set() else DRAIN_LAST_MESSAGES_S)
+        self.servicer.close()
+        loop = asyncio.get_running_loop()
+        for pipe in self.core_alive:
             with contextlib.suppress(Exception):
                 loop.remove_reader(pipe.fileno())
-        await client.close_sockets()
-        telemetry.shutdown()  # exports the spans still buffered
-        log.info("stopped", frontend=index)
-    return exit_code
+        await self.client.close_sockets()
+        self.telemetry.shutdown()  # exports the spans still buffered
+        log.info("stopped", frontend=self.index)
 
 
 async def _drain(

@@ -21,14 +21,7 @@ from service.core.scheduler.adapters import AdapterTable
 from service.core.scheduler.plan import StepPlan, StepResult
 from service.core.scheduler.request import Request
 from service.core.scheduler.scheduler import Scheduler, SchedulerConfig
-from service.protocol import (
-    AdapterDescription,
-    CacheCounters,
-    Event,
-    Final,
-    GenerationRequest,
-    Outputs,
-)
+from service.protocol import AdapterDescription, Event, Final, GenerationRequest, Outputs
 
 VOCAB = 1000
 EOS = 999
@@ -352,7 +345,6 @@ class Harness:
             self.sched,
             self.engine,
             overlap_steps=False,
-            counters=lambda _: CacheCounters(),
             on_rejected=lambda seq, why: self.rejected.__setitem__(seq.request_id, why),
             on_adapters_changed=self._adapters_changed,
         )

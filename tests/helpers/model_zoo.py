@@ -811,7 +811,7 @@ FAMILIES: list[Family] = [
     ),
 ]
 FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
-# The families issue 12 requires; the rest are extras.
+# The families the server must serve (README's list); the rest are extras.
 REQUIRED = [f.name for f in FAMILIES[: FAMILIES.index(FAMILY_BY_NAME["qwen3_8bit"]) + 1]]
 
 
@@ -1069,11 +1069,13 @@ class Run:
 
 
 def _server_flags(path: Path) -> list[str]:
-    return ["--model", str(path), "--parallel", "4", "--log-format", "json"]
+    # float32 whatever the device: the reference is mlx-lm's float32 generation (on a GPU the
+    # server's own default is bfloat16).
+    return ["--model", str(path), "--parallel", "4", "--dtype", "float32", "--log-format", "json"]
 
 
 def _decode_line(records: list[dict[str, Any]]) -> str:
-    """The start-up line naming the decode path (the design doc's wording where the server
+    """The start-up line naming the decode path (the server's wording where it
     logs it, else the "model loaded" record's decode_path field)."""
     for record in records:
         event = str(record.get("event", ""))

@@ -18,7 +18,7 @@ Nothing of another row is copied or touched when a row joins or leaves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -66,32 +66,6 @@ class StepLayout:
     @property
     def padded(self) -> bool:
         return self.width > int(self.lengths.max()) or self.span > int(self.total_lengths.max())
-
-
-class DirectAttention(Protocol):
-    """Storage whose decode steps attend straight from the pool (service.core.engine.kv_paged)."""
-
-    def write(
-        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
-    ) -> tuple[mx.array, mx.array]: ...
-    def attend(
-        self,
-        layer: int,
-        batch: StepLayout,
-        queries: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        scale: float,
-        window: int | None,
-    ) -> mx.array: ...
-
-
-class MirroredAttention(Protocol):
-    """Storage whose decode steps attend over a contiguous copy (service.core.engine.kv_mirror)."""
-
-    def write_mirrored(
-        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
-    ) -> tuple[mx.array, mx.array]: ...
 
 
 class AttentionView:

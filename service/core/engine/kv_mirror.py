@@ -77,8 +77,8 @@ class DecodeMirror:
     def begin_step(self, source: MirrorSource, layout: StepLayout) -> MirrorStep | None:
         """Make the mirror hold every row's positions before this decode step; returns where
         the step writes and its mask, or None (gather instead: a single row, or too large).
-        A lone row gathers only itself, and served alone it measured faster gathering (C=1
-        through the server: TTFT 325 vs 400 ms)."""
+        A lone row gathers only itself, which costs less than keeping a copy of it (see
+        bench/results for the C=1 figures)."""
         if layout.batch_size < 2:
             if len(self.rows):
                 self.clear()

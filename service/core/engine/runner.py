@@ -675,33 +675,26 @@ class ModelRunner:
         inputs = [[last, *d.tokens] for last, d in zip(last_tokens, drafts)]
         lengths = np.asarray([len(x) for x in inputs], np.int32)
         starts = self.positions[slots].copy()
-        layout = StepLayout(
-            [r.kv for r in rows],
-            starts,
-            lengths,
-            self.tables[slots, : max(1, int(self.table_lengths[slots].max()))],
-            self.table_lengths[slots],
-            slots,
-        )
-        width = layout.width
-        tokens = mx.array([x + [0] * (width - len(x)) for x in inputs], dtype=mx.int32)
-        views = self.storage.views(
-            layout, self.cache, None, self.config.grouped_query_mask, gather=True
-        )
-        adapters = self.adapter_slots[slots]
-        hidden = self._head.hidden(tokens, views, self._adapter_rows(adapters))  # [B, N, H]
-        row_idx = mx.array(np.repeat(np.arange(len(slots)), lengths))
-        col_idx = mx.array(np.concatenate([np.arange(n) for n in lengths]))
-        # [sum(lengths), V]: each position with its row's adapter
-        logits = self._head.logits(
-            hidden[row_idx, col_idx], self._adapter_rows(np.repeat(adapters, lengths))
-        )
-        mx.eval(logits)
+        greedy = bool(self.plain[slots].all())
+        if self.decode_graph is not None:
+            out = self._verify_as_decode(slots, rows, inputs, lengths, starts, greedy)
+        else:
+            out = self._verify_gathered(slots, rows, inputs, lengths, starts)
+            greedy = False
+        mx.eval(out)
+        targets = np.asarray(out, dtype=np.int32) if greedy else None
+        logits = None if greedy else out
         emitted_all: list[int] = []
         counts, drafted, lps = [], [], []
         offset = 0
         for row, start, n, d in zip(rows, starts, lengths, drafts):
-            emitted, processed = verify_draft(logits[offset : offset + n], d.tokens, row.sampler)
+            if targets is not None:
+                emitted, processed = _accept_greedy(targets[offset : offset + n], d.tokens), None
+            else:
+                assert logits is not None
+                emitted, processed = verify_draft(
+                    logits[offset : offset + n], d.tokens, row.sampler
+                )
             offset += int(n)
             accepted = len(emitted) - 1
             # Valid K/V: the last token and the accepted drafts; the last emitted token is the
@@ -710,7 +703,7 @@ class ModelRunner:
             fid = self._next_forward_id()
             self._sampled_tokens[fid] = mx.array([emitted[-1]], dtype=mx.int32)
             self._source_step[row.slot], self._source_index[row.slot] = fid, 0
-            if row.want_logprobs:
+            if row.want_logprobs and processed is not None:
                 lp = processed[: len(emitted)] - mx.logsumexp(
                     processed[: len(emitted)], axis=-1, keepdims=True
                 )
@@ -733,6 +726,68 @@ class ModelRunner:
             result.logprobs = np.asarray(lps, np.float32)
         return result
 
+    def _verify_as_decode(
+        self,
+        slots: np.ndarray,
+        rows: list[Row],
+        inputs: list[list[int]],
+        lengths: np.ndarray,
+        starts: np.ndarray,
+        greedy: bool,
+    ) -> mx.array:
+        """A verification forward as a decode step of one virtual row per position (CUDA):
+        a transformer treats positions alone except in attention, and there each layer writes
+        every position's K/V before any reads it, so position j of a row sees the draft tokens
+        before it. The shape is a decode step's, replayed from the compiled graph like one.
+        Returns the argmax tokens per position (greedy) or the logits."""
+        virtual = np.repeat(slots, lengths)
+        offsets = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+        index = np.repeat(np.arange(len(slots)), lengths)
+        layout = StepLayout(
+            [rows[i].kv for i in index],
+            np.repeat(starts, lengths) + offsets,
+            np.ones(len(virtual), np.int32),
+            self.tables[virtual, : max(1, int(self.table_lengths[slots].max()))],
+            self.table_lengths[virtual],
+            virtual,
+        )
+        tokens = mx.array(np.concatenate(inputs).astype(np.int32))[:, None]
+        assert self.decode_graph is not None
+        adapters = self.adapter_slots[virtual]  # each position with its row's adapter
+        graph_adapters = adapters if adapters.any() else None
+        return self.decode_graph.logits(tokens, layout, greedy, self.min_rows, graph_adapters)
+
+    def _verify_gathered(
+        self,
+        slots: np.ndarray,
+        rows: list[Row],
+        inputs: list[list[int]],
+        lengths: np.ndarray,
+        starts: np.ndarray,
+    ) -> mx.array:
+        """A verification forward over K/V gathered from the storage: every position's
+        logits, [sum(lengths), V]."""
+        layout = StepLayout(
+            [r.kv for r in rows],
+            starts,
+            lengths,
+            self.tables[slots, : max(1, int(self.table_lengths[slots].max()))],
+            self.table_lengths[slots],
+            slots,
+        )
+        width = layout.width
+        tokens = mx.array([x + [0] * (width - len(x)) for x in inputs], dtype=mx.int32)
+        views = self.storage.views(
+            layout, self.cache, None, self.config.grouped_query_mask, gather=True
+        )
+        adapters = self.adapter_slots[slots]
+        hidden = self._head.hidden(tokens, views, self._adapter_rows(adapters))  # [B, N, H]
+        row_idx = mx.array(np.repeat(np.arange(len(slots)), lengths))
+        col_idx = mx.array(np.concatenate([np.arange(n) for n in lengths]))
+        # Each position with its row's adapter.
+        positions = self._adapter_rows(np.repeat(adapters, lengths))
+        return self._head.logits(hidden[row_idx, col_idx], positions)
+
     def _last_tokens(self, slots: np.ndarray) -> list[int]:
         """The rows' last sampled tokens, read (a verification forward needs them as ids)."""
         out = []
@@ -742,6 +797,18 @@ class ModelRunner:
                 raise ValueError(f"sequence {self._row(slot).seq_id} has no sampled token")
             out.append(int(self._sampled_tokens[fid][int(self._source_index[slot])].item()))
         return out
+
+
+def _accept_greedy(targets: np.ndarray, draft: list[int]) -> list[int]:
+    """Greedy verification: drafts are kept while each is the model's own next token, then
+    the model's token where they part (or after the last draft): plain greedy decoding's."""
+    out: list[int] = []
+    for j, token in enumerate(draft):
+        if int(targets[j]) != token:
+            break
+        out.append(token)
+    out.append(int(targets[len(out)]))
+    return out
 
 
 def _merge(step: int, parts: Sequence[StepResult]) -> StepResult:

@@ -136,12 +136,6 @@ class BlockPool:
             raise IndexError(f"no block {block_id} in a pool of {len(self._blocks)}")
         return self._blocks[block_id]
 
-    def free_block_ids(self) -> list[int]:
-        """Free blocks in the order allocate() hands them out (for tests: O(num_blocks))."""
-        below = range(self._next_new, max(self._next_new, self._capacity))
-        beyond = range(max(self._next_new, self._capacity), len(self._blocks))
-        return [*sorted(self._free_uncached), *below, *self._free_cached, *beyond]
-
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self.num_free_blocks
 
@@ -225,17 +219,6 @@ class BlockPool:
         block.ref_count -= 1  # still >= 1: the other holders keep it
         return new_ids[0], True
 
-    def evict_cached(self, n: int) -> int:
-        """Evict up to n free cached blocks, least recently freed first; returns how many."""
-        evicted = 0
-        while evicted < n and self._free_cached:
-            block_id, _ = self._free_cached.popitem(last=False)
-            self._uncache(self._blocks[block_id])
-            heapq.heappush(self._free_uncached, block_id)
-            evicted += 1
-        self.evictions += evicted
-        return evicted
-
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
             block_size=self.block_size,
@@ -283,13 +266,6 @@ class SequenceBlocks:
         """New blocks to hold num_tokens + num_new_tokens positions."""
         total = self.num_tokens + num_new_tokens
         return max(0, _ceil_div(total, self.block_size) - len(self.block_ids))
-
-    def slot_mapping(self, start: int, count: int) -> list[int]:
-        """Flat slot (block_id * block_size + offset) of each position in [start, start+count)."""
-        size = self.block_size
-        if start < 0 or count < 0 or start + count > len(self.block_ids) * size:
-            raise IndexError(f"positions [{start}, {start + count}) are not allocated")
-        return [self.block_ids[p // size] * size + p % size for p in range(start, start + count)]
 
 
 @dataclass(frozen=True)

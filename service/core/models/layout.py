@@ -100,11 +100,6 @@ class CacheLayout:
     def sliding(self) -> bool:
         return any(w is not None for w in self.windows)
 
-    @property
-    def state_bytes(self) -> int:
-        """Recurrent state of one sequence, all layers."""
-        return sum(s.nbytes for s in self.states)
-
     def attention_entries(self) -> list[AttentionEntry]:
         out: list[AttentionEntry] = []
         for entry in self.entries:

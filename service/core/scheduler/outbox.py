@@ -27,11 +27,15 @@ class Outbox:
         self._sparse: dict[int, Outputs] = {}  # sink index -> events, logprobs, finals
 
     def sink_index(self, sink: OutputSink) -> int:
+        """The sink's index by its batch key; the latest sink object of a key is the one
+        delivered to (a front end that registers again gets a new one)."""
         key = sink.batch_key
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = len(self._sinks)
             self._sinks.append(sink)
+        else:
+            self._sinks[index] = sink
         return index
 
     def bind(self, slot: int, sink: OutputSink, rid: int) -> None:
@@ -62,11 +66,6 @@ class Outbox:
 
     def final(self, sink: OutputSink, rid: int, final: Final) -> None:
         self._of(sink).finals[rid] = final
-
-    @property
-    def lifecycle_changed(self) -> bool:
-        """Whether a request was admitted, started, preempted or ended this tick."""
-        return any(out.events or out.finals for out in self._sparse.values())
 
     def take(self) -> list[tuple[OutputSink, Outputs]]:
         """This tick's messages, one per sink that has something; the outbox starts over."""

@@ -33,6 +33,3 @@ class PrefillPlan:
             out.append((start, end))
             done = end
         return out
-
-    def is_done(self, num_computed: int) -> bool:
-        return max(num_computed, self.cached_tokens) >= self.total_tokens

@@ -50,3 +50,51 @@ class NgramIndex:
             if end is not None:
                 return tokens[end : end + k]
         return []
+
+
+MAX_PAUSE = 64  # decode steps a row that keeps missing waits before it drafts again
+
+
+class DraftPacing:
+    """How much one row drafts, from how its drafts fared: a verification step costs more than
+    a plain one (and cannot be queued before the previous step is read), so a row drafts only
+    while its drafts are accepted. All accepted: the next draft may be one longer. None
+    accepted: half as long; at zero the row pauses, twice as long after each further miss. Some
+    accepted: as many as were, plus one."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.length = max_tokens
+        self.paused = 0  # plans left before the row drafts again
+        self._backoff = 1
+
+    @property
+    def ready(self) -> bool:
+        return self.paused == 0
+
+    def allowed(self) -> int:
+        """Draft tokens this plan may propose (0 while paused; each call is one plan)."""
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return self.length
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.length = min(self.max_tokens, self.length + 1)
+            self._backoff = 1
+        elif accepted == 0:
+            self.length //= 2
+            if self.length == 0:
+                self.miss()
+        else:
+            self.length = min(self.max_tokens, accepted + 1)
+            self._backoff = 1
+
+    def miss(self) -> None:
+        """Nothing worth verifying (no draft, or none accepted): pause, longer each time."""
+        self.paused = self._backoff
+        self._backoff = min(MAX_PAUSE, self._backoff * 2)
+        self.length = max(1, self.length)

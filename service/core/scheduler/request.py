@@ -11,7 +11,7 @@ from typing import Protocol
 from service.core.kv.block_pool import SequenceBlocks
 from service.core.scheduler.adapters import AdapterEntry
 from service.core.scheduler.prefill_plan import PrefillPlan
-from service.core.scheduler.prompt_lookup import NgramIndex
+from service.core.scheduler.prompt_lookup import DraftPacing, NgramIndex
 from service.protocol import FinishReason, GenerationRequest, Outputs
 
 
@@ -56,6 +56,7 @@ class Request:
     plan: PrefillPlan | None = None  # the prefill of the current admission
     parked_ticks: int = 0  # consecutive ticks this prefill was passed over
     lookup: NgramIndex | None = None  # prompt-lookup n-gram index (speculative decoding)
+    pacing: DraftPacing | None = None  # how much it drafts (speculative decoding)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     adapter: AdapterEntry | None = None  # its LoRA adapter, held from arrival to the end

@@ -43,7 +43,7 @@ from service.core.scheduler.outbox import Outbox
 from service.core.scheduler.plan import Chunk, Draft, RowJoin, RowLeave, StepPlan, StepResult
 from service.core.scheduler.prefill_cost import PrefillCostModel, RowShape, RunningMedian
 from service.core.scheduler.prefill_plan import PrefillPlan
-from service.core.scheduler.prompt_lookup import NgramIndex
+from service.core.scheduler.prompt_lookup import DraftPacing, NgramIndex
 from service.core.scheduler.request import Request, SequenceStatus
 from service.protocol import Final, FinishReason, TokenLogprob
 
@@ -249,8 +249,8 @@ class Scheduler:
             return False
         spec = self.config.speculation
         decoding = int(self._decoding.sum())
-        if spec is not None and 0 < decoding <= spec.max_batch:
-            return False
+        if spec is not None and 0 < decoding <= spec.max_batch and self._any_drafting():
+            return False  # drafts are made from the last token: it must be read first
         return decoding > 0 and all(
             s.status is SequenceStatus.DECODING and not s.cancel_requested for s in self._running
         )
@@ -262,6 +262,7 @@ class Scheduler:
         self._end_cancelled()
         if self.config.enable_preemption:
             self._preempt_for_waiting()
+        self._reserve_decode_blocks()
         self._admit(plan)
         prefilling = [s for s in self._running if s.status is SequenceStatus.PREFILLING]
         if prefilling:
@@ -471,10 +472,12 @@ class Scheduler:
 
     # -- decode --------------------------------------------------------------------------
     def _decode(self, plan: StepPlan) -> None:
-        """One decode step for every decoding row that needs another token (the rows whose
-        prefill ends in this plan included: they feed the token it samples)."""
-        self._reserve_decode_blocks(plan)
-        slots = self._decode_slots(plan)
+        """One decode step for every decoding row that needs another token, and for the rows
+        whose prefill ends in this plan (they feed the token it samples) where a slot for it is
+        to be had. The decoding rows' slots were reserved before admission."""
+        rows = self._decoding.copy()
+        rows[self._ending_with_a_slot(plan)] = True
+        slots = self._continuing(rows)
         if not len(slots):
             self.costs.last_decode_read = None  # the next read starts a new run of steps
             return
@@ -487,34 +490,48 @@ class Scheduler:
         plan.decode = slots.tolist()
         self._fed[slots] += 1
 
-    def _decode_slots(self, plan: StepPlan) -> np.ndarray:
-        """Slots of the rows that need another token: decoding, or ending their prefill in
-        this plan, with room left for one more (max_tokens, the slot context)."""
-        rows = self._decoding.copy()
+    def _ending_with_a_slot(self, plan: StepPlan) -> list[int]:
+        """Rows whose prefill ends in this plan and that can decode in it too: a slot for the
+        token after the prompt is reserved (never by preempting: they take a plain turn
+        next plan instead). With speculation, while few rows decode, they wait a plan: their
+        drafts are made from the token the prefill samples, not known yet."""
         ending = [c.slot for forward in plan.prefill for c in forward if c.sample]
-        rows[ending] = True
         spec = self.config.speculation
-        if ending and spec is not None and int(rows.sum()) <= spec.max_batch:
-            # Few rows: they may verify drafts next, which are made from the token their
-            # prefill samples (not known yet): they wait a plan.
-            rows[ending] = False
+        if (
+            ending
+            and spec is not None
+            and len(ending) + int(self._decoding.sum()) <= spec.max_batch
+        ):
+            return []
+        out = []
+        for slot in ending:
+            seq = self._owner[slot]
+            assert seq is not None and seq.blocks is not None
+            if self.kv.ensure_slots(seq.blocks, int(self._fed[slot]) + 1):
+                self._dirty.add(slot)
+                out.append(slot)
+        return out
+
+    def _continuing(self, rows: np.ndarray) -> np.ndarray:
+        """Slots among `rows` (a mask) with room left for one more token: max_tokens and the
+        slot context, counting the tokens of steps submitted but not read yet."""
         slots = np.flatnonzero(rows)
-        # Tokens generated once the steps submitted so far are read.
         total = self._fed[slots] - self._prompt_len[slots] + 1
         room = (total < self._max_tokens[slots]) & (
             self._prompt_len[slots] + total < self.config.slot_context
         )
         return slots[room].astype(np.int32)
 
-    def _reserve_decode_blocks(self, plan: StepPlan) -> None:
+    def _reserve_decode_blocks(self) -> None:
         """Each decoding row needs a slot for its next token before the forward. Short of
         blocks (cold prefixes are evicted by the pool first), preempt the lowest-priority
         running sequence with the least progress until the rest fit. Rows whose next position
-        lies in a block they hold need nothing but a count."""
+        lies in a block they hold need nothing but a count. Runs before admission: a plan's
+        own new rows are never its victims."""
         if not self.kv.paged:
             return
         while True:
-            slots = self._decode_slots(plan)
+            slots = self._continuing(self._decoding)
             need = self._fed[slots] + 1
             crossing = need > self._capacity(slots)
             if int(crossing.sum()) <= self.kv.num_free_blocks or len(self._running) <= 1:
@@ -544,15 +561,30 @@ class Scheduler:
         return out
 
     # -- speculative decoding ----------------------------------------------------------
+    def _any_drafting(self) -> bool:
+        """Whether a decoding row may draft in the next plan (not paused by its pacing)."""
+        return any(
+            s.status is SequenceStatus.DECODING
+            and not s.request.sampling.has_penalties
+            and (s.pacing is None or s.pacing.ready)
+            for s in self._running
+        )
+
     def _draft(self, seq: Request | None, spec: SpeculationConfig) -> list[int]:
-        """Prompt-lookup draft tokens for a decoding row (none when it may not speculate)."""
+        """Prompt-lookup draft tokens for a decoding row (none when it may not speculate, or
+        while its pacing says its drafts do not pay)."""
         if seq is None or seq.status is not SequenceStatus.DECODING:
             return []
         req = seq.request
         if req.sampling.has_penalties:
             return []  # penalties follow each token: they cannot score a draft in one pass
+        if seq.pacing is None:
+            seq.pacing = DraftPacing(spec.num_draft_tokens)
+        allowed = seq.pacing.allowed()
+        if allowed == 0 or self._fed[seq.slot] > seq.prompt_len + seq.num_generated - 1:
+            return []  # paused, or its last token is still in flight (planned ahead)
         room = min(
-            spec.num_draft_tokens,
+            allowed,
             req.max_tokens - seq.num_generated - 1,
             self.config.slot_context - seq.prompt_len - seq.num_generated - 1,
         )
@@ -563,7 +595,10 @@ class Scheduler:
         if seq.lookup is None:
             seq.lookup = NgramIndex(spec.min_ngram, spec.max_ngram)
             seq.lookup.extend(seq.all_token_ids)
-        return seq.lookup.propose(room)
+        draft = seq.lookup.propose(room)
+        if not draft:
+            seq.pacing.miss()
+        return draft
 
     def _verify(self, plan: StepPlan, slots: np.ndarray, drafts: list[list[int]]) -> None:
         """One forward checks every row's draft (rows without one take a plain step in it).
@@ -777,6 +812,8 @@ class Scheduler:
             drafted, accepted = int(result.drafted[i]), int(result.counts[i]) - 1
             seq.drafted_tokens += drafted
             seq.accepted_tokens += accepted
+            if seq.pacing is not None:
+                seq.pacing.record(drafted, accepted)
             if drafted:
                 self.outbox.drafts(seq.sink, seq.rid, drafted, accepted)
         self._accept_verified(result)

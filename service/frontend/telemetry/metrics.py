@@ -145,7 +145,13 @@ class Metrics:
                 f"{MULTIPROC_ENV} was set after prometheus_client was imported in this process"
             )
         self.model = ""
-        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._request_counters(self.registry)
+        self._latencies(self.registry)
+        self._grpc(self.registry)
+        self._server: Any = None
+
+    def _request_counters(self, r: CollectorRegistry) -> None:
         m = ["model"]
         self.prompt_tokens = Counter(
             "mlxserve_prompt_tokens",
@@ -199,6 +205,22 @@ class Metrics:
             m,
             registry=r,
         )
+        # Per LoRA adapter (requests that named one; the others are the base model's).
+        self.adapter_requests = Counter(
+            "mlxserve_adapter_requests",
+            "Requests that named a LoRA adapter, by adapter and finish reason.",
+            [*m, "adapter", "finish_reason"],
+            registry=r,
+        )
+        self.adapter_generation_tokens = Counter(
+            "mlxserve_adapter_generation_tokens",
+            "Tokens generated for requests that named a LoRA adapter, by adapter.",
+            [*m, "adapter"],
+            registry=r,
+        )
+
+    def _latencies(self, r: CollectorRegistry) -> None:
+        m = ["model"]
         self.ttft = Histogram(
             "mlxserve_time_to_first_token_seconds",
             "Arrival in the engine to the first generated token.",
@@ -240,20 +262,9 @@ class Metrics:
         self.request_generation_tokens = tokens(
             "mlxserve_request_generation_tokens", "Generated tokens of a finished request."
         )
-        # Per LoRA adapter (requests that named one; the others are the base model's).
-        self.adapter_requests = Counter(
-            "mlxserve_adapter_requests",
-            "Requests that named a LoRA adapter, by adapter and finish reason.",
-            ["model", "adapter", "finish_reason"],
-            registry=r,
-        )
-        self.adapter_generation_tokens = Counter(
-            "mlxserve_adapter_generation_tokens",
-            "Tokens generated for requests that named a LoRA adapter, by adapter.",
-            ["model", "adapter"],
-            registry=r,
-        )
-        # gRPC server metrics, named as go-grpc-prometheus and py-grpc-prometheus name them.
+
+    def _grpc(self, r: CollectorRegistry) -> None:
+        """gRPC server metrics, named as go-grpc-prometheus and py-grpc-prometheus name them."""
         self.rpc_started = Counter(
             "grpc_server_started", "RPCs started on the server.", GRPC_LABELS, registry=r
         )
@@ -276,7 +287,6 @@ class Metrics:
         self.rpc_sent = Counter(
             "grpc_server_msg_sent", "Response messages sent.", GRPC_LABELS, registry=r
         )
-        self._server: Any = None
 
     def set_model(self, model: str) -> None:
         """The served model is known: export zeros for its finish reasons and rejections, so
