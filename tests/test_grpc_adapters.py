@@ -183,6 +183,8 @@ def test_metrics_count_requests_and_tokens_by_adapter(server: ServerProcess, stu
         r["address"].rsplit(":", 1)[1] for r in server.records() if r.get("event") == "metrics on"
     )
     stub.Generate(request([9, 8, 7], "qv_head", max_tokens=3), timeout=60)
+    with pytest.raises(grpc.RpcError):
+        stub.Generate(request([9, 8, 7], "nope"), timeout=60)
     samples = scrape_metrics(f"http://127.0.0.1:{port}/metrics")
     model = "f"
     done = metric(
@@ -356,3 +358,23 @@ def test_the_cli_chooses_lists_loads_and_unloads_adapters(
     assert loaded.returncode == 0 and "dora" in loaded.stdout
     unloaded = cli("unload-adapter", "cli")
     assert unloaded.returncode == 0 and "0 running" in unloaded.stdout
+
+
+def test_loading_and_unloading_need_the_token_when_one_is_set(work: Path, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("lora-token\n")
+    path = str(work / "adapters" / "qv_head")
+    auth = [("authorization", "Bearer lora-token")]
+    with (
+        running_server("--model", str(work / "f"), "--auth-token-file", str(tokens)) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        stub = pb_grpc.GenerationServiceStub(channel)
+        for call in (
+            lambda m: stub.LoadAdapter(pb.LoadAdapterRequest(name="q", path=path), metadata=m),
+            lambda m: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="q"), metadata=m),
+        ):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(None)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            call(auth)
