@@ -24,13 +24,15 @@ NAMES = ("all7", "qv_head", "dora_mlp")
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained.train_all(tmp_path_factory.mktemp("runner"), NAMES)
+    return trained.train_all(tmp_path_factory.mktemp("runner"))
 
 
-def engine(work: Path, names: tuple[str, ...] = NAMES) -> tuple[Driven, lora.AdapterSet]:
+def engine(
+    work: Path, names: tuple[str, ...] = NAMES, base: str = "f"
+) -> tuple[Driven, lora.AdapterSet]:
     from mlx_lm import load
 
-    model, _ = load(str(work / "f"))
+    model, _ = load(str(work / base))
     aset = lora.AdapterSet(model)
     for name in names:
         aset.add(lora.load_adapter(name, work / "adapters" / name, model))
@@ -77,6 +79,26 @@ def test_a_batch_of_several_adapters_and_none_gives_each_row_mlx_lms_tokens(work
         assert np.allclose(logprobs[i], want, atol=1e-4), (i, name)
         alone, _ = generate(driven, aset, [(name, prompt)])
         assert alone[0] == tokens[i], (i, name)
+
+
+@pytest.mark.parametrize("base", ["q", "b"])
+def test_quantized_and_biased_bases_with_lora_and_dora(work: Path, base: str) -> None:
+    """QLoRA and DoRA on a 4-bit base, LoRA and DoRA on a base with biases, batched with the
+    base model: mlx-lm's tokens for each, logprobs to float tolerance."""
+    names = tuple(n for n, spec in trained.SPECS.items() if spec.base == base)
+    driven, aset = engine(work, names, base)
+    rows: list[tuple[str | None, list[int]]] = [
+        (name, trained.prompts(1, seed=70 + i, length=6 + 2 * i)[0])
+        for i, name in enumerate([*names, None])
+    ]
+    tokens, logprobs = generate(driven, aset, rows)
+    for (name, prompt), got, lps in zip(rows, tokens, logprobs):
+        ref = mlx_lm_generate(
+            work / base, work / "adapters" / name if name else None, prompt, STEPS
+        )
+        assert got == ref.tokens, name
+        want = [float(ref.logprobs[j, t].item()) for j, t in enumerate(ref.tokens)]
+        assert np.allclose(lps, want, atol=1e-4), name
 
 
 def test_verification_scores_each_rows_drafts_with_its_adapter(work: Path) -> None:
