@@ -378,3 +378,17 @@ def test_loading_and_unloading_need_the_token_when_one_is_set(work: Path, tmp_pa
                 call(None)
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
             call(auth)
+
+
+def test_generate_in_process_with_an_adapter(work: Path) -> None:
+    prompt = trained.prompts(1, seed=12)[0]
+    adapter = work / "adapters" / "qv_head"
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "generate", "--model", str(work / "f"),
+         "--adapter", f"qv={adapter}", "--use-adapter", "qv", "--raw", "--json",
+         "--max-tokens", "6", " ".join(f"w{t}" for t in prompt)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokens = json.loads(done.stdout.strip().splitlines()[-1])["token_ids"]
+    assert tokens == mlx_lm_generate(work / "f", adapter, prompt, 6).tokens
