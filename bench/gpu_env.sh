@@ -1,4 +1,4 @@
-# Source on the GPU host after installing MLX under /tmp/site (docs/gpu-runs.md):
+# Source on the GPU host after installing MLX under /tmp/site (docs/offline-gpu-install.md):
 # mlx-cuda-13's libmlx.so finds the CUDA libraries through RPATH $ORIGIN/../../nvidia/...: point
 # /tmp/site/nvidia at the machine's own nvidia-* wheels (PyTorch's), and add them to the loader path.
 if [ ! -e /tmp/site/nvidia ]; then

@@ -2,7 +2,7 @@
 # The GPU sweep on one NVIDIA H200 (MLX CUDA, bf16, dummy weights), within one device call.
 #
 # Expects MLX (mlx + mlx-cuda-13 + mlx-lm) and our pinned wheels installed under /tmp/site and
-# PYTHONPATH=/tmp/site:$PWD (see docs/gpu-runs.md for the two-call install). For each
+# PYTHONPATH=/tmp/site:$PWD (see docs/offline-gpu-install.md). For each
 # preset: ours through gRPC, the raw mlx-lm forward loop and mlx_lm.server on the same weights,
 # C = 1,4,8,16,32,64, 128-token completions. Results (JSON + PNG per preset, run.log) go to $OUT
 # as they are made; a preset or peer that would start too late is skipped, so the call ends

@@ -6,7 +6,7 @@ Sockets (ipc:// paths in the server's run directory):
 - The core binds a ROUTER (`core.sock`); each front end connects a DEALER to it and sends its
   requests, aborts and queries there; the core answers on the same socket (ready, rejections,
   stats, health).
-- Each front end binds a PULL (`frontend-N.sock`); the core's engine thread connects a PUSH to
+- Each front end binds a PULL (`frontend-N.sock`); the core's loop thread connects a PUSH to
   it and sends one `Outputs` message per engine step: every row of that front end that
   produced something (new tokens and logprobs, lifecycle events, the final summary), never one
   message per token.

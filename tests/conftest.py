@@ -2,12 +2,21 @@
 
 The tiers are marked explicitly: a test is `slow` (left out of `make test-fast`) if it starts a
 process of the service (server, launcher, CLI) or nginx / Prometheus / Node, loads the
-embedded model, or builds or loads real model checkpoints; `model` if it reads the embedded
-model's files. The hooks below check the marks where they can: a test that uses the shared
-server's fixtures must be marked slow, and only a test marked slow may start a server.
+embedded model, builds or loads real model checkpoints, or builds a wheel; `model` if it reads
+the embedded model's files. The hooks below check the marks where they can: a test that uses
+the shared server's fixtures must be marked slow, and only a test marked slow may start a
+server.
 """
 
 from __future__ import annotations
+
+import os
+
+# On CUDA, MLX runs float32 matmuls as TF32 by default, and their rounding differs between batch
+# sizes by more than the 1e-4 the parity tests allow on logprobs: full float32 for this process
+# and the servers it starts (read by MLX at its first matmul).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any

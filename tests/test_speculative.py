@@ -101,20 +101,14 @@ def test_sampled_verification_keeps_the_models_distribution() -> None:
 # -- the engine: one forward per verification, rejected K/V given back ---------------------------
 
 
-def test_engine_verification_matches_plain_decoding_and_rolls_back() -> None:
-    """Drafts half right: the tokens equal plain greedy decoding, and once the rejected drafts'
-    slots are given back (as the scheduler does) each row holds exactly the blocks its cached
-    positions need."""
-    model = tiny_llama()
-    plain = make_engine(model, paged())
+def _plain_and_verified(plain, spec) -> tuple[list[list[int]], list[list[int]], list]:
+    """13 greedy tokens per prompt from `plain` decoding, and from `spec` verifying drafts of
+    three (two right, the third wrong) per forward; with `spec`'s sequences."""
     seqs = [plain.add_sequence(f"p{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
     want = [[r.token_id] for r in plain.prefill([_row(s, p) for s, p in zip(seqs, PROMPTS)])]
     for _ in range(12):
         for w, r in zip(want, plain.step([_row(s) for s in seqs])):
             w.append(r.token_id)
-
-    storage = paged()
-    spec = make_engine(model, storage)
     seqs = [spec.add_sequence(f"s{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
     got = [[r.token_id] for r in spec.prefill([_row(s, p) for s, p in zip(seqs, PROMPTS)])]
     while min(len(g) for g in got) < 13:
@@ -126,8 +120,19 @@ def test_engine_verification_matches_plain_decoding_and_rolls_back() -> None:
             rows.append(DraftRow(s, got[i][-1], draft))
         for i, verified in enumerate(spec.verify(rows)):
             got[i] += [r.token_id for r in verified.results]
-    for i, s in enumerate(seqs):
-        assert got[i][:13] == want[i]
+    return want, [g[:13] for g in got], seqs
+
+
+def test_engine_verification_matches_plain_decoding_and_rolls_back() -> None:
+    """Drafts half right: the tokens equal plain greedy decoding, and once the rejected drafts'
+    slots are given back (as the scheduler does) each row holds exactly the blocks its cached
+    positions need."""
+    model = tiny_llama()
+    storage = paged()
+    spec = make_engine(model, storage)
+    want, got, seqs = _plain_and_verified(make_engine(model, paged()), spec)
+    assert got == want
+    for s in seqs:
         blocks = spec.blocks(s)
         assert blocks.num_tokens == s.num_cached
         assert len(blocks.block_ids) == -(-s.num_cached // storage.block_size)
@@ -148,30 +153,13 @@ def test_cuda_verification_as_a_decode_step_matches_plain_decoding() -> None:
         storage = make_storage(config, model, layout, PoolShape(num_blocks=64, block_size=8))
         return make_engine(model, storage, config)
 
-    plain = engine()
-    seqs = [plain.add_sequence(f"p{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
-    want = [[r.token_id] for r in plain.prefill([_row(s, p) for s, p in zip(seqs, PROMPTS)])]
-    for _ in range(12):
-        for w, r in zip(want, plain.step([_row(s) for s in seqs])):
-            w.append(r.token_id)
     spec = engine()
-    seqs = [spec.add_sequence(f"s{i}", SamplingParams(), p) for i, p in enumerate(PROMPTS)]
-    got = [[r.token_id] for r in spec.prefill([_row(s, p) for s, p in zip(seqs, PROMPTS)])]
-    while min(len(g) for g in got) < 13:
-        rows = []
-        for i, s in enumerate(seqs):
-            n = len(got[i])
-            truth = want[i][n : n + 3]
-            draft = [*truth[:2], (truth[2] + 1) % 256] if len(truth) == 3 else []
-            rows.append(DraftRow(s, got[i][-1], draft))
-        for i, verified in enumerate(spec.verify(rows)):
-            got[i] += [r.token_id for r in verified.results]
-    assert [g[:13] for g in got] == want
+    want, got, _ = _plain_and_verified(engine(), spec)
+    assert got == want
     assert spec.manager is not None and spec.manager.stats().num_active_blocks == 0
 
 
 def _row(seq, tokens=None):
-
     return StepRow(seq, tokens)
 
 

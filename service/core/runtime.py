@@ -207,6 +207,7 @@ class Runtime:
             on_adapters_changed=self._adapters_changed,
         )
         warm_up_seconds = self._warm_up(engine_config)
+        self._publish(self.scheduler)  # stats before the first turn: the pool as built
         self._log_loaded(lm, fam, engine_config, fast_mlp_layers, warm_up_seconds, started)
         self.serving = True
 

@@ -15,6 +15,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 POLL_MS = 50  # how often the main thread looks up from its socket when nothing arrives
+# A load that fails before front end 0 has said hello waits this long for it: the reason then
+# reaches the launcher, which prints it (an adapter refused at once would otherwise exit first).
+HELLO_WAIT_S = 10.0
 
 
 class FrontendSink:
@@ -73,6 +77,7 @@ class CoreServer:
         self._outgoing: queue.SimpleQueue[tuple[bytes | None, bytes]] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         self._ready_sent = False
+        self._failed_at: float | None = None  # when a failed load first had nobody to tell
         self._stopping = threading.Event()
         self.runtime.on_engine_health = lambda ok: self._send_later(None, protocol.Health(ok))
         self.runtime.on_request_finished = forget_trace
@@ -218,6 +223,11 @@ class CoreServer:
         error = self.runtime.load_error
         if error is None:
             return False
+        if not self._peers:
+            if self._failed_at is None:
+                self._failed_at = time.monotonic()
+            if time.monotonic() - self._failed_at < HELLO_WAIT_S:
+                return False  # not yet: nobody would hear why
         failed = protocol.encode(protocol.LoadFailed(str(error)))
         for peer in self._peers.values():
             router.send_multipart([peer, failed])

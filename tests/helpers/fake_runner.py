@@ -208,7 +208,7 @@ class FakeRunner:
 
     def take_prefill(self, pending: _Pending) -> StepResult:
         parts, pending.prefill = pending.prefill, []
-        result = _join(pending.plan.step, parts)
+        result = StepResult.merge(pending.plan.step, parts)
         result.prefill_rows = len(result.slots)
         return result
 
@@ -221,7 +221,7 @@ class FakeRunner:
         pending.prefill = []
         if pending.decode is not None:
             parts.append(pending.decode)
-        result = _join(pending.plan.step, parts)
+        result = StepResult.merge(pending.plan.step, parts)
         result.prefill_rows = prefill_rows
         result.decoded = pending.decode is not None
         return result
@@ -233,29 +233,6 @@ def _result(sampled: list[tuple[int, int]]) -> StepResult:
         np.asarray([s for s, _ in sampled], np.int32),
         np.asarray([t for _, t in sampled], np.int32),
     )
-
-
-def _join(step: int, parts: list[StepResult]) -> StepResult:
-    if not parts:
-        return StepResult.empty(step)
-    result = StepResult(
-        step,
-        np.concatenate([p.slots for p in parts]).astype(np.int32),
-        np.concatenate([p.tokens for p in parts]).astype(np.int32),
-    )
-    if any(p.counts is not None for p in parts):
-        result.counts = np.concatenate(
-            [p.counts if p.counts is not None else np.ones(len(p.slots), np.int32) for p in parts]
-        )
-        result.drafted = np.concatenate(
-            [
-                p.drafted if p.drafted is not None else np.zeros(len(p.slots), np.int32)
-                for p in parts
-            ]
-        )
-    for p in parts:
-        result.prefill_seconds.extend(p.prefill_seconds)
-    return result
 
 
 def _or_zeros(values: np.ndarray | None, n: int) -> np.ndarray:

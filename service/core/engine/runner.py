@@ -25,7 +25,7 @@ the error propagates instead.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +169,9 @@ class ModelRunner:
             int, mx.array
         ] = {}  # recent forwards' sampled tokens, by forward id
         self._forward_id = 0
+        # Compiled decode steps pad to at least this many rows: warm-up sets it to trace each
+        # row bucket's graph before requests reach it.
+        self.min_rows = 0
 
     @property
     def batched(self) -> bool:
@@ -195,20 +198,15 @@ class ModelRunner:
 
     @staticmethod
     def dispatch(pending: Pending) -> Pending:
-        forward = pending.decode
-        if forward is not None and forward.read is None:
-            if forward.tokens is None:
-                mx.async_eval(forward.hidden)
-            else:
-                extra = [x for x in (forward.logprobs, *(forward.top or ())) if x is not None]
-                mx.async_eval([forward.tokens, *extra])
+        if pending.decode is not None:
+            ModelRunner._dispatch(pending.decode)
         return pending
 
     def take_prefill(self, pending: Pending) -> StepResult:
         """The step's prefill forwards' results (read already at submit), handed out once: the
         first tokens of the prompts they ended can go out before the decode forward is read."""
         parts, pending.prefill = pending.prefill, []
-        result = _merge(pending.plan.step, parts)
+        result = StepResult.merge(pending.plan.step, parts)
         result.prefill_rows = len(result.slots)
         return result
 
@@ -222,7 +220,7 @@ class ModelRunner:
             parts.append(pending.verified)
         elif pending.decode is not None:
             parts.append(self._read(pending.decode))
-        result = _merge(pending.plan.step, parts)
+        result = StepResult.merge(pending.plan.step, parts)
         result.prefill_rows = prefill_rows
         result.decoded = pending.verified is not None or pending.decode is not None
         return result
@@ -319,7 +317,7 @@ class ModelRunner:
             forward = _Forward(
                 slots, [], np.ones(len(slots), np.int32), np.zeros(0, np.int32), None
             )
-            forward.read = _merge(-1, parts)
+            forward.read = StepResult.merge(-1, parts)
             return forward
         forward = self._build(slots, [None] * len(slots), None)
         return self._dispatch(forward) if dispatch else forward
@@ -351,6 +349,20 @@ class ModelRunner:
             )
             return self._rows_alone(slots, inputs, samples)
 
+    def _layout(
+        self, slots: np.ndarray, rows: list[Row], starts: np.ndarray, lengths: np.ndarray
+    ) -> StepLayout:
+        """The rows' places in the storage for one forward, from the row table."""
+        widest = max(1, int(self.table_lengths[slots].max()))
+        return StepLayout(
+            [r.kv for r in rows],
+            starts,
+            lengths,
+            self.tables[slots, :widest],
+            self.table_lengths[slots],
+            slots,
+        )
+
     def _build_batch(
         self, slots: np.ndarray, inputs: list[list[int] | None], samples: np.ndarray | None
     ) -> _Forward:
@@ -359,14 +371,7 @@ class ModelRunner:
         if lengths.min() < 1:
             raise ValueError("a step row needs at least one token")
         starts = self.positions[slots].copy()
-        layout = StepLayout(
-            [r.kv for r in rows],
-            starts,
-            lengths,
-            self.tables[slots, : max(1, int(self.table_lengths[slots].max()))],
-            self.table_lengths[slots],
-            slots,
-        )
+        layout = self._layout(slots, rows, starts, lengths)
         width = int(lengths.max())
         if self.config.shape_buckets and width > 1:
             layout.pad_width = shape_bucket(width)
@@ -523,7 +528,8 @@ class ModelRunner:
         flat = np.asarray([offsets[int(s)] for s in sources], np.int32) + index
         return mx.concatenate(arrays)[mx.array(flat)].astype(mx.int32)
 
-    def _dispatch(self, forward: _Forward) -> _Forward:
+    @staticmethod
+    def _dispatch(forward: _Forward) -> _Forward:
         if forward.read is None:
             if forward.tokens is None:
                 mx.async_eval(forward.hidden)
@@ -577,7 +583,7 @@ class ModelRunner:
             sample_one = None if samples is None else samples[i : i + 1]
             parts.append(self._read(self._dispatch(self._build(one, [inputs[i]], sample_one))))
         forward = _Forward(slots, [], np.ones(len(slots), np.int32), np.zeros(0, np.int32), None)
-        forward.read = _merge(-1, parts)
+        forward.read = StepResult.merge(-1, parts)
         return forward
 
     def _redo_alone(self, forward: _Forward) -> StepResult:
@@ -611,7 +617,7 @@ class ModelRunner:
                 part = StepResult.empty(-1)
                 part.errors[int(slot)] = BACKEND_ERROR
             parts.append(part)
-        return _merge(-1, parts)
+        return StepResult.merge(-1, parts)
 
     def _check_faults(self, rows: list[Row], stage: str) -> None:
         if self._fault_injector is None:
@@ -767,14 +773,7 @@ class ModelRunner:
     ) -> mx.array:
         """A verification forward over K/V gathered from the storage: every position's
         logits, [sum(lengths), V]."""
-        layout = StepLayout(
-            [r.kv for r in rows],
-            starts,
-            lengths,
-            self.tables[slots, : max(1, int(self.table_lengths[slots].max()))],
-            self.table_lengths[slots],
-            slots,
-        )
+        layout = self._layout(slots, rows, starts, lengths)
         width = layout.width
         tokens = mx.array([x + [0] * (width - len(x)) for x in inputs], dtype=mx.int32)
         views = self.storage.views(
@@ -808,58 +807,6 @@ def _accept_greedy(targets: np.ndarray, draft: list[int]) -> list[int]:
             break
         out.append(token)
     out.append(int(targets[len(out)]))
-    return out
-
-
-def _merge(step: int, parts: Sequence[StepResult]) -> StepResult:
-    """One result from several forwards' (in order)."""
-    parts = [p for p in parts if len(p.slots) or p.errors or p.prefill_seconds]
-    if not parts:
-        return StepResult.empty(step)
-    if len(parts) == 1:
-        only = parts[0]
-        only.step = step
-        return only
-    result = StepResult(
-        step,
-        np.concatenate([p.slots for p in parts]).astype(np.int32),
-        np.concatenate([p.tokens for p in parts]).astype(np.int32),
-    )
-    if any(p.counts is not None for p in parts):
-        result.counts = np.concatenate(
-            [p.counts if p.counts is not None else np.ones(len(p.slots), np.int32) for p in parts]
-        )
-        result.drafted = np.concatenate(
-            [
-                p.drafted if p.drafted is not None else np.zeros(len(p.slots), np.int32)
-                for p in parts
-            ]
-        )
-    if any(p.logprobs is not None for p in parts):
-        result.logprobs = np.concatenate(
-            [
-                p.logprobs if p.logprobs is not None else np.zeros(len(p.tokens), np.float32)
-                for p in parts
-            ]
-        )
-        k = max((p.top_ids.shape[1] for p in parts if p.top_ids is not None), default=0)
-        if k:
-            result.top_ids = np.concatenate(
-                [_top(p.top_ids, len(p.tokens), k, np.int32) for p in parts]
-            )
-            result.top_logprobs = np.concatenate(
-                [_top(p.top_logprobs, len(p.tokens), k, np.float32) for p in parts]
-            )
-    for p in parts:
-        result.errors.update(p.errors)
-        result.prefill_seconds.extend(p.prefill_seconds)
-    return result
-
-
-def _top(values: np.ndarray | None, n: int, k: int, dtype: Any) -> np.ndarray:
-    out = np.zeros((n, k), dtype)
-    if values is not None:
-        out[:, : values.shape[1]] = values
     return out
 
 

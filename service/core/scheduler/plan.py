@@ -109,3 +109,59 @@ class StepResult:
     @classmethod
     def empty(cls, step: int) -> StepResult:
         return cls(step, np.zeros(0, np.int32), np.zeros(0, np.int32))
+
+    @classmethod
+    def merge(cls, step: int, parts: list[StepResult]) -> StepResult:
+        """One result from several forwards' (in order)."""
+        parts = [p for p in parts if len(p.slots) or p.errors or p.prefill_seconds]
+        if not parts:
+            return cls.empty(step)
+        if len(parts) == 1:
+            only = parts[0]
+            only.step = step
+            return only
+        result = cls(
+            step,
+            np.concatenate([p.slots for p in parts]).astype(np.int32),
+            np.concatenate([p.tokens for p in parts]).astype(np.int32),
+        )
+        if any(p.counts is not None for p in parts):
+            result.counts = np.concatenate(
+                [
+                    p.counts if p.counts is not None else np.ones(len(p.slots), np.int32)
+                    for p in parts
+                ]
+            )
+            result.drafted = np.concatenate(
+                [
+                    p.drafted if p.drafted is not None else np.zeros(len(p.slots), np.int32)
+                    for p in parts
+                ]
+            )
+        if any(p.logprobs is not None for p in parts):
+            result.logprobs = np.concatenate(
+                [
+                    p.logprobs if p.logprobs is not None else np.zeros(len(p.tokens), np.float32)
+                    for p in parts
+                ]
+            )
+            k = max((p.top_ids.shape[1] for p in parts if p.top_ids is not None), default=0)
+            if k:
+                result.top_ids = np.concatenate(
+                    [_top(p.top_ids, len(p.tokens), k, np.int32) for p in parts]
+                )
+                result.top_logprobs = np.concatenate(
+                    [_top(p.top_logprobs, len(p.tokens), k, np.float32) for p in parts]
+                )
+        for p in parts:
+            result.errors.update(p.errors)
+            result.prefill_seconds.extend(p.prefill_seconds)
+        return result
+
+
+def _top(values: np.ndarray | None, n: int, k: int, dtype: type) -> np.ndarray:
+    """A top-logprobs block widened to k columns (zeros where a forward asked for fewer)."""
+    out = np.zeros((n, k), dtype)
+    if values is not None:
+        out[:, : values.shape[1]] = values
+    return out
