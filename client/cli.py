@@ -181,6 +181,7 @@ def _generation_options() -> argparse.ArgumentParser:
     formats.add_argument(
         "--choice", action="append", help="the reply is exactly one of these (repeatable)"
     )
+    gen.add_argument("--adapter", default="", help="a LoRA adapter the server serves (see `info`)")
     return gen
 
 
@@ -210,6 +211,15 @@ def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
         "--watch", type=float, metavar="SECONDS", help="print again every SECONDS until Ctrl-C"
     )
     commands.add_parser("info", parents=[rpc], help="the loaded model (GetModelInfo)")
+    load = commands.add_parser(
+        "load-adapter", parents=[rpc], help="serve an mlx-lm LoRA adapter (LoadAdapter)"
+    )
+    load.add_argument("name", help="what requests will call it")
+    load.add_argument("path", help="the adapter's directory on the server")
+    unload = commands.add_parser(
+        "unload-adapter", parents=[rpc], help="stop serving an adapter (UnloadAdapter)"
+    )
+    unload.add_argument("name")
     tokenize = commands.add_parser("tokenize", parents=[rpc], help="prompt token ids (Tokenize)")
     tokenize.add_argument("prompt", nargs="?", help="text; read from stdin when omitted")
     tokenize.add_argument("--raw", action="store_true", help="raw text instead of a chat turn")
@@ -277,6 +287,7 @@ def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
         request_id=args.request_id,
         cache_prompt=False if args.no_cache_prompt else None,
         response_format=_response_format(args),
+        adapter=args.adapter,
     )
 
 
@@ -310,8 +321,10 @@ def usage_line(request_id: str, finish_reason: int, usage: pb.Usage, timing: pb.
 
 def _field_text(message: Message, field: FieldDescriptor) -> str:
     value = getattr(message, field.name)
-    if field.message_type is not None and isinstance(value, Message):
-        return to_json(value, indent=None)
+    if field.message_type is not None:
+        if isinstance(value, Message):
+            return to_json(value, indent=None)
+        return ", ".join(to_json(v, indent=None) for v in value)  # repeated messages
     # Repeated fields come back as containers; show them comma-separated.
     values = [value] if isinstance(value, bool | int | float | str) else list(value)
     if field.enum_type is not None:
@@ -327,7 +340,7 @@ def key_value_lines(message: Message, skip: Sequence[str] = ()) -> list[str]:
 
 
 def slots_table(slots: Sequence[pb.SlotInfo]) -> list[str]:
-    header = ("request_id", "state", "priority", "generated", "context")
+    header = ("request_id", "state", "priority", "generated", "context", "adapter")
     rows = [
         (
             s.request_id,
@@ -335,13 +348,14 @@ def slots_table(slots: Sequence[pb.SlotInfo]) -> list[str]:
             str(s.priority),
             str(s.generated_tokens),
             str(s.context_tokens),
+            s.adapter or "-",
         )
         for s in slots
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return [
         "  ".join(
-            cell.ljust(w) if i < 2 else cell.rjust(w)
+            cell.ljust(w) if i < 2 or i == 5 else cell.rjust(w)
             for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         )
         for row in [header, *rows]
@@ -428,12 +442,29 @@ def cmd_tokenize(client: GenerationClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_load_adapter(client: GenerationClient, args: argparse.Namespace) -> int:
+    adapter = client.load_adapter(args.name, args.path, **_call_options(args))
+    print(to_json(adapter) if args.json else "\n".join(key_value_lines(adapter)))
+    return 0
+
+
+def cmd_unload_adapter(client: GenerationClient, args: argparse.Namespace) -> int:
+    pending = client.unload_adapter(args.name, **_call_options(args))
+    if args.json:
+        print(to_json(pb.UnloadAdapterResponse(pending_requests=pending)))
+    else:
+        print(f"{args.name}: unloaded once {pending} running request(s) have finished")
+    return 0
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "stream": cmd_stream,
     "stats": cmd_stats,
     "info": cmd_info,
     "tokenize": cmd_tokenize,
+    "load-adapter": cmd_load_adapter,
+    "unload-adapter": cmd_unload_adapter,
 }
 
 

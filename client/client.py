@@ -213,18 +213,24 @@ def build_request(
     request_id: str = "",
     cache_prompt: bool | None = None,
     response_format: pb.ResponseFormat | None = None,
+    adapter: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one input (raw `prompt`, `chat` or `token_ids`).
 
     Parameters left as None stay unset, so the server applies its defaults. `response_format`
     (see `response_format()`) constrains the reply to a JSON Schema, a regex, a grammar or a
-    choice.
+    choice. `adapter`: a LoRA adapter the server serves (GetModelInfo lists them); empty for
+    the base model.
     """
     inputs_given = sum(x is not None for x in (prompt, chat, token_ids))
     if inputs_given != 1:
         raise ValueError("give exactly one of prompt, chat or token_ids")
     req = pb.GenerateRequest(
-        request_id=request_id, priority=priority, logprobs=logprobs, top_logprobs=top_logprobs
+        request_id=request_id,
+        priority=priority,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        adapter=adapter,
     )
     if prompt is not None:
         req.text = prompt
@@ -422,6 +428,26 @@ class GenerationClient:
             _tokenize_request(text, chat), timeout=timeout, metadata=self._metadata(metadata)
         )
 
+    def load_adapter(
+        self, name: str, path: str, *, timeout: float | None = None, metadata: Metadata = None
+    ) -> pb.AdapterInfo:
+        """Serve the mlx-lm adapter directory `path` (on the server) as `name`."""
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        response = self._stub.LoadAdapter(
+            request, timeout=timeout, metadata=self._metadata(metadata)
+        )
+        return response.adapter
+
+    def unload_adapter(
+        self, name: str, *, timeout: float | None = None, metadata: Metadata = None
+    ) -> int:
+        """Stop serving `name`; returns how many running requests still use it (it goes
+        once they have finished)."""
+        response = self._stub.UnloadAdapter(
+            pb.UnloadAdapterRequest(name=name), timeout=timeout, metadata=self._metadata(metadata)
+        )
+        return response.pending_requests
+
     def wait_ready(self, timeout: float = 120.0, *, service: str = "") -> None:
         """Block until grpc.health reports SERVING for `service` ("" = the whole server).
 
@@ -534,6 +560,23 @@ class AsyncGenerationClient:
         return await self._stub.Tokenize(
             _tokenize_request(text, chat), timeout=timeout, metadata=self._metadata(metadata)
         )
+
+    async def load_adapter(
+        self, name: str, path: str, *, timeout: float | None = None, metadata: Metadata = None
+    ) -> pb.AdapterInfo:
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        response = await self._stub.LoadAdapter(
+            request, timeout=timeout, metadata=self._metadata(metadata)
+        )
+        return response.adapter
+
+    async def unload_adapter(
+        self, name: str, *, timeout: float | None = None, metadata: Metadata = None
+    ) -> int:
+        response = await self._stub.UnloadAdapter(
+            pb.UnloadAdapterRequest(name=name), timeout=timeout, metadata=self._metadata(metadata)
+        )
+        return response.pending_requests
 
     async def wait_ready(self, timeout: float = 120.0, *, service: str = "") -> None:
         """Wait until grpc.health reports SERVING; raises TimeoutError otherwise."""

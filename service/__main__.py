@@ -41,8 +41,8 @@ def _serve(argv: list[str], prog: str) -> int:
         description=f"Serve the model over gRPC (`{prog} serve ...` says the same). "
         f"`{prog} generate PROMPT` runs one request in-process, with no server.",
     )
-    add_server_arguments(parser)
     try:
+        add_server_arguments(parser)  # an MLXSERVE_* variable that does not parse: refused
         config = config_from_args(parser.parse_args(argv))
     except ConfigError as exc:
         parser.error(str(exc))

@@ -17,7 +17,11 @@ from service.common.logging import configure_logging
 from service.core.runtime import Runtime
 from service.core.scheduler.request import Request
 from service.frontend.stream import RequestStream, push_outputs
-from service.frontend.validation import InvalidRequestError, generation_request
+from service.frontend.validation import (
+    InvalidRequestError,
+    UnknownAdapterError,
+    generation_request,
+)
 from service.protocol import Outputs
 
 
@@ -29,6 +33,9 @@ def generate_main(argv: list[str], prog: str = "python -m service generate") -> 
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print token ids and text as JSON")
+    parser.add_argument(
+        "--use-adapter", metavar="NAME", default="", help="generate with this --adapter's NAME"
+    )
     add_server_arguments(parser)
     args = parser.parse_args(argv)
     config = config_from_args(args)
@@ -45,6 +52,7 @@ def generate_main(argv: list[str], prog: str = "python -m service generate") -> 
         message.sampling.temperature = args.temperature
     if args.seed is not None:
         message.sampling.seed = args.seed
+    message.adapter = args.use_adapter
 
     runtime = Runtime(config.core)
     runtime.start()
@@ -59,8 +67,9 @@ def generate_main(argv: list[str], prog: str = "python -m service generate") -> 
             default_max_tokens=config.frontend.default_max_tokens,
             prompt_cache_enabled=not config.kv.no_prompt_cache,
             allow_special_tokens_in_content=config.frontend.allow_special_tokens_in_content,
+            adapters=[a.name for a in runtime.served_adapters],
         )
-    except InvalidRequestError as exc:
+    except (InvalidRequestError, UnknownAdapterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         runtime.shutdown()
         return 2

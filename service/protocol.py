@@ -91,6 +91,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     cache_prompt: bool = True
     response_format: ResponseFormat | None = None
+    adapter: str = ""  # a served LoRA adapter's name; empty: the base model
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -150,6 +151,7 @@ class SlotView(msgspec.Struct, array_like=True):
     generated_tokens: int
     context_tokens: int  # tokens in its KV cache
     priority: int
+    adapter: str = ""  # its LoRA adapter ("": the base model)
 
 
 # Upper bounds (seconds) of the mask-time histograms the core keeps (GrammarCounters).
@@ -231,6 +233,21 @@ class StructuredOutputInfo(msgspec.Struct):
     max_compile_ms: int = 0
 
 
+class AdapterDescription(msgspec.Struct):
+    """A served LoRA adapter (GetModelInfo's AdapterInfo; field names are its)."""
+
+    name: str
+    path: str = ""
+    fine_tune_type: str = "lora"  # "lora" or "dora"
+    rank: int = 0
+    scale: float = 0.0
+    # What the adapter's config targets: module names inside a layer ("self_attn.q_proj") or
+    # of the whole model ("lm_head").
+    target_modules: list[str] = msgspec.field(default_factory=list)
+    num_layers: int = 0  # layers it adapts (of the model's)
+    memory_bytes: int = 0  # its weights as the server holds them
+
+
 class ModelInfo(msgspec.Struct):
     """The served model, as GetModelInfo describes it (field names are its response's)."""
 
@@ -250,6 +267,7 @@ class ModelInfo(msgspec.Struct):
     tensor_parallel: int = 1
     speculation: Speculation = msgspec.field(default_factory=Speculation)
     structured_output: StructuredOutputInfo = msgspec.field(default_factory=StructuredOutputInfo)
+    adapters: list[AdapterDescription] = msgspec.field(default_factory=list)
 
 
 # -- front end -> core -------------------------------------------------------------------------
@@ -274,7 +292,18 @@ class StatsQuery(msgspec.Struct, tag=True):
     qid: int
 
 
-ToCore = Hello | Add | Abort | StatsQuery
+class LoadAdapter(msgspec.Struct, tag=True):
+    qid: int
+    name: str
+    path: str  # on the engine core's file system
+
+
+class UnloadAdapter(msgspec.Struct, tag=True):
+    qid: int
+    name: str
+
+
+ToCore = Hello | Add | Abort | StatsQuery | LoadAdapter | UnloadAdapter
 
 # -- core -> front end (ROUTER replies) ----------------------------------------------------------
 
@@ -297,7 +326,8 @@ class Rejected(msgspec.Struct, tag=True):
     rid: int
     message: str
     # queue_full: the waiting queue is full (RESOURCE_EXHAUSTED); invalid_format: the grammar
-    # engine refused the request's response_format (INVALID_ARGUMENT on `field`).
+    # engine refused the request's response_format (INVALID_ARGUMENT on `field`); adapter: the
+    # request's adapter is not (or no longer) served (NOT_FOUND).
     reason: str = "queue_full"
     field: str = ""
     code: str = ""  # invalid_format: the engine's refusal code (service.common.grammar)
@@ -312,7 +342,23 @@ class Health(msgspec.Struct, tag=True):
     healthy: bool  # several engine steps in a row failed (False), or one succeeded again
 
 
-FromCore = Ready | LoadFailed | Rejected | StatsReply | Health
+class AdapterReply(msgspec.Struct, tag=True):
+    """How a LoadAdapter or UnloadAdapter went."""
+
+    qid: int
+    adapter: AdapterDescription | None = None  # loaded
+    pending_requests: int = 0  # unloaded once these requests have ended
+    error: str | None = None
+    reason: str = ""  # with an error: "exists", "not_found" or "refused"
+
+
+class AdaptersChanged(msgspec.Struct, tag=True):
+    """The adapters requests may use now (to every front end, after a load or an unload)."""
+
+    adapters: list[AdapterDescription]
+
+
+FromCore = Ready | LoadFailed | Rejected | StatsReply | Health | AdapterReply | AdaptersChanged
 
 _to_core = msgspec.msgpack.Decoder(ToCore)
 _from_core = msgspec.msgpack.Decoder(FromCore)

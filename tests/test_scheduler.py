@@ -464,3 +464,93 @@ def test_rows_whose_drafts_never_pay_stop_verifying() -> None:
     decode = [p for p in h.engine.plans if p.decode]
     assert 0 < len(verify) < len(decode) / 4
     assert h.tokens("a") == list(range(8, 68))
+
+
+# -- LoRA adapters ----------------------------------------------------------------------------
+
+
+def test_a_request_joins_with_its_adapters_slot_and_gives_it_back() -> None:
+    h = Harness(max_batch_size=4, adapters=("sql", "chat"))
+    h.submit("a", adapter="chat")
+    h.submit("b")
+    h.submit("c", adapter="sql")
+    h.tick()
+    assert h.engine.adapter_of == {"a": 2, "b": 0, "c": 1}
+    assert h.sched.adapters.get("chat").users == 1  # type: ignore[union-attr]
+    h.run()
+    assert h.tokens("a") == h.tokens("b") == [4, 5, 6, 7]
+    assert all(h.sched.adapters.get(n).users == 0 for n in ("sql", "chat"))  # type: ignore[union-attr]
+
+
+def test_a_request_naming_an_adapter_not_served_is_refused_at_once() -> None:
+    h = Harness(adapters=("sql",))
+    h.submit("a", adapter="nope")
+    h.submit("b", adapter="sql")
+    h.run()
+    assert h.rejected == {"a": "adapter 'nope' is not served; served adapters: sql"}
+    assert h.engine.added == ["b"] and h.received["a"] == []
+
+
+def test_an_adapter_unloads_after_its_last_request_ends() -> None:
+    """Unloading an adapter in use: new requests naming it are refused, the running one
+    finishes with it, and the plan after its row left clears the slot (the fake runner checks
+    that no row uses a slot it clears)."""
+    h = Harness(max_batch_size=2, adapters=("sql", "chat"))
+    h.submit("a", adapter="sql", max_tokens=6)
+    h.tick()
+    replies = []
+    h.loop.unload_adapter("sql", replies.append)
+    h.submit("b", adapter="sql")
+    h.tick()
+    assert replies[0].pending_requests == 1 and replies[0].error is None
+    assert h.adapters_changed == 1 and h.sched.adapters.served == ["chat"]
+    assert "being unloaded" in h.rejected["b"]
+    h.run()
+    assert h.final("a").finish_reason is FinishReason.LENGTH and len(h.tokens("a")) == 6
+    unloads = [i for i, p in enumerate(h.engine.plans) if p.unload]
+    assert [h.engine.plans[i].unload for i in unloads] == [[1]]
+    assert h.engine.adapters == {2: "chat"}
+    h.loop.unload_adapter("sql", replies.append)
+    h.tick()
+    assert replies[1].reason == "not_found" and "no adapter named 'sql'" in (replies[1].error or "")
+
+
+def test_an_unused_adapter_is_cleared_by_the_next_plan() -> None:
+    h = Harness(adapters=("sql",))
+    replies = []
+    h.loop.unload_adapter("sql", replies.append)
+    h.tick()
+    assert replies[0].pending_requests == 0
+    assert h.engine.plans[-1].unload == [1] and h.engine.adapters == {}
+    assert not h.sched.busy
+
+
+def test_adapters_load_between_steps_into_the_lowest_free_slot() -> None:
+    h = Harness(max_batch_size=2, adapters=("sql",))
+    h.submit("a", adapter="sql", max_tokens=8)
+    h.tick()
+    replies = []
+    h.loop.load_adapter("chat", "/adapters/chat", replies.append)
+    h.loop.load_adapter("sql", "/adapters/sql", replies.append)
+    h.loop.load_adapter("bad", "refused", replies.append)
+    h.tick()
+    loaded, exists, refused = replies
+    assert loaded.adapter is not None and loaded.adapter.name == "chat"
+    assert (exists.reason, refused.reason) == ("exists", "refused")
+    assert "refused" in (refused.error or "") and h.adapters_changed == 1
+    h.submit("b", adapter="chat")
+    h.run()
+    assert h.engine.adapter_of["b"] == 2 and h.engine.adapters == {1: "sql", 2: "chat"}
+
+
+def test_the_prefix_cache_is_shared_only_under_the_same_adapter() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    h = Harness(kv=kv, max_batch_size=1, adapters=("sql", "chat"))
+    system = list(range(100, 112))  # three full blocks
+    for request_id, adapter in [("base", ""), ("sql1", "sql"), ("chat", "chat"), ("sql2", "sql")]:
+        h.submit(request_id, prompt=[*system, 1], max_tokens=2, adapter=adapter)
+        h.run()
+    h.submit("base2", prompt=[*system, 2], max_tokens=2)
+    h.run()
+    cached = {r: h.final(r).cached_tokens for r in ("base", "sql1", "chat", "sql2", "base2")}
+    assert cached == {"base": 0, "sql1": 0, "chat": 0, "sql2": 12, "base2": 12}

@@ -652,3 +652,29 @@ def test_network_attributes_from_grpc_peer_strings() -> None:
         "network.peer.address": "/run/mlxserve.sock",
     }
     assert _peer_attributes("") == {}
+
+
+def test_a_request_naming_an_adapter_is_counted_and_traced_by_adapter() -> None:
+    from service.frontend.telemetry.metrics import Metrics
+    from service.frontend.telemetry.telemetry import Telemetry
+    from service.protocol import Final, GenerationRequest
+
+    metrics = Metrics()
+    telemetry = Telemetry(metrics=metrics)
+    telemetry.model_ready("m")
+    request = GenerationRequest("r1", (1, 2, 3), adapter="sql")
+    assert telemetry._request_attributes(request)["mlxserve.adapter"] == "sql"
+    assert "mlxserve.adapter" not in telemetry._request_attributes(GenerationRequest("r2", (1,)))
+    state = telemetry.request_started(request, time.monotonic())
+    telemetry.request_tokens(state, 4)
+    telemetry.request_finished(state, Final("length", prompt_tokens=3, completion_tokens=4))
+    telemetry.request_ended(state, True, 4)
+    cancelled = telemetry.request_started(request, time.monotonic())
+    telemetry.request_ended(cancelled, False, 0)
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, {"model": "m", **labels}) or 0.0
+
+    assert value("mlxserve_adapter_requests_total", adapter="sql", finish_reason="length") == 1
+    assert value("mlxserve_adapter_requests_total", adapter="sql", finish_reason="cancelled") == 1
+    assert value("mlxserve_adapter_generation_tokens_total", adapter="sql") == 4

@@ -22,7 +22,7 @@ import pytest
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import model_zoo
+from tests.helpers import adapters, model_zoo
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.processes import children
 from tests.helpers.requests import chat_request
@@ -126,6 +126,51 @@ def test_tp2_cancellation_and_preemption(tp_model) -> None:
         got = [t for m in [first, *low] for t in m.token_ids]
         assert got == want.token_ids
         assert stub.CacheStats(pb.CacheStatsRequest(), timeout=10).preemptions >= 1
+
+
+def test_tp2_serves_lora_adapters_sharded_like_their_layers(tmp_path) -> None:
+    """Adapters trained with mlx-lm on a 4-head llama (LoRA on every projection, on q/v and the
+    LM head; DoRA on the MLP and o_proj, whose input is sharded) at TP=2: concurrent requests of
+    every adapter and none get mlx-lm's tokens for their adapter (one rank), and an adapter
+    loaded at run time is loaded on both ranks."""
+    names = ("all7", "qv_head", "dora_mlp")
+    work = adapters.train_all(tmp_path, names)
+    prompts = [adapters.prompts(1, seed=10 + i, length=6 + i)[0] for i in range(8)]
+    rows = [(name, prompts[i]) for i, name in enumerate([*names, ""] * 2)]
+    flags = [f"--adapter={n}={work / 'adapters' / n}" for n in names]
+    with (
+        running_server(
+            "--model", str(work / "f"), "--tensor-parallel", "2", "--max-batch-size", "4",
+            *flags,
+        ) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):  # fmt: skip
+        stub = pb_grpc.GenerationServiceStub(channel)
+
+        def request(name: str, ids: list[int]) -> pb.GenerateRequest:
+            message = model_zoo.request(ids, f"{name}-{len(ids)}", 10)
+            message.adapter = name
+            return message
+
+        futures = [stub.Generate.future(request(n, p), timeout=180) for n, p in rows]
+        margin = 0.0
+        for (name, ids), future in zip(rows, futures):
+            path = work / "adapters" / name if name else None
+            want = adapters.mlx_lm_generate(work / "f", path, ids, 10)
+            got = future.result()
+            assert list(got.token_ids) == want.tokens, name
+            chosen = [float(want.logprobs[i, t].item()) for i, t in enumerate(want.tokens)]
+            margin = max(margin, *(abs(a.logprob - b) for a, b in zip(got.logprobs, chosen)))
+        assert margin < 1e-3
+        stub.LoadAdapter(
+            pb.LoadAdapterRequest(name="late", path=str(work / "adapters" / "qv_head")),
+            timeout=120,
+        )
+        want = adapters.mlx_lm_generate(work / "f", work / "adapters" / "qv_head", prompts[0], 10)
+        assert list(stub.Generate(request("late", prompts[0]), timeout=120).token_ids) == (
+            want.tokens
+        )
+    print(f"TP=2 with adapters: max |logprob - mlx-lm| = {margin:.2g}")
 
 
 def test_smollm2_tp3_gives_the_tokens_of_one_rank(stub) -> None:

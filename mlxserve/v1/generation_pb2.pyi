@@ -111,7 +111,7 @@ class ChoiceList(_message.Message):
     def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_prompt", "response_format")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_prompt", "response_format", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIdsInput
@@ -134,10 +135,11 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     cache_prompt: bool
     response_format: ResponseFormat
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_prompt: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_prompt: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class StreamGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_prompt", "response_format")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_prompt", "response_format", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,7 @@ class StreamGenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIdsInput
@@ -160,7 +163,8 @@ class StreamGenerateRequest(_message.Message):
     top_logprobs: int
     cache_prompt: bool
     response_format: ResponseFormat
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_prompt: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_prompt: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "drafted_tokens", "accepted_tokens")
@@ -261,18 +265,20 @@ class CacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SlotInfo(_message.Message):
-    __slots__ = ("request_id", "state", "generated_tokens", "context_tokens", "priority")
+    __slots__ = ("request_id", "state", "generated_tokens", "context_tokens", "priority", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: SlotState
     generated_tokens: int
     context_tokens: int
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[SlotState, str]] = ..., generated_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[SlotState, str]] = ..., generated_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class CacheStatsResponse(_message.Message):
     __slots__ = ("storage_backend", "block_size", "total_blocks", "allocated_blocks", "active_blocks", "free_blocks", "cached_blocks", "reserved_bytes", "used_bytes", "budget_bytes", "prefix_lookups", "prefix_hits", "prefix_hit_tokens", "evictions", "active_sequences", "queued_requests", "total_completed", "preemptions", "slot_context_tokens", "max_batch_size", "slots", "total_failed", "capacity_bytes")
@@ -329,7 +335,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "num_layers", "dtype", "eos_token_ids", "decode_path", "slot_context_tokens", "max_batch_size", "storage_backend", "family", "quantization", "cache_layers", "tensor_parallel", "speculation", "structured_output")
+    __slots__ = ("model_id", "architecture", "vocab_size", "num_layers", "dtype", "eos_token_ids", "decode_path", "slot_context_tokens", "max_batch_size", "storage_backend", "family", "quantization", "cache_layers", "tensor_parallel", "speculation", "structured_output", "adapters")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +352,7 @@ class GetModelInfoResponse(_message.Message):
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -362,7 +369,8 @@ class GetModelInfoResponse(_message.Message):
     tensor_parallel: int
     speculation: Speculation
     structured_output: StructuredOutput
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., decode_path: _Optional[str] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., storage_backend: _Optional[str] = ..., family: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., cache_layers: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., decode_path: _Optional[str] = ..., slot_context_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., storage_backend: _Optional[str] = ..., family: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., cache_layers: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("engine", "engine_version", "kinds", "grammar_syntax", "max_compile_ms")
@@ -377,6 +385,52 @@ class StructuredOutput(_message.Message):
     grammar_syntax: str
     max_compile_ms: int
     def __init__(self, engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ..., grammar_syntax: _Optional[str] = ..., max_compile_ms: _Optional[int] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "fine_tune_type", "rank", "scale", "target_modules", "num_layers", "memory_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FINE_TUNE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    fine_tune_type: str
+    rank: int
+    scale: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    num_layers: int
+    memory_bytes: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fine_tune_type: _Optional[str] = ..., rank: _Optional[int] = ..., scale: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_layers: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: AdapterInfo
+    def __init__(self, adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("pending_requests",)
+    PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    pending_requests: int
+    def __init__(self, pending_requests: _Optional[int] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("draft_kind", "num_draft_tokens", "max_batch", "min_ngram", "max_ngram")

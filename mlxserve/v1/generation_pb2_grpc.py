@@ -61,6 +61,16 @@ class GenerationServiceStub:
                 request_serializer=mlxserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=mlxserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/mlxserve.v1.GenerationService/LoadAdapter',
+                request_serializer=mlxserve_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=mlxserve_dot_v1_dot_generation__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/mlxserve.v1.GenerationService/UnloadAdapter',
+                request_serializer=mlxserve_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=mlxserve_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -104,6 +114,22 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoadAdapter reads an mlx-lm LoRA adapter directory on the server and serves it under a
+        name, beside the adapters already loaded (no request waits for it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """UnloadAdapter stops serving an adapter: new requests naming it are refused at once; it is
+        removed once the requests already using it have finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +157,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=mlxserve_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=mlxserve_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=mlxserve_dot_v1_dot_generation__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=mlxserve_dot_v1_dot_generation__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=mlxserve_dot_v1_dot_generation__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=mlxserve_dot_v1_dot_generation__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +306,60 @@ class GenerationService:
             '/mlxserve.v1.GenerationService/Tokenize',
             mlxserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             mlxserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxserve.v1.GenerationService/LoadAdapter',
+            mlxserve_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+            mlxserve_dot_v1_dot_generation__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxserve.v1.GenerationService/UnloadAdapter',
+            mlxserve_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+            mlxserve_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -192,6 +193,8 @@ class ModelConfig:
     load_format: str = "auto"
     tensor_parallel: int = 1
     distributed_backend: str = "auto"
+    # --adapter NAME=PATH, repeated: mlx-lm LoRA adapters served with the model.
+    adapters: tuple[tuple[str, str], ...] = ()
 
     def resolved_backend(self) -> str:
         """MLX distributed backend of the tensor-parallel ranks: NCCL between GPUs, the ring
@@ -206,6 +209,13 @@ class ModelConfig:
             raise ConfigError("--tensor-parallel must be at least 1")
         if self.distributed_backend not in ("auto", "ring", "nccl"):
             raise ConfigError("--distributed-backend must be auto, ring or nccl")
+        seen: set[str] = set()
+        for name, path in self.adapters:
+            if name in seen:
+                raise ConfigError(f"--adapter {name}: the name is given twice")
+            seen.add(name)
+            if not os.path.isdir(path):
+                raise ConfigError(f"--adapter {name}={path}: no such directory")
 
 
 @dataclass
@@ -319,6 +329,23 @@ def _optional_int(value: str | None) -> int | None:
     return None if value in (None, "") else int(value)
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def adapter_spec(value: str) -> tuple[str, str]:
+    """--adapter NAME=PATH. Names are kept to what metric labels and logs carry as they are."""
+    name, sep, path = value.partition("=")
+    name, path = name.strip(), path.strip()
+    if not sep or not path:
+        raise argparse.ArgumentTypeError(f"{value!r} is not NAME=PATH")
+    if not ADAPTER_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"adapter name {name!r}: use letters, digits, '.', '_' and '-' (at most 64, "
+            "starting with a letter or digit)"
+        )
+    return name, path
+
+
 def _env_flag(value: str) -> bool:
     return value.lower() in ("1", "true", "yes", "on")
 
@@ -335,6 +362,9 @@ class Flag:
     switch: bool = False  # store_true
     env: tuple[str, ...] = ()  # default: MLXSERVE_FIELD
     default: str | None = None  # the flag's default, parsed (None: the dataclass's)
+    # Given any number of times; the variable holds comma-separated values. Flags on the
+    # command line replace the variable's values.
+    repeated: bool = False
 
 
 GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
@@ -517,6 +547,15 @@ GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
                 "distributed_backend",
                 "auto (nccl between GPUs, else ring: local processes over TCP) | ring | nccl",
             ),
+            Flag(
+                "adapters",
+                "NAME=PATH: serve the mlx-lm LoRA/DoRA adapter directory PATH (what `mlx_lm "
+                "lora` writes) as NAME; requests choose it with `adapter: NAME`; repeat for more",
+                names=("--adapter",),
+                parse=adapter_spec,
+                env=("ADAPTER",),
+                repeated=True,
+            ),
         ),
     ),
     (
@@ -582,6 +621,19 @@ def _add_flag(section: Any, group: type, flag: Flag, default: Any, annotation: A
     kwargs: dict[str, Any] = {"dest": _dest(group, flag), "help": help_text}
     if flag.switch:
         kwargs.update(action="store_true", default=_env_flag(env_value or ""))
+    elif flag.repeated:
+        parse = flag.parse or _scalar_type(annotation)
+        values = [v for v in (env_value or "").split(",") if v.strip()]
+        try:
+            from_env = tuple(parse(v) for v in values)
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"{env_names[0]}: {exc}") from None
+        kwargs.update(
+            type=parse,
+            default=from_env or default,
+            metavar=names[0].lstrip("-").upper(),
+            action=_Repeated,
+        )
     else:
         parse = flag.parse or _scalar_type(annotation)
         if env_value is None and flag.default is not None:
@@ -591,6 +643,18 @@ def _add_flag(section: Any, group: type, flag: Flag, default: Any, annotation: A
     if len(names) > 1 and not flag.switch:
         kwargs["action"] = _OneSetting
     section.add_argument(*names, **kwargs)
+
+
+class _Repeated(argparse.Action):
+    """Collects every value of a repeated flag; the first one on the command line replaces
+    what the environment gave."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        given = getattr(namespace, "_repeated", set())
+        current = () if self.dest not in given else getattr(namespace, self.dest)
+        given.add(self.dest)
+        namespace._repeated = given
+        setattr(namespace, self.dest, (*current, values))
 
 
 class _OneSetting(argparse.Action):

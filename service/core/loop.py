@@ -17,7 +17,9 @@ on the grammar engine's threads while the new step's forward runs, and the runne
 under them (`_sample_masked`).
 
 Everything per request lives on this thread: the table of running requests by front end and
-rid, the scheduler's rows, the outbox. Other threads only put messages into the inbox.
+rid, the scheduler's rows, the outbox. Other threads only put messages into the inbox, LoRA
+adapters to load or unload too: a load runs here between steps (the step in flight read
+first), an unload once the adapter's last request has ended (service.core.scheduler.adapters).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from typing import Any, Protocol
 
 import structlog
 
+from service.common.model_source import ModelLoadError
+from service.core.scheduler.adapters import AdapterUnavailableError
 from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 from service.core.scheduler.request import Request, SequenceStatus
 from service.core.scheduler.scheduler import QueueFullError, Scheduler
-from service.protocol import SlotView
+from service.protocol import AdapterDescription, AdapterReply, SlotView
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +51,7 @@ class Runner(Protocol):
     def sample(self, pending: Any, masks: RowMasks) -> Any: ...
     def take_prefill(self, pending: Any) -> StepResult: ...
     def collect(self, pending: Any) -> StepResult: ...
+    def load_adapter(self, name: str, path: str, slot: int) -> AdapterDescription: ...
 
 
 @dataclass
@@ -63,6 +68,19 @@ class _Abort:
     rid: int
 
 
+@dataclass
+class _LoadAdapter:
+    name: str
+    path: str
+    reply: Callable[[AdapterReply], None]
+
+
+@dataclass
+class _UnloadAdapter:
+    name: str
+    reply: Callable[[AdapterReply], None]
+
+
 _STOP = object()
 
 
@@ -76,19 +94,25 @@ class CoreLoop:
         on_turn: Callable[[Scheduler], None] | None = None,
         on_finished: Callable[[Request], None] | None = None,
         fatal_errors: bool = False,
+        on_rejected: Callable[[Request, str], None] | None = None,
+        on_adapters_changed: Callable[[], None] | None = None,
     ) -> None:
         """overlap_steps: step N+1 may be dispatched before N is read (in-place pool writes);
         on_turn: told after each turn, before its outputs go out (where the state other threads
         read is published: whoever saw a token finds its request there);
         on_finished: told of each request whose final output was delivered;
         fatal_errors: an error outside the runner's containment ends the loop (tensor
-        parallel: the other ranks could not follow)."""
+        parallel: the other ranks could not follow); on_rejected: told of a request refused
+        because its adapter is not served (with the reason); on_adapters_changed: told when
+        an adapter was loaded or began to unload."""
         self.scheduler = scheduler
         self.runner = runner
         self._overlap = overlap_steps
         self._on_turn = on_turn
         self._fatal = fatal_errors
         self._on_finished = on_finished
+        self._on_rejected = on_rejected
+        self._on_adapters_changed = on_adapters_changed
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._undrained = 0  # submitted, not yet handed to the scheduler
@@ -114,6 +138,14 @@ class CoreLoop:
     def abort(self, frontend: Hashable, rid: int) -> None:
         """End the request a front end knows as `rid` (its client left, a stop string)."""
         self._inbox.put(_Abort(frontend, rid))
+
+    def load_adapter(self, name: str, path: str, reply: Callable[[AdapterReply], None]) -> None:
+        """`reply` is called on this loop's thread once the adapter is loaded or refused."""
+        self._inbox.put(_LoadAdapter(name, path, reply))
+
+    def unload_adapter(self, name: str, reply: Callable[[AdapterReply], None]) -> None:
+        """`reply` is called on this loop's thread: how many requests still use it."""
+        self._inbox.put(_UnloadAdapter(name, reply))
 
     def stop(self) -> None:
         self._inbox.put(_STOP)
@@ -196,19 +228,71 @@ class CoreLoop:
             if isinstance(item, Request):
                 with self._lock:
                     self._undrained -= 1
-                self._requests[(item.sink.batch_key, item.rid)] = item
-                self.scheduler.add(item)
+                self._add(item)
             elif isinstance(item, _Cancel):
                 self.scheduler.cancel(item.seq)
             elif isinstance(item, _Abort):
                 seq = self._requests.get((item.frontend, item.rid))
                 if seq is not None:
                     self.scheduler.cancel(seq)
+            elif isinstance(item, _LoadAdapter):
+                item.reply(self._load_adapter(item.name, item.path))
+            elif isinstance(item, _UnloadAdapter):
+                item.reply(self._unload_adapter(item.name))
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
         return True
+
+    def _add(self, seq: Request) -> None:
+        try:
+            self.scheduler.add(seq)
+        except AdapterUnavailableError as exc:
+            # Unloaded after its front end took it: refused as the front end would have.
+            if self._on_rejected is not None:
+                self._on_rejected(seq, str(exc))
+            return
+        self._requests[(seq.sink.batch_key, seq.rid)] = seq
+
+    def _load_adapter(self, name: str, path: str) -> AdapterReply:
+        table = self.scheduler.adapters
+        if name in table:
+            return AdapterReply(0, error=f"adapter {name!r} is already loaded", reason="exists")
+        # The step in flight was built with the stacks as they are: read it before they change.
+        self._finish_inflight()
+        slot = table.free_slot()
+        try:
+            description = self.runner.load_adapter(name, path, slot)
+        except ModelLoadError as exc:
+            return AdapterReply(0, error=str(exc), reason="refused")
+        except Exception as exc:
+            if self._fatal:
+                raise
+            log.exception("loading an adapter failed", adapter=name, path=path)
+            return AdapterReply(0, error=f"adapter {name!r} ({path}): {exc}", reason="refused")
+        table.add(name, slot)
+        log.info(
+            "adapter loaded",
+            adapter=name,
+            path=path,
+            slot=slot,
+            rank=description.rank,
+            memory_bytes=description.memory_bytes,
+        )
+        if self._on_adapters_changed is not None:
+            self._on_adapters_changed()
+        return AdapterReply(0, adapter=description)
+
+    def _unload_adapter(self, name: str) -> AdapterReply:
+        try:
+            pending = self.scheduler.adapters.unload(name)
+        except AdapterUnavailableError as exc:
+            return AdapterReply(0, error=str(exc), reason="not_found")
+        log.info("adapter unloading", adapter=name, pending_requests=pending)
+        if self._on_adapters_changed is not None:
+            self._on_adapters_changed()
+        return AdapterReply(0, pending_requests=pending)
 
     def _deliver(self) -> None:
         """The tick's outputs, one `deliver` per sink; finished requests leave the table."""
@@ -235,6 +319,7 @@ def slot_views(running: list[Request], context: Callable[[Request], int]) -> lis
             seq.num_generated,
             context(seq),
             seq.request.priority,
+            seq.request.adapter,
         )
         for seq in running
         if seq.status in live

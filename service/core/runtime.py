@@ -24,15 +24,17 @@ from service.common.config import ConfigError, CoreConfig
 from service.core.engine import paged_attention
 from service.core.engine.compiled_decode import row_buckets
 from service.core.engine.config import EngineConfig, resolve
+from service.core.engine.memory import release_freed_memory
 from service.core.engine.runner import FaultInjector, ModelRunner, Row
 from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
 from service.core.kv.block_pool import KVCacheManager, KVCacheStats, KVManager, UnpagedKV
 from service.core.kv.budget import parse_budget
 from service.core.loop import CoreLoop, slot_views
-from service.core.models import activations, rope
+from service.core.models import activations, lora, rope
 from service.core.models.families import Family, family
 from service.core.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.core.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
+from service.core.scheduler.adapters import AdapterTable
 from service.core.scheduler.constraints import Constraints
 from service.core.scheduler.plan import Chunk, RowJoin, RowLeave, StepPlan
 from service.core.scheduler.request import Request
@@ -46,6 +48,7 @@ from service.core.tensor_parallel import (
 )
 from service.protocol import (
     FORMAT_KINDS,
+    AdapterDescription,
     CacheCounters,
     GrammarCounters,
     ModelInfo,
@@ -116,6 +119,13 @@ class Runtime:
         # when a request's final output has been delivered.
         self.on_engine_health: Callable[[bool], object] | None = None
         self.on_request_finished: Callable[[Request], None] | None = None
+        # Told (from the loop thread) of a request refused because its adapter is no longer
+        # served, and when the served adapters changed.
+        self.on_request_rejected: Callable[[Request, str], None] | None = None
+        self.on_adapters_changed: Callable[[list[AdapterDescription]], None] | None = None
+        # The adapters requests may use, as GetModelInfo lists them: replaced as a whole on the
+        # loop thread, read from others.
+        self.served_adapters: list[AdapterDescription] = []
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -181,7 +191,9 @@ class Runtime:
         fam = family(lm.family)
         engine_config = self._engine_config(lm, fam)
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
-        self.runner = self._build_runner(lm, fam, engine_config)
+        # After the MLPs' swap: it recognizes the projections as plain nn.Linear.
+        adapters = self._load_adapters(lm)
+        self.runner = self._build_runner(lm, fam, engine_config, adapters)
         if self.group is not None and self.rank > 0:
             # A follower: no scheduler; it replays rank 0's plans (tensor_parallel).
             self.serving = True
@@ -190,7 +202,8 @@ class Runtime:
             assert isinstance(self.runner, ModelRunner)
             self.runner = ReplicatedRunner(self.runner, self.run_dir, self.group.size())
         self.grammar = self._grammar_cache(lm)
-        self.scheduler = self._build_scheduler(engine_config)
+        self.scheduler = self._build_scheduler(engine_config, adapters)
+        self.served_adapters = adapters.descriptions()
         self.loop = CoreLoop(
             self.scheduler,
             self.runner,
@@ -199,6 +212,8 @@ class Runtime:
             on_finished=self.on_request_finished,
             # Tensor parallel: the other ranks cannot follow a step rank 0 gave up on.
             fatal_errors=self.group is not None,
+            on_rejected=self._request_rejected,
+            on_adapters_changed=self._adapters_changed,
         )
         warm_up_seconds = self._warm_up(engine_config)
         self._publish(self.scheduler)  # stats before the first turn: the pool as built
@@ -233,6 +248,37 @@ class Runtime:
             )
         return lm
 
+    def _load_adapters(self, lm: LoadedModel) -> lora.AdapterSet:
+        """--adapter: every adapter read and checked against the model before any is
+        installed (AdapterError, a ModelLoadError: the server refuses to start, saying why)."""
+        adapters = lora.AdapterSet(lm.model)
+        specs = self.config.model.adapters
+        for adapter in [lora.load_adapter(name, path, lm.model) for name, path in specs]:
+            adapters.add(adapter)
+        if specs:
+            release_freed_memory()  # the files' tensors, copied into the stacks
+            log.info(
+                "adapters loaded",
+                adapters=[
+                    {"name": d.name, "rank": d.rank, "memory_bytes": d.memory_bytes}
+                    for d in adapters.descriptions()
+                ],
+                stack_bytes=adapters.memory_bytes(),
+            )
+        return adapters
+
+    def _request_rejected(self, seq: Request, message: str) -> None:
+        if self.on_request_rejected is not None:
+            self.on_request_rejected(seq, message)
+
+    def _adapters_changed(self) -> None:
+        """On the loop thread, after a load or the start of an unload."""
+        runner, scheduler = self.runner, self.scheduler
+        assert runner is not None and scheduler is not None and runner.adapters is not None
+        self.served_adapters = [runner.adapters.describe(n) for n in scheduler.adapters.served]
+        if self.on_adapters_changed is not None:
+            self.on_adapters_changed(self.served_adapters)
+
     def _engine_config(self, lm: LoadedModel, fam: Family) -> EngineConfig:
         cfg = self.config
         assert self.layout is not None
@@ -252,7 +298,11 @@ class Runtime:
         return self.engine_config
 
     def _build_runner(
-        self, lm: LoadedModel, fam: Family, engine_config: EngineConfig
+        self,
+        lm: LoadedModel,
+        fam: Family,
+        engine_config: EngineConfig,
+        adapters: lora.AdapterSet | None = None,
     ) -> ModelRunner:
         layout = self.layout
         assert layout is not None
@@ -278,6 +328,7 @@ class Runtime:
             split_head=fam.split_head,
             fault_injector=fault_injector_from_env(),
             contain_failures=self.group is None,
+            adapters=adapters,
         )
 
     def _grammar_cache(self, lm: LoadedModel) -> grammar.GrammarCache | None:
@@ -297,10 +348,15 @@ class Runtime:
             max_entries=cfg.grammar_cache_size,
         )
 
-    def _build_scheduler(self, engine_config: EngineConfig) -> Scheduler:
+    def _build_scheduler(
+        self, engine_config: EngineConfig, adapters: lora.AdapterSet | None = None
+    ) -> Scheduler:
         cfg = self.config.scheduling
         assert self.layout is not None and self.loaded is not None
         deterministic = cfg.deterministic
+        table = AdapterTable()
+        for name in adapters.names if adapters is not None else []:
+            table.add(name, adapters.slot(name))
         return Scheduler(
             SchedulerConfig(
                 max_batch_size=self.batch_size,
@@ -333,6 +389,7 @@ class Runtime:
             )
             if self.grammar is not None
             else None,
+            adapters=table,
         )
 
     def _log_loaded(
@@ -634,6 +691,7 @@ class Runtime:
             tensor_parallel=self.group.size() if self.group is not None else 1,
             speculation=self._speculation_info(),
             structured_output=self.structured_output_info(),
+            adapters=list(self.served_adapters),
         )
 
     def _speculation_info(self) -> Speculation:

@@ -19,6 +19,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 POLL_MS = 50  # how often the main thread looks up from its socket when nothing arrives
+# A load that fails before front end 0 has said hello waits this long for it: the reason then
+# reaches the launcher, which prints it (an adapter refused at once would otherwise exit first).
+HELLO_WAIT_S = 10.0
 
 
 class FrontendSink:
@@ -79,6 +83,7 @@ class CoreServer:
         self._outgoing: queue.SimpleQueue[tuple[bytes | None, bytes]] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         self._ready_sent = False
+        self._failed_at: float | None = None  # when a failed load first had nobody to tell
         self._stopping = threading.Event()
         # Requests whose response format is compiling, by (front end, rid): an abort that
         # comes meanwhile marks them (True) to be dropped once compiled.
@@ -86,6 +91,10 @@ class CoreServer:
         self._compiling_lock = threading.Lock()
         self.runtime.on_engine_health = lambda ok: self._send_later(None, protocol.Health(ok))
         self.runtime.on_request_finished = forget_trace
+        self.runtime.on_request_rejected = self._reject_request
+        self.runtime.on_adapters_changed = lambda adapters: self._send_later(
+            None, protocol.AdaptersChanged(adapters)
+        )
 
     def serve(self) -> int:
         router = self.context.socket(zmq.ROUTER)
@@ -150,6 +159,8 @@ class CoreServer:
             router.send_multipart(
                 [peer, protocol.encode(protocol.StatsReply(message.qid, counters))]
             )
+        elif isinstance(message, (protocol.LoadAdapter, protocol.UnloadAdapter)):
+            self._adapter_command(peer, message)
         elif isinstance(message, protocol.Hello):
             self._peers[message.frontend] = peer
             self._sinks[message.frontend] = FrontendSink(
@@ -224,6 +235,29 @@ class CoreServer:
         )
         self._send_later(peer, refused)
 
+    def _adapter_command(
+        self, peer: bytes, message: protocol.LoadAdapter | protocol.UnloadAdapter
+    ) -> None:
+        loop, qid = self.runtime.loop, message.qid
+
+        def reply(outcome: protocol.AdapterReply) -> None:  # on the loop thread
+            outcome.qid = qid
+            self._send_later(peer, outcome)
+
+        if loop is None:
+            reply(protocol.AdapterReply(qid, error="the model is loading", reason="refused"))
+        elif isinstance(message, protocol.LoadAdapter):
+            loop.load_adapter(message.name, message.path, reply)
+        else:
+            loop.unload_adapter(message.name, reply)
+
+    def _reject_request(self, seq: Request, message: str) -> None:
+        """On the loop thread: a request whose adapter is no longer served."""
+        forget_trace(seq)
+        peer = self._peers.get(str(seq.sink.batch_key))
+        if peer is not None:
+            self._send_later(peer, protocol.Rejected(seq.rid, message, reason="adapter"))
+
     def _send_later(self, peer: bytes | None, message: Any) -> None:
         """Queue a message for a front end (None: every front end) and wake the main thread."""
         self._outgoing.put((peer, protocol.encode(message)))
@@ -253,6 +287,11 @@ class CoreServer:
         error = self.runtime.load_error
         if error is None:
             return False
+        if not self._peers:
+            if self._failed_at is None:
+                self._failed_at = time.monotonic()
+            if time.monotonic() - self._failed_at < HELLO_WAIT_S:
+                return False  # not yet: nobody would hear why
         failed = protocol.encode(protocol.LoadFailed(str(error)))
         for peer in self._peers.values():
             router.send_multipart([peer, failed])

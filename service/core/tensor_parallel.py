@@ -14,6 +14,10 @@ replay them on their own runners, so every rank's pool of its K/V heads holds ea
 the same blocks and the step graphs and collectives match rank 0's. Commands go over ZeroMQ
 (one socket per follower); the model's own collectives synchronize the forwards.
 
+LoRA adapters are loaded on every rank into the same slots (at start, and at run time by a
+command rank 0 sends before it loads), each rank holding its shard of every layer's update
+(service.core.models.lora); rows name their adapter's slot in the plan.
+
 Under tensor parallel an engine failure is fatal (the ranks could no longer be kept in step):
 the core exits and the front ends end every open request with UNAVAILABLE.
 """
@@ -36,6 +40,8 @@ if TYPE_CHECKING:  # MLX is imported only once the launcher has set the group's 
     from service.core.engine.config import EngineConfig
     from service.core.engine.runner import ModelRunner
     from service.core.engine.storage import KVStorage
+    from service.core.models.lora import AdapterSet
+    from service.protocol import AdapterDescription
 
 log = structlog.get_logger(__name__)
 
@@ -65,11 +71,17 @@ class Collect(msgspec.Struct, tag=True):
     step: int
 
 
+class LoadAdapter(msgspec.Struct, tag=True):
+    name: str
+    path: str
+    slot: int
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Command = Submit | Dispatch | Sample | Collect | Stop
+Command = Submit | Dispatch | Sample | Collect | LoadAdapter | Stop
 _decoder = msgspec.msgpack.Decoder(Command)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -142,6 +154,10 @@ class ReplicatedRunner:
     def decode_path(self) -> str:
         return self._runner.decode_path
 
+    @property
+    def adapters(self) -> AdapterSet | None:
+        return self._runner.adapters
+
     def _send(self, command: Any) -> None:
         data = _encoder.encode(command)
         for socket in self._sockets:
@@ -171,6 +187,11 @@ class ReplicatedRunner:
     def collect(self, pending: Any) -> StepResult:
         self._send(Collect(pending.plan.step))
         return self._runner.collect(pending)  # a failure raises (no containment here)
+
+    def load_adapter(self, name: str, path: str, slot: int) -> AdapterDescription:
+        """Every rank loads it into the same slot, its shard of each layer's update."""
+        self._send(LoadAdapter(name, path, slot))
+        return self._runner.load_adapter(name, path, slot)
 
     def close(self) -> None:
         self._send(Stop())
@@ -208,6 +229,14 @@ def follow(runner: Any, run_dir: Path, rank: int) -> None:
                 result = runner.collect(pending.pop(command.step))
                 if result.errors:
                     raise RuntimeError(f"rank {rank}: a step failed: {result.errors}")
+            elif isinstance(command, LoadAdapter):
+                from service.common.model_source import ModelLoadError
+
+                try:
+                    runner.load_adapter(command.name, command.path, command.slot)
+                except ModelLoadError as exc:
+                    # Rank 0 read the same files and refused them too: nothing to follow.
+                    log.warning("adapter refused", rank=rank, error=str(exc))
     finally:
         socket.close(linger=0)
         context.term()

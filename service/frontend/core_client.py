@@ -45,6 +45,7 @@ class CoreClient:
         self._streams: dict[int, RequestStream] = {}  # by rid, while their RPC runs
         self._request_ids: set[str] = set()  # the callers' ids of those requests
         self._stats: dict[int, asyncio.Future[protocol.CacheCounters]] = {}
+        self._adapter_replies: dict[int, asyncio.Future[protocol.AdapterReply]] = {}
         self._ids = itertools.count()
         self._ready: asyncio.Future[protocol.Ready] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -52,6 +53,8 @@ class CoreClient:
         self.idle = asyncio.Event()  # set whenever no request is open
         self.idle.set()
         self.on_health: Callable[[bool], None] | None = None
+        # Told the adapters requests may use, whenever a load or unload changed them.
+        self.on_adapters: Callable[[list[protocol.AdapterDescription]], None] | None = None
 
     async def connect(self) -> protocol.Ready:
         """Register with the core and wait until its model is loaded; raises
@@ -122,6 +125,24 @@ class CoreClient:
         finally:
             self._stats.pop(qid, None)
 
+    async def load_adapter(self, name: str, path: str) -> protocol.AdapterReply:
+        return await self._adapter_command(lambda qid: protocol.LoadAdapter(qid, name, path))
+
+    async def unload_adapter(self, name: str) -> protocol.AdapterReply:
+        return await self._adapter_command(lambda qid: protocol.UnloadAdapter(qid, name))
+
+    async def _adapter_command(self, make: Callable[[int], Any]) -> protocol.AdapterReply:
+        """Send a load or unload and wait for the core's reply (a load reads the adapter's
+        files between two engine steps: no timeout of our own, the RPC's deadline applies)."""
+        qid = next(self._ids)
+        future: asyncio.Future[protocol.AdapterReply] = asyncio.get_running_loop().create_future()
+        self._adapter_replies[qid] = future
+        try:
+            await self._send(make(qid))
+            return await future
+        finally:
+            self._adapter_replies.pop(qid, None)
+
     def core_died(self) -> None:
         """The core process is gone: end every open request, refuse new ones."""
         if self.gone.is_set():
@@ -129,6 +150,9 @@ class CoreClient:
         self.gone.set()
         for stream in self._streams.values():
             stream.fail(Failure.CORE_GONE)
+        for future in self._adapter_replies.values():
+            if not future.done():
+                future.set_exception(ConnectionError("the engine core exited"))
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(LoadFailedError("the engine core exited while loading"))
 
@@ -164,8 +188,18 @@ class CoreClient:
             elif isinstance(message, protocol.Rejected):
                 stream = self._streams.get(message.rid)
                 if stream is not None:
-                    failure = Failure(message.reason)
+                    failure = (
+                        Failure.ADAPTER_NOT_FOUND
+                        if message.reason == "adapter"
+                        else Failure(message.reason)
+                    )
                     stream.fail(failure, message.message, message.code)
+            elif isinstance(message, protocol.AdapterReply):
+                reply = self._adapter_replies.get(message.qid)
+                if reply is not None and not reply.done():
+                    reply.set_result(message)
+            elif isinstance(message, protocol.AdaptersChanged) and self.on_adapters is not None:
+                self.on_adapters(message.adapters)
             elif isinstance(message, protocol.StatsReply):
                 future = self._stats.get(message.qid)
                 if future is not None and not future.done():

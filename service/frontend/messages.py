@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from mlxserve.v1 import generation_pb2 as pb
-from service.protocol import CacheCounters, ModelInfo
+from service.protocol import AdapterDescription, CacheCounters, ModelInfo
 
 _SLOT_STATE = {"prefilling": pb.SLOT_STATE_PREFILLING, "decoding": pb.SLOT_STATE_DECODING}
 
@@ -24,6 +24,7 @@ def cache_stats_response(counters: CacheCounters) -> pb.CacheStatsResponse:
             generated_tokens=s.generated_tokens,
             context_tokens=s.context_tokens,
             priority=s.priority,
+            adapter=s.adapter,
         )
         for s in slots
     )
@@ -35,9 +36,15 @@ def model_info_response(info: ModelInfo) -> pb.GetModelInfoResponse:
     quantization = msgspec.structs.asdict(fields.pop("quantization"))
     speculation = msgspec.structs.asdict(fields.pop("speculation"))
     structured = msgspec.structs.asdict(fields.pop("structured_output"))
+    adapters = fields.pop("adapters")
     return pb.GetModelInfoResponse(
         **fields,
         quantization=pb.Quantization(**quantization),
         speculation=pb.Speculation(**speculation),
         structured_output=pb.StructuredOutput(**structured),
+        adapters=[adapter_info(a) for a in adapters],
     )
+
+
+def adapter_info(adapter: AdapterDescription) -> pb.AdapterInfo:
+    return pb.AdapterInfo(**msgspec.structs.asdict(adapter))

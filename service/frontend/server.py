@@ -180,8 +180,10 @@ class Frontend:
             self.exit_code = self.exit_code or LOAD_FAILED_EXIT
             raise
         loop = asyncio.get_running_loop()
-        self.servicer.model = await loop.run_in_executor(
-            None, served_model, ready, self.config.structured, self.telemetry
+        self.servicer.set_model(
+            await loop.run_in_executor(
+                None, served_model, ready, self.config.structured, self.telemetry
+            )
         )
         self.telemetry.model_ready(self.servicer.model.info.model_id)
         if self.config.observability.metrics_port and self.index == 0:

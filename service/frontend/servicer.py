@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -27,16 +28,17 @@ from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service import protocol
 from service.common import grammar
-from service.common.config import FrontendProcessConfig, StructuredOutputConfig
+from service.common.config import ADAPTER_NAME, FrontendProcessConfig, StructuredOutputConfig
 from service.common.grammar import GrammarCache, GrammarError, format_field
 from service.common.tokenizer import Tokenizer
 from service.frontend import errors
 from service.frontend.core_client import CoreClient
-from service.frontend.messages import cache_stats_response, model_info_response
+from service.frontend.messages import adapter_info, cache_stats_response, model_info_response
 from service.frontend.stream import Delta, Failure, RequestStream
 from service.frontend.telemetry.telemetry import Telemetry
 from service.frontend.validation import (
     InvalidRequestError,
+    UnknownAdapterError,
     generation_request,
     kv_budget_refusal,
     prompt_token_ids,
@@ -68,6 +70,15 @@ class ServedModel:
     prompt_cache: bool  # the core keeps a prompt-prefix cache
     info: pb.GetModelInfoResponse
     grammar: GrammarCache | None = None  # response formats (None: not available)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters requests may name, by slot
+
+    def with_adapters(self, adapters: list[protocol.AdapterDescription]) -> ServedModel:
+        """The same model, serving these adapters now."""
+        info = pb.GetModelInfoResponse()
+        info.CopyFrom(self.info)
+        del info.adapters[:]
+        info.adapters.extend(adapter_info(a) for a in adapters)
+        return dataclasses.replace(self, info=info, adapters=frozenset(a.name for a in adapters))
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -77,7 +88,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.config = config
         self.client = client
         self.telemetry = telemetry
-        self.model: ServedModel | None = None  # set once the core's model is loaded
+        self.model: ServedModel | None = None  # set once the core's model is loaded (set_model)
+        self._adapters: list[protocol.AdapterDescription] | None = None  # changed since Ready
+        client.on_adapters = self._adapters_changed
         self.draining = False
         # Tokenization (and validation, which walks every token id) runs here, never on the
         # event loop: a big prompt would stall every stream and health check meanwhile. The
@@ -85,6 +98,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self._prompt_pool = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
         )
+
+    def set_model(self, model: ServedModel) -> None:
+        """The core's model is loaded (with any adapter change that arrived meanwhile)."""
+        self.model = model if self._adapters is None else model.with_adapters(self._adapters)
+
+    def _adapters_changed(self, adapters: list[protocol.AdapterDescription]) -> None:
+        """An adapter was loaded or began to unload (on any front end)."""
+        self._adapters = adapters
+        if self.model is not None:
+            self.model = self.model.with_adapters(adapters)
 
     @property
     def serving(self) -> bool:
@@ -146,6 +169,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             context, status, metric="invalid_argument", field=exc.field, request_id=request_id
         )
 
+    async def _not_found(
+        self, context: Any, message: str, name: str, served: Any, request_id: str | None
+    ) -> NoReturn:
+        """A request (or an UnloadAdapter) names an adapter the server does not serve."""
+        status = errors.rich_status(
+            Code.NOT_FOUND,
+            message,
+            reason=errors.ADAPTER_NOT_FOUND,
+            metadata={"adapter": name, "served": ",".join(served)},
+        )
+        await self._reject(
+            context, status, metric="adapter_not_found", field="adapter", request_id=request_id
+        )
+
     async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._prompt_pool, functools.partial(fn, *args, **kwargs))
@@ -205,6 +242,62 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except InvalidRequestError as exc:
             await self._invalid(context, exc, None)
 
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: Any
+    ) -> pb.LoadAdapterResponse:
+        if not self.serving:
+            await self._reject(context, self._unavailable(), metric="unavailable")
+        if not ADAPTER_NAME.fullmatch(request.name):
+            message = (
+                f"name {request.name!r}: use letters, digits, '.', '_' and '-' (at most 64, "
+                "starting with a letter or digit)"
+            )
+            await self._invalid(context, InvalidRequestError(message, field="name"), None)
+        if not request.path:
+            message = "path is required: an mlx-lm adapter directory on the server"
+            await self._invalid(context, InvalidRequestError(message, field="path"), None)
+        reply = await self._adapter_reply(
+            context, self.client.load_adapter(request.name, request.path)
+        )
+        if reply.error is not None:
+            if reply.reason == "exists":
+                status = errors.rich_status(
+                    Code.ALREADY_EXISTS, reply.error, reason=errors.ADAPTER_EXISTS
+                )
+                await self._reject(context, status, metric="already_exists", field="name")
+            status = errors.rich_status(
+                Code.INVALID_ARGUMENT, reply.error, reason=errors.ADAPTER_REFUSED, field="path"
+            )
+            await self._reject(context, status, metric="invalid_argument", field="path")
+        assert reply.adapter is not None
+        log.info(
+            "adapter loaded", adapter=request.name, path=request.path, frontend=self.client.name
+        )
+        return pb.LoadAdapterResponse(adapter=adapter_info(reply.adapter))
+
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: Any
+    ) -> pb.UnloadAdapterResponse:
+        if not self.serving:
+            await self._reject(context, self._unavailable(), metric="unavailable")
+        reply = await self._adapter_reply(context, self.client.unload_adapter(request.name))
+        if reply.error is not None:
+            assert self.model is not None
+            await self._not_found(context, reply.error, request.name, self.model.adapters, None)
+        log.info(
+            "adapter unloading",
+            adapter=request.name,
+            pending_requests=reply.pending_requests,
+            frontend=self.client.name,
+        )
+        return pb.UnloadAdapterResponse(pending_requests=reply.pending_requests)
+
+    async def _adapter_reply(self, context: Any, command: Any) -> protocol.AdapterReply:
+        try:
+            return await command
+        except ConnectionError:
+            await errors.abort(context, self._unavailable())
+
     def _tokenize(self, request: pb.TokenizeRequest, model: ServedModel) -> pb.TokenizeResponse:
         tok = model.tokenizer
         ids = prompt_token_ids(
@@ -245,6 +338,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prompt_tokens=len(req.prompt_token_ids),
             max_tokens=req.max_tokens,
             priority=req.priority,
+            adapter=req.adapter or None,
         )
         try:
             while True:
@@ -283,9 +377,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 default_max_tokens=self.config.frontend.default_max_tokens,
                 prompt_cache_enabled=model.prompt_cache,
                 allow_special_tokens_in_content=self.config.frontend.allow_special_tokens_in_content,
+                adapters=model.adapters,
             )
         except InvalidRequestError as exc:
             await self._invalid(context, exc, message.request_id)
+        except UnknownAdapterError as exc:
+            await self._not_found(
+                context, str(exc), exc.name, exc.served, message.request_id or None
+            )
         if req.response_format is not None:
             await self._compile_format(context, req, model)
         # Nothing awaits from here to the submit but an abort: the ALREADY_EXISTS check and the
@@ -363,12 +462,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _failed(self, context: Any, stream: RequestStream) -> NoReturn:
         """The request could not run: the queue was full, the core refused its response
-        format, or the core is gone."""
+        format, its adapter was unloaded, or the core is gone."""
         request = stream.request
         if stream.failure is Failure.INVALID_FORMAT and request.response_format is not None:
             kind = request.response_format.kind
             await self._refuse_format(
                 context, request.request_id, kind, stream.failure_message, stream.failure_code
+            )
+        if stream.failure is Failure.ADAPTER_NOT_FOUND:
+            served = self.model.adapters if self.model is not None else ()
+            await self._not_found(
+                context, stream.failure_message, request.adapter, served, request.request_id
             )
         if stream.failure is Failure.QUEUE_FULL:
             status = errors.rich_status(
@@ -464,6 +568,7 @@ def served_model(
         prompt_cache=ready.prompt_cache,
         info=model_info_response(ready.model_info),
         grammar=_grammar_cache(ready, tokenizer, structured or StructuredOutputConfig(), observer),
+        adapters=tuple(a.name for a in ready.model_info.adapters),
     )
 
 

@@ -35,6 +35,7 @@ class Failure(enum.Enum):
     QUEUE_FULL = "queue_full"
     CORE_GONE = "core_gone"
     INVALID_FORMAT = "invalid_format"  # the core's grammar engine refused the format
+    ADAPTER_NOT_FOUND = "adapter_not_found"  # unloaded while the request was on its way
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Collection
 from typing import Protocol
 
 from mlxserve.v1 import generation_pb2 as pb
@@ -29,6 +30,16 @@ class InvalidRequestError(ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     pass
+
+
+class UnknownAdapterError(LookupError):
+    """The request names a LoRA adapter the server does not serve (NOT_FOUND)."""
+
+    def __init__(self, name: str, served: Collection[str]) -> None:
+        listed = ", ".join(served) if served else "none (the server runs without --adapter)"
+        super().__init__(f"adapter {name!r} is not served; served adapters: {listed}")
+        self.name = name
+        self.served = list(served)
 
 
 class PromptEncoder(Protocol):
@@ -225,12 +236,17 @@ def generation_request(
     default_max_tokens: int,
     prompt_cache_enabled: bool,
     allow_special_tokens_in_content: bool = False,
+    adapters: Collection[str] = (),
 ) -> GenerationRequest:
+    """`adapters`: the LoRA adapters served (a request naming another raises
+    UnknownAdapterError)."""
     request_id = message.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequestError(
             f"request_id is longer than {MAX_REQUEST_ID_LEN} characters", field="request_id"
         )
+    if message.adapter and message.adapter not in adapters:
+        raise UnknownAdapterError(message.adapter, adapters)
     prompt = prompt_token_ids(
         message,
         tok,
@@ -289,6 +305,7 @@ def generation_request(
         top_logprobs=int(message.top_logprobs),
         cache_prompt=cache_prompt and prompt_cache_enabled,
         response_format=response_format(message),
+        adapter=message.adapter,
     )
 
 

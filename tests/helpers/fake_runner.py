@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.common.grammar import Compiled
+from service.common.model_source import ModelLoadError
 from service.core.engine.config import EngineConfig
 from service.core.kv.block_pool import KVCacheManager, KVManager, UnpagedKV
 from service.core.loop import CoreLoop
+from service.core.scheduler.adapters import AdapterTable
 from service.core.scheduler.constraints import Constraints
 from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 from service.core.scheduler.request import Request
 from service.core.scheduler.scheduler import Scheduler, SchedulerConfig
-from service.protocol import Event, Final, GenerationRequest, Outputs
+from service.protocol import AdapterDescription, Event, Final, GenerationRequest, Outputs
 
 VOCAB = 1000
 EOS = 999
@@ -111,6 +113,8 @@ class FakeRunner:
     steer: Steer | None = None
     # What happened, in order: ("collect", step), ("sample", step, slots).
     calls: list[tuple] = field(default_factory=list)
+    adapter_of: dict[str, int] = field(default_factory=dict)  # request id -> adapter slot joined
+    adapters: dict[int, str] = field(default_factory=dict)  # loaded: slot -> name
 
     @property
     def live(self) -> set[str]:
@@ -120,10 +124,16 @@ class FakeRunner:
         self.plans.append(plan)
         for leave in plan.leaves:
             self.released.append(self.rows.pop(leave.slot).request_id)
+        for slot in plan.unload:
+            users = [r for r in self.rows.values() if self.adapter_of.get(r.request_id) == slot]
+            assert not users, f"adapter slot {slot} unloaded while {users} use it"
+            del self.adapters[slot]
         for join in plan.joins:
             assert join.slot not in self.rows, f"slot {join.slot} is taken"
+            assert not join.adapter or join.adapter in self.adapters, "no such adapter"
             request_id = join.seq_id.split("#")[0]
             self.added.append(request_id)
+            self.adapter_of[request_id] = join.adapter
             self.rows[join.slot] = _Row(request_id, join.num_cached, constrained=join.constrained)
         for slot, table in plan.tables:
             self.rows[slot].table = len(table)
@@ -237,6 +247,14 @@ class FakeRunner:
     def dispatch(pending: _Pending) -> _Pending:
         return pending
 
+    def load_adapter(self, name: str, path: str, slot: int) -> AdapterDescription:
+        """Any path loads, but one named "refused"."""
+        if path == "refused":
+            raise ModelLoadError(f"adapter {name!r} ({path}): refused")
+        assert slot not in self.adapters
+        self.adapters[slot] = name
+        return AdapterDescription(name, path, rank=8)
+
     def take_prefill(self, pending: _Pending) -> StepResult:
         parts, pending.prefill = pending.prefill, []
         result = StepResult.merge(pending.plan.step, parts)
@@ -330,9 +348,16 @@ class Harness:
         batched: bool = True,
         constraints: Constraints | None = None,
         steer: Steer | None = None,
+        adapters: Seq[str] = (),
         **config,
     ) -> None:
+        """`adapters`: names of LoRA adapters served from the start (slots 1, 2, ...)."""
         self.engine = FakeRunner(config=EngineConfig(batched=batched), cost=cost, steer=steer)
+        table = AdapterTable()
+        for name in adapters:
+            slot = table.free_slot()
+            table.add(name, slot)
+            self.engine.adapters[slot] = name
         self.kv = kv or UnpagedKV()
         if isinstance(self.kv, KVCacheManager):
             self.engine.block_size = self.kv.block_size
@@ -343,12 +368,24 @@ class Harness:
             batched=batched,
             clock=self.engine.clock,
             constraints=constraints,
+            adapters=table,
         )
-        self.loop = CoreLoop(self.sched, self.engine, overlap_steps=False)
+        self.rejected: dict[str, str] = {}  # request id -> why its adapter was refused
+        self.adapters_changed = 0
+        self.loop = CoreLoop(
+            self.sched,
+            self.engine,
+            overlap_steps=False,
+            on_rejected=lambda seq, why: self.rejected.__setitem__(seq.request_id, why),
+            on_adapters_changed=self._adapters_changed,
+        )
         self.received: dict[str, list[list[Delivered]]] = {}
         self.seqs: dict[str, Request] = {}
         # Per request, the fake clock's time of each delivery that carried tokens.
         self.token_times: dict[str, list[float]] = {}
+
+    def _adapters_changed(self) -> None:
+        self.adapters_changed += 1
 
     @property
     def forwards(self) -> list[Forward]:

@@ -936,13 +936,19 @@ def build_embedded_quantized(root: Path, bits: int = 4, group_size: int = 32) ->
     """The embedded SmolLM2 (GGUF, loaded by our loader in float32) re-quantized with mlx-lm
     and written as an mlx-lm checkpoint, as `mlx_lm.convert -q` would write it. Group size 32
     is the GGUF's own (Q4_1): at 64 the re-quantized 135M model no longer answers sensibly."""
+    return build_embedded(root, (bits, group_size))
+
+
+def build_embedded(root: Path, quantize: tuple[int, int] | None = None) -> Path:
+    """The embedded SmolLM2 as an mlx-lm checkpoint: its weights as our loader serves them
+    (float32), or quantized with mlx-lm (bits, group size)."""
     from dataclasses import asdict
 
     from mlx_lm.utils import quantize_model, save_config, save_model
 
     from service.core.models.loader import load_embedded
 
-    path = root / f"smollm2-135m-{bits}bit"
+    path = root / ("smollm2-135m-float32" if quantize is None else f"smollm2-135m-{quantize[0]}bit")
     if (path / "config.json").exists():
         return path
     lm = load_embedded(mx.float32)
@@ -953,8 +959,10 @@ def build_embedded_quantized(root: Path, bits: int = 4, group_size: int = 32) ->
         bos_token_id=BOS_ID,
         eos_token_id=sorted(lm.tokenizer.eos_token_ids),
     )
-    with contextlib.redirect_stdout(sys.stderr):
-        model, config = quantize_model(lm.model, config, group_size, bits)
+    model = lm.model
+    if quantize is not None:
+        with contextlib.redirect_stdout(sys.stderr):
+            model, config = quantize_model(model, config, quantize[1], quantize[0])
     tmp = path.with_name(path.name + ".tmp")
     save_model(tmp, model)
     save_config(config, tmp / "config.json")

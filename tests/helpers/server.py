@@ -294,7 +294,7 @@ async def in_process_server(config: Any) -> AsyncIterator[tuple[Any, Any]]:
     server = grpc.aio.server()
     servicer = GenerationServicer(config.frontend_process, client, Telemetry())
     try:
-        servicer.model = served_model(await client.connect())
+        servicer.set_model(served_model(await client.connect()))
         pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -178,10 +178,13 @@ class Driven:
         want_logprobs: bool = False,
         top_logprobs: int = 0,
         constrained: bool = False,
+        adapter: int = 0,
+        root: int | None = None,
     ) -> Seq:
         """`adopt`: admit it as the scheduler does (cached prefix adopted, prompt reserved);
-        `constrained`: it samples under token masks (give them with each step)."""
-        blocks = self.kv.new_sequence()
+        `constrained`: it samples under token masks (give them with each step); `adapter`: its
+        LoRA adapter's slot; `root`: its prefix-cache namespace."""
+        blocks = self.kv.new_sequence(root=root)
         cached = 0
         if adopt:
             admitted = self.kv.admit(blocks, prompt_token_ids, True, 0)
@@ -200,6 +203,7 @@ class Driven:
                 want_logprobs,
                 top_logprobs,
                 constrained=constrained,
+                adapter=adapter,
             )
         )
         seq = Seq(seq_id, slot, blocks, self)
@@ -212,6 +216,11 @@ class Driven:
         self._plan().leaves.append(RowLeave(seq.slot, True))
         self._free.append(seq.slot)
         self._live.pop(seq.slot, None)
+        self._flush()
+
+    def unload_adapter(self, slot: int) -> None:
+        """A plan that clears an adapter slot (its adapter was unloaded)."""
+        self._plan().unload.append(slot)
         self._flush()
 
     def _flush(self) -> None:

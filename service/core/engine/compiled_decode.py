@@ -14,6 +14,11 @@ crosses a slot bucket; the runtime traces every row bucket at start. (MLX's shap
 would avoid even that, but custom kernels cannot re-infer their output shapes.) A batch whose
 rows all sample greedily takes its tokens from the graph too.
 
+A batch with LoRA adapter rows replays a graph of its own that takes the rows' adapter slots as
+one more input (a slot array read from outside the traced function would be frozen into it).
+The adapters' weights are constants of a trace: loading or unloading one drops the traces
+(`reset`).
+
 Only direct decode steps (one token per row, attention read from the paged pool) are compiled,
 with their K/V written by the in-place CUDA kernel: the CUDA decode path.
 """
@@ -26,9 +31,11 @@ from functools import partial
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from service.core.engine.batch_view import StepLayout
 from service.core.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
+from service.core.models import lora
 from service.core.models.layout import AttentionEntry, CacheLayout
 
 SLOT_BUCKET = 256  # slot-table width granularity: one compiled shape per 256 positions
@@ -115,31 +122,49 @@ class DecodeGraph:
         self._num_layers = cache.num_attention
         # A traced graph is bound to the streams of the thread that traced it, so each thread
         # compiles its own (tests drive engines from several threads).
-        self._compiled: dict[tuple[int, bool], Callable[..., list[mx.array]]] = {}
+        self._compiled: dict[tuple[int, bool, bool], Callable[..., list[mx.array]]] = {}
+
+    def reset(self) -> None:
+        """Forget the traced graphs (the adapters they hold as constants changed)."""
+        self._compiled.clear()
 
     def logits(
-        self, tokens: mx.array, layout: StepLayout, greedy: bool = False, rows: int = 0
+        self,
+        tokens: mx.array,
+        layout: StepLayout,
+        greedy: bool = False,
+        rows: int = 0,
+        adapters: np.ndarray | None = None,
     ) -> mx.array:
         """[B, V] next-token logits of a decode step (tokens [B, 1]), or with `greedy` the [B]
         argmax tokens; writes the step's K/V. `rows`: the compiled batch (default: B's
-        bucket)."""
+        bucket); `adapters`: the rows' LoRA adapter slots (None: no row has one)."""
         b = tokens.shape[0]
         padded = max(rows, row_bucket(b))
         packed = self._storage.decode_inputs(layout, SLOT_BUCKET, padded)
         if padded > b:
             tokens = mx.concatenate([tokens, mx.zeros((padded - b, 1), tokens.dtype)])
-        key = (threading.get_ident(), greedy)
+        adapted = adapters is not None
+        key = (threading.get_ident(), greedy, adapted)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = mx.compile(partial(DecodeGraph._forward, self, greedy))
+            compiled = mx.compile(partial(DecodeGraph._forward, self, greedy, adapted))
             self._compiled[key] = compiled
-        (out,) = compiled(tokens, packed, *self._storage.pool_arrays())
+        inputs = [tokens, packed]
+        if adapters is not None:
+            slots = np.zeros(padded, np.int32)  # padding rows: no adapter
+            slots[:b] = adapters
+            inputs.append(mx.array(slots))
+        (out,) = compiled(*inputs, *self._storage.pool_arrays())
         return out if padded == b else out[:b]
 
-    def _forward(self, greedy: bool, tokens: mx.array, packed: mx.array, *pools: mx.array):
-        step = _StepArrays(packed, list(pools), self._num_layers)
+    def _forward(self, greedy: bool, adapted: bool, *inputs: mx.array):
+        tokens, packed = inputs[:2]
+        rows = lora.RowAdapters(inputs[2]) if adapted else None
+        pools = list(inputs[3:] if adapted else inputs[2:])
+        step = _StepArrays(packed, pools, self._num_layers)
         views = [_GraphView(step, entry) for entry in self._entries]
-        hidden = self._head.hidden(tokens, views)  # [B, 1, H]
-        logits = self._head.logits(hidden[:, 0])
+        hidden = self._head.hidden(tokens, views, rows)  # [B, 1, H]
+        logits = self._head.logits(hidden[:, 0], rows)
         # The pools are written in place: returning them would only copy them.
         return [mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits]

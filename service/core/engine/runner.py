@@ -20,6 +20,11 @@ logits: `dispatch` queues those, and `sample(pending, masks)` samples once the s
 read and its masks are filled, while the forward runs. A batch without constrained rows runs
 as before.
 
+Each row may use a LoRA adapter (service.core.models.lora): the table keeps its adapter slot, and
+every forward publishes its rows' slots (`row_adapters`) while it is built, the LM head's rows
+included. Adapters are loaded between steps (`load_adapter`) and cleared by the plan that
+follows the last row using them (`StepPlan.unload`).
+
 If building or evaluating a batched forward raises, its rows are run one by one, so that only
 the failing rows end (the result's `errors`); under tensor parallel (`contain_failures=False`)
 the error propagates instead.
@@ -41,12 +46,14 @@ from service.core.engine.batch_view import StepLayout
 from service.core.engine.compiled_decode import DecodeGraph
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import SlotsNotReservedError
+from service.core.engine.memory import release_freed_memory
 from service.core.engine.sampler import RowSamplerState, apply_token_masks, sample, verify_draft
 from service.core.engine.state_store import SequenceState, StateStore, StateUndo
 from service.core.engine.storage import KVStorage
-from service.core.models import rope
+from service.core.models import lora, rope
 from service.core.models.layout import CacheLayout
 from service.core.scheduler.plan import Chunk, Draft, RowJoin, RowMasks, StepPlan, StepResult
+from service.protocol import AdapterDescription
 
 log = structlog.get_logger(__name__)
 
@@ -156,11 +163,13 @@ class ModelRunner:
         split_head: bool = False,
         fault_injector: FaultInjector | None = None,
         contain_failures: bool = True,
+        adapters: lora.AdapterSet | None = None,
     ) -> None:
         """`cache`: what the model keeps per sequence (service.core.models.layout); `config`:
         how its forwards run (service.core.engine.config, resolved before the runner is
         built); `max_rows`: slots in the row table; `max_blocks_per_row`: the widest block
-        table (paged storage)."""
+        table (paged storage); `adapters`: the LoRA adapters installed on the model (None:
+        one is made when the first is loaded)."""
         self.model = model
         self.storage = storage
         self.cache = cache
@@ -185,6 +194,8 @@ class ModelRunner:
         self.table_lengths = np.zeros(max_rows, np.int32)
         self.plain = np.zeros(max_rows, bool)  # Row.plain, per slot
         self.constrained = np.zeros(max_rows, bool)  # Row.constrained, per slot
+        self.adapters = adapters
+        self.adapter_slots = np.zeros(max_rows, np.int32)  # each row's adapter (0: none)
         # Where each row's next input is: the sampled array of step `source_step`, at index.
         self._source_step = np.full(max_rows, -1, np.int64)
         self._source_index = np.zeros(max_rows, np.int32)
@@ -264,6 +275,8 @@ class ModelRunner:
     def _apply(self, plan: StepPlan) -> None:
         for leave in plan.leaves:
             self._leave(leave.slot, leave.final)
+        for slot in plan.unload:
+            self._unload_adapter(slot)
         for seq_id in plan.forget:
             self._parked.pop(seq_id, None)
         for join in plan.joins:
@@ -284,6 +297,8 @@ class ModelRunner:
             raise ValueError(f"slot {join.slot} is taken")
         if join.num_cached and self.states is not None:
             raise ValueError("a recurrent state cannot be adopted from a cached prefix")
+        if join.adapter and (self.adapters is None or self.adapters.name_of(join.adapter) is None):
+            raise ValueError(f"adapter slot {join.adapter} holds no adapter")
         sampler = self._parked.pop(join.seq_id, None) if join.resume else None
         if sampler is None:
             sampler = RowSamplerState(join.params, prompt_token_ids=list(join.prompt))
@@ -302,6 +317,7 @@ class ModelRunner:
         self.table_lengths[join.slot] = 0
         self.plain[join.slot] = row.plain
         self.constrained[join.slot] = join.constrained
+        self.adapter_slots[join.slot] = join.adapter
         self._source_step[join.slot] = -1
 
     def _leave(self, slot: int, final: bool) -> None:
@@ -318,6 +334,7 @@ class ModelRunner:
         self.rows[slot] = None
         self.positions[slot] = 0
         self.constrained[slot] = False
+        self.adapter_slots[slot] = 0
         self._source_step[slot] = -1
 
     # -- forwards --------------------------------------------------------------------
@@ -422,22 +439,29 @@ class ModelRunner:
             else np.flatnonzero(samples).astype(np.int32)
         )
         states = self.states.begin([r.state for r in rows]) if self.states is not None else None
+        adapters = self.adapter_slots[slots]
         last_logits: mx.array | None = None
         hidden: mx.array | None = None
         if decode and self.decode_graph is not None and len(sampled) == len(rows):
+            graph_adapters = adapters if adapters.any() else None
             if self.plain[slots].all():
-                drawn = self.decode_graph.logits(tokens, layout, True, self.min_rows)  # [B]
+                drawn = self.decode_graph.logits(  # [B]
+                    tokens, layout, True, self.min_rows, graph_adapters
+                )
                 self.positions[slots] += lengths
                 forward = self._sampled(slots, sampled, rows, drawn)
                 forward.lengths, forward.inputs = lengths, inputs
                 return forward
-            last_logits = self.decode_graph.logits(tokens, layout, False, self.min_rows)
+            last_logits = self.decode_graph.logits(
+                tokens, layout, False, self.min_rows, graph_adapters
+            )
         else:
             views = self.storage.views(layout, self.cache, states, self.config.grouped_query_mask)
             self._check_faults(rows, "build")
             row_lengths = rope.ROW_LENGTHS.set(lengths.tolist())
             try:
-                hidden = self._head.hidden(tokens, views)  # [B, N, H] (logits if not split)
+                # [B, N, H] (logits if not split)
+                hidden = self._head.hidden(tokens, views, self._adapter_rows(adapters))
             finally:
                 rope.ROW_LENGTHS.reset(row_lengths)
         if states is not None:
@@ -458,7 +482,8 @@ class ModelRunner:
             else:
                 last = mx.array(lengths[sampled] - 1)
                 last_hidden = hidden[mx.array(sampled), last]  # [S, H]
-            last_logits = self._head.logits(last_hidden)  # [S, V]
+            # [S, V]
+            last_logits = self._head.logits(last_hidden, self._adapter_rows(adapters[sampled]))
         if masks is None and self.constrained[slots[sampled]].any():
             forward = _Forward(slots, rows, lengths, sampled, None, logits=last_logits)
         else:
@@ -722,6 +747,40 @@ class ModelRunner:
             raise ValueError(f"slot {slot} runs with no row in it")
         return row
 
+    # -- LoRA adapters ---------------------------------------------------------------
+    def _adapter_rows(self, adapters: np.ndarray) -> lora.RowAdapters | None:
+        """What a forward's rows publish: their adapter slots, or None when no row has one (the
+        wrappers are then the base layers alone)."""
+        if self.adapters is None or not adapters.any():
+            return None
+        return self.adapters.rows(adapters)
+
+    def load_adapter(self, name: str, path: str, slot: int) -> AdapterDescription:
+        """Read, check and install an adapter in `slot` (between steps); raises AdapterError
+        with the reason when it cannot be served."""
+        adapter = lora.load_adapter(name, path, self.model)
+        if self.adapters is None:
+            self.adapters = lora.AdapterSet(self.model)
+        self.adapters.add(adapter, slot)
+        del adapter  # its tensors now live in the stacks alone
+        release_freed_memory()
+        if self.decode_graph is not None:
+            self.decode_graph.reset()  # the traced graphs hold the stacks as they were
+        return self.adapters.describe(name)
+
+    def _unload_adapter(self, slot: int) -> None:
+        if self.adapters is None:
+            raise ValueError(f"adapter slot {slot} holds no adapter")
+        name = self.adapters.name_of(slot)
+        if name is None:
+            raise ValueError(f"adapter slot {slot} holds no adapter")
+        if (self.adapter_slots[[r.slot for r in self.rows if r is not None]] == slot).any():
+            raise ValueError(f"adapter {name!r} is unloaded while a row uses it")
+        self.adapters.remove(name)
+        release_freed_memory()
+        if self.decode_graph is not None:
+            self.decode_graph.reset()
+
     # -- speculative decoding ----------------------------------------------------------
     def _verify(self, drafts: list[Draft], masks: Masks) -> StepResult:
         """One forward over each row's last token and drafted tokens (rows with no draft take
@@ -817,7 +876,9 @@ class ModelRunner:
         )
         tokens = mx.array(np.concatenate(inputs).astype(np.int32))[:, None]
         assert self.decode_graph is not None
-        return self.decode_graph.logits(tokens, layout, greedy, self.min_rows)
+        adapters = self.adapter_slots[virtual]  # each position with its row's adapter
+        graph_adapters = adapters if adapters.any() else None
+        return self.decode_graph.logits(tokens, layout, greedy, self.min_rows, graph_adapters)
 
     def _verify_gathered(
         self,
@@ -835,10 +896,13 @@ class ModelRunner:
         views = self.storage.views(
             layout, self.cache, None, self.config.grouped_query_mask, gather=True
         )
-        hidden = self._head.hidden(tokens, views)  # [B, N, H]
+        adapters = self.adapter_slots[slots]
+        hidden = self._head.hidden(tokens, views, self._adapter_rows(adapters))  # [B, N, H]
         row_idx = mx.array(np.repeat(np.arange(len(slots)), lengths))
         col_idx = mx.array(np.concatenate([np.arange(n) for n in lengths]))
-        return self._head.logits(hidden[row_idx, col_idx])
+        # Each position with its row's adapter.
+        positions = self._adapter_rows(np.repeat(adapters, lengths))
+        return self._head.logits(hidden[row_idx, col_idx], positions)
 
     def _last_tokens(self, slots: np.ndarray) -> list[int]:
         """The rows' last sampled tokens, read (a verification forward needs them as ids)."""
@@ -873,15 +937,21 @@ class ModelHead:
         self._model = model
         self.split = split
 
-    def hidden(self, tokens: mx.array, views: list) -> mx.array:
-        if self.split:
-            return self._model.model(tokens, cache=views)
-        return self._model(tokens, cache=views)
+    def hidden(
+        self, tokens: mx.array, views: list, adapters: lora.RowAdapters | None = None
+    ) -> mx.array:
+        """`adapters`: the rows' LoRA adapters (service.core.models.lora)."""
+        with lora.use_adapters(adapters):
+            if self.split:
+                return self._model.model(tokens, cache=views)
+            return self._model(tokens, cache=views)
 
-    def logits(self, hidden: mx.array) -> mx.array:
+    def logits(self, hidden: mx.array, adapters: lora.RowAdapters | None = None) -> mx.array:
+        """`adapters`: one per row of `hidden` (an adapter may target the LM head)."""
         if not self.split:
             return hidden  # already logits
         model = self._model
-        if "lm_head" in model:  # tied models have none (mlx-lm creates or drops it)
-            return model.lm_head(hidden)
-        return model.model.embed_tokens.as_linear(hidden)
+        with lora.use_adapters(adapters):
+            if "lm_head" in model:  # tied models have none (mlx-lm creates or drops it)
+                return model.lm_head(hidden)
+            return model.model.embed_tokens.as_linear(hidden)

@@ -16,7 +16,9 @@ storage owns the K/V arrays and never decides a block id.
   then stay within twice the peak of blocks in use (or the initial capacity), whatever the
   traffic; the prefix cache lives in what they already hold.
 - A full block is registered under hash(parent block's hash, its tokens), so requests with a
-  common prompt prefix adopt the same blocks by reference and store that prefix once.
+  common prompt prefix adopt the same blocks by reference and store that prefix once. A
+  sequence's first block chains from its `root` instead (`namespace_root`): the same tokens
+  under another LoRA adapter have other K/V, and must never share blocks with the base's.
 - A sequence about to write into a block that others also hold gets a private copy first.
 """
 
@@ -42,6 +44,13 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     else:
         digest.update(b"\x01" + parent_hash.to_bytes(_HASH_BYTES, "little"))
     digest.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return int.from_bytes(digest.digest(), "little")
+
+
+def namespace_root(key: str) -> int:
+    """The parent hash of the first block of sequences whose K/V depend on more than their
+    tokens (e.g. a LoRA adapter, and the load of it: `key` names both)."""
+    digest = hashlib.blake2b(b"\x02" + key.encode(), digest_size=_HASH_BYTES)
     return int.from_bytes(digest.digest(), "little")
 
 
@@ -251,6 +260,7 @@ class SequenceBlocks:
     # Chained hashes of the leading full blocks already registered (or adopted).
     block_hashes: list[int] = field(default_factory=list)
     cache_prefix: bool = True  # register this sequence's full blocks in the prefix cache
+    root: int | None = None  # what its first block's hash chains from (namespace_root)
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         """New blocks to hold num_tokens + num_new_tokens positions."""
@@ -288,7 +298,9 @@ class KVManager(Protocol):
     def num_blocks(self) -> int: ...
     @property
     def num_free_blocks(self) -> int: ...
-    def new_sequence(self, cache_prefix: bool = True) -> SequenceBlocks: ...
+    def new_sequence(
+        self, cache_prefix: bool = True, root: int | None = None
+    ) -> SequenceBlocks: ...
     def admit(
         self, seq: SequenceBlocks, token_ids: Sequence[int], use_prefix: bool, keep_free: int
     ) -> int | None: ...
@@ -342,8 +354,8 @@ class KVCacheManager:
         """The most tokens one sequence could ever hold: the whole pool."""
         return self.num_blocks * self.block_size
 
-    def new_sequence(self, cache_prefix: bool = True) -> SequenceBlocks:
-        return SequenceBlocks(self.block_size, cache_prefix=cache_prefix)
+    def new_sequence(self, cache_prefix: bool = True, root: int | None = None) -> SequenceBlocks:
+        return SequenceBlocks(self.block_size, cache_prefix=cache_prefix, root=root)
 
     def admit(
         self, seq: SequenceBlocks, token_ids: Sequence[int], use_prefix: bool, keep_free: int
@@ -354,7 +366,7 @@ class KVCacheManager:
         (nothing changed) when the blocks are short."""
         if seq.block_ids or seq.num_tokens:
             raise ValueError("only an empty sequence can be admitted")
-        prefix = self.match_prefix(token_ids) if use_prefix else []
+        prefix = self.match_prefix(token_ids, seq.root) if use_prefix else []
         cached = len(prefix) * self.block_size
         needed = self.blocks_required(seq, len(token_ids) - cached, prefix)
         if needed > self.pool.num_free_blocks - keep_free:
@@ -377,17 +389,18 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return BlockUpdate(self.pool.capacity, tuple(copies))
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Blocks of the longest cached run of full blocks that starts token_ids. At most
-        (len - 1) // block_size blocks: the last prompt token is always prefilled, since the
-        model must produce its logits. The ids stay valid only until the pool next changes:
-        pass them straight to allocate_slots. Call once per admission attempt (it counts)."""
+    def match_prefix(self, token_ids: Sequence[int], root: int | None = None) -> list[int]:
+        """Blocks of the longest cached run of full blocks that starts token_ids (chained from
+        `root`). At most (len - 1) // block_size blocks: the last prompt token is always
+        prefilled, since the model must produce its logits. The ids stay valid only until the
+        pool next changes: pass them straight to allocate_slots. Call once per admission
+        attempt (it counts)."""
         if not self.enable_prefix_caching:
             return []
         self.prefix_lookups += 1
         size = self.block_size
         matched: list[int] = []
-        parent: int | None = None
+        parent = root
         for index in range((len(token_ids) - 1) // size):
             parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
             block_id = self.pool.lookup(parent)
@@ -468,7 +481,7 @@ class KVCacheManager:
         size = self.block_size
         registered = 0
         for index in range(len(seq.block_hashes), min(len(token_ids), seq.num_tokens) // size):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.root
             block_hash = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
             seq.block_hashes.append(block_hash)
             registered += self.pool.cache_full_block(seq.block_ids[index], block_hash)
@@ -524,7 +537,7 @@ class UnpagedKV:
     num_blocks = 0
     num_free_blocks = 0
 
-    def new_sequence(self, cache_prefix: bool = True) -> SequenceBlocks:
+    def new_sequence(self, cache_prefix: bool = True, root: int | None = None) -> SequenceBlocks:
         return SequenceBlocks(block_size=1, cache_prefix=False)
 
     def admit(

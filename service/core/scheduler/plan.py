@@ -3,7 +3,8 @@ read back (`StepResult`).
 
 The runner keeps a table of rows indexed by a small integer, the row's *slot*, from the step it
 joins until the step it leaves. A plan names rows only by slot and carries only what changed:
-rows that join (with what their sampling needs), rows that leave, the block tables that changed,
+rows that join (with what their sampling needs and their LoRA adapter's slot), rows that leave,
+adapters no longer used (`unload`), the block tables that changed,
 the pool's `BlockUpdate`, the step's prefill chunks, and the slots that take a decode step (or
 a verification of drafted tokens). Under tensor parallel, rank 0 sends each plan as it is to the
 other ranks, whose runners replay it.
@@ -39,6 +40,7 @@ class RowJoin(msgspec.Struct, array_like=True):
     top_logprobs: int = 0
     resume: bool = False  # back after a preemption: keeps its sampler state
     constrained: bool = False  # a response format: its logits take a token mask each step
+    adapter: int = 0  # its LoRA adapter's slot (0: the base model)
 
 
 class RowLeave(msgspec.Struct, array_like=True):
@@ -89,6 +91,9 @@ class StepPlan(msgspec.Struct):
     # positions of constrained verification rows. A decode step's masks depend on the tokens
     # of the step before, which may still run: they come later (ModelRunner.sample).
     masks: RowMasks | None = None
+    # LoRA adapter slots to clear, after the leaves: their adapters were unloaded and no row
+    # uses them any more.
+    unload: list[int] = msgspec.field(default_factory=list)
 
     @property
     def update(self) -> BlockUpdate:
@@ -100,7 +105,9 @@ class StepPlan(msgspec.Struct):
 
     @property
     def changes(self) -> bool:
-        return bool(self.joins or self.leaves or self.forget or self.tables or self.copies)
+        return bool(
+            self.joins or self.leaves or self.forget or self.tables or self.copies or self.unload
+        )
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from service.common.grammar import Compiled, Matcher
 from service.core.kv.block_pool import SequenceBlocks
+from service.core.scheduler.adapters import AdapterEntry
 from service.core.scheduler.prefill_plan import PrefillPlan
 from service.core.scheduler.prompt_lookup import DraftPacing, NgramIndex
 from service.protocol import FinishReason, GenerationRequest, Outputs
@@ -63,6 +64,7 @@ class Request:
     # the row's grammar state, made at its first admission and kept while it is preempted.
     grammar: Compiled | None = None
     matcher: Matcher | None = None
+    adapter: AdapterEntry | None = None  # its LoRA adapter, held from arrival to the end
 
     @property
     def request_id(self) -> str:

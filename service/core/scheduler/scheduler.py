@@ -18,6 +18,11 @@ reserves each decode step's slot (preempting when blocks run short), registers c
 blocks in the prefix cache, gives back the slots of rejected draft tokens, and frees a
 sequence's blocks when it finishes or is preempted. Each plan carries the block tables that
 changed and the manager's pending `BlockUpdate`; the runner only runs forwards.
+
+It also decides the LoRA adapter slots (service.core.scheduler.adapters): a request takes its
+adapter when it arrives (an adapter that is not served is refused then), its row joins with the
+adapter's slot, its prefix-cache lookups stay within the adapter's namespace, and an adapter
+being unloaded leaves the runner in the plan after its last request ended.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 import structlog
 
 from service.core.kv.block_pool import KVManager
+from service.core.scheduler.adapters import AdapterTable
 from service.core.scheduler.constraints import Constraints, Verdict
 from service.core.scheduler.outbox import Outbox
 from service.core.scheduler.plan import (
@@ -161,16 +167,18 @@ class Scheduler:
         on_health: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         constraints: Constraints | None = None,
+        adapters: AdapterTable | None = None,
     ) -> None:
         """kv: the KV manager of the runner's storage (a KVCacheManager for the paged pool,
         UnpagedKV for storage without blocks); batched: rows share a forward (else each
         prefill row is a forward of its own); on_health: told when the engine turns
         unhealthy or healthy again; clock: times decode steps for the stall bound;
         constraints: the rows' grammars, for requests with a response format (None: such a
-        request fails)."""
+        request fails); adapters: the LoRA adapters the runner serves, by slot."""
         self.config = config
         self.kv = kv
         self.constraints = constraints
+        self.adapters = adapters if adapters is not None else AdapterTable()
         self.batched = batched
         self._on_health = on_health
         self._clock = clock
@@ -203,6 +211,10 @@ class Scheduler:
 
     # -- requests ----------------------------------------------------------------------
     def add(self, seq: Request) -> None:
+        """Queue a request; raises AdapterUnavailableError (nothing queued) when it names an
+        adapter that is not served."""
+        if seq.request.adapter:
+            seq.adapter = self.adapters.acquire(seq.request.adapter)
         seq.arrival_order = next(self._order)
         heapq.heappush(self._waiting, (-seq.request.priority, seq.arrival_order, seq))
         self._event(seq, "queued", queue_depth=len(self._waiting))
@@ -231,7 +243,13 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """Something runs or waits, or the runner has yet to hear of rows that ended."""
-        return bool(self._running or self._waiting or self._leaves or self._forget)
+        return bool(
+            self._running
+            or self._waiting
+            or self._leaves
+            or self._forget
+            or self.adapters.unload_pending
+        )
 
     # -- the plan ----------------------------------------------------------------------
     def decode_only(self) -> bool:
@@ -288,6 +306,7 @@ class Scheduler:
         """The plan's membership and table changes, and the pool's pending update."""
         plan.leaves, self._leaves = self._leaves, []
         plan.forget, self._forget = self._forget, []
+        plan.unload = self.adapters.take_unloaded()
         for slot in sorted(self._dirty):
             seq = self._owner[slot]
             if seq is not None and seq.blocks is not None:
@@ -333,7 +352,9 @@ class Scheduler:
         for the running rows. False (nothing held) if blocks are short."""
         req = seq.request
         tokens = seq.all_token_ids
-        blocks = self.kv.new_sequence(cache_prefix=req.cache_prompt)
+        adapter = seq.adapter
+        root = adapter.root if adapter is not None else None
+        blocks = self.kv.new_sequence(cache_prefix=req.cache_prompt, root=root)
         keep_free = 0
         if self._decoding.any():
             keep_free = int(self.config.kv_admission_watermark * self.kv.num_blocks)
@@ -367,6 +388,7 @@ class Scheduler:
                 req.top_logprobs,
                 resume=seq.preemptions > 0,
                 constrained=seq.grammar is not None,
+                adapter=adapter.slot if adapter is not None else 0,
             )
         )
         if seq.admitted_at is None:
@@ -947,6 +969,8 @@ class Scheduler:
         if seq.slot < 0 and seq.preemptions:
             self._forget.append(seq.seq_id)  # the runner still keeps its sampler
         self._release(seq, final=True)
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter)
         if reason is FinishReason.ERROR:
             self.stats.total_failed += 1
         else:
@@ -977,6 +1001,7 @@ class Scheduler:
         log.info(
             "request finished",
             request_id=seq.request_id,
+            adapter=seq.request.adapter or None,
             finish_reason=reason.value,
             prompt_tokens=seq.prompt_len,
             completion_tokens=seq.num_generated,

@@ -2,7 +2,9 @@
 
 - Per request (`mlxserve_*`, label `model`): token counters, latency and size histograms,
   requests by finish reason, rejections, preemptions and prefix-cache queries and hits, fed by
-  the telemetry hooks from the lifecycle events the engine core sends with each request.
+  the telemetry hooks from the lifecycle events the engine core sends with each request; per
+  LoRA adapter (`mlxserve_adapter_*`, labels `model` and `adapter`): requests by finish reason
+  and generated tokens.
 - The engine core's state (`mlxserve_num_requests_*`, `mlxserve_kv_cache_*`): gauges read from
   a CacheStats snapshot at scrape time, so they cost nothing between scrapes.
 - Per RPC (`grpc_server_*`, go-grpc-prometheus's names and labels): started, handled by code,
@@ -48,7 +50,14 @@ log = structlog.get_logger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-REJECTION_REASONS = ("queue_full", "kv_budget", "invalid_argument", "already_exists", "unavailable")
+REJECTION_REASONS = (
+    "queue_full",
+    "kv_budget",
+    "invalid_argument",
+    "already_exists",
+    "unavailable",
+    "adapter_not_found",
+)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 # Queue, prefill, decode and end-to-end times: from a few ms (an idle server's queue) to
@@ -249,6 +258,19 @@ class Metrics:
             "mlxserve_prefix_cache_hits",
             "Prompt tokens found in the prefix cache at admission (not prefilled again).",
             m,
+            registry=r,
+        )
+        # Per LoRA adapter (requests that named one; the others are the base model's).
+        self.adapter_requests = Counter(
+            "mlxserve_adapter_requests",
+            "Requests that named a LoRA adapter, by adapter and finish reason.",
+            [*m, "adapter", "finish_reason"],
+            registry=r,
+        )
+        self.adapter_generation_tokens = Counter(
+            "mlxserve_adapter_generation_tokens",
+            "Tokens generated for requests that named a LoRA adapter, by adapter.",
+            [*m, "adapter"],
             registry=r,
         )
 

@@ -32,6 +32,7 @@ class RequestTelemetry:
     """Per-request state, kept by the RPC that serves the request."""
 
     __slots__ = (
+        "adapter",
         "finished_event",
         "ids",
         "last_token_at",
@@ -51,6 +52,7 @@ class RequestTelemetry:
         streaming: bool,
     ) -> None:
         self.request_id = request.request_id
+        self.adapter = request.adapter  # "": the base model
         self.prompt_tokens = len(request.prompt_token_ids)
         self.span = span  # the RPC span when it records, else None
         self.ids = ids  # (trace_id, span_id) hex, when the span context is valid
@@ -173,6 +175,8 @@ class Telemetry:
             kind = request.response_format.kind
             attributes["mlxserve.response_format"] = kind
             attributes["gen_ai.output.type"] = "json" if kind.startswith("json") else "text"
+        if request.adapter:
+            attributes["mlxserve.adapter"] = request.adapter
         if s.top_k:
             attributes["gen_ai.request.top_k"] = float(s.top_k)
         if s.seed is not None:
@@ -217,6 +221,8 @@ class Telemetry:
             return
         now = time.monotonic()
         m.generation_tokens.labels(self.model).inc(n)
+        if state.adapter:
+            m.adapter_generation_tokens.labels(self.model, state.adapter).inc(n)
         if state.last_token_at is not None:
             gap = (now - state.last_token_at) / n
             itl = m.itl.labels(self.model)
@@ -256,6 +262,8 @@ class Telemetry:
         if m is None:
             return
         m.requests.labels(model, final.reason).inc()
+        if state.adapter:
+            m.adapter_requests.labels(model, state.adapter, final.reason).inc()
         if final.drafted_tokens:  # drafts were verified however the request ended
             m.draft_tokens.labels(model).inc(final.drafted_tokens)
             m.accepted_tokens.labels(model).inc(final.accepted_tokens)
@@ -285,7 +293,10 @@ class Telemetry:
                     }
                 )
             if self.metrics is not None:
-                self.metrics.requests.labels(self.model, FinishReason.CANCELLED.value).inc()
+                cancelled = FinishReason.CANCELLED.value
+                self.metrics.requests.labels(self.model, cancelled).inc()
+                if state.adapter:
+                    self.metrics.adapter_requests.labels(self.model, state.adapter, cancelled).inc()
         state.span = None
         if state.ids is not None:
             trace_ids.unregister(state.request_id, linger=not finished)
