@@ -29,6 +29,7 @@ GetModelInfo reports them, and the engine core's resident memory with the adapte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -58,9 +59,15 @@ ALL_PROJECTIONS = (
 )
 
 
-def model_dims(model: str | None) -> tuple[int, dict[str, tuple[int, int]]]:
+def model_dims(
+    model: str | None, load_format: str = "auto"
+) -> tuple[int, dict[str, tuple[int, int]]]:
     """(layers, per-layer module name -> (input dims, output dims)) of a llama-family model."""
-    if model is None:
+    if load_format.startswith("dummy:"):
+        from service.core.models.presets import preset_config
+
+        args = preset_config(load_format.removeprefix("dummy:"))
+    elif model is None:
         import mlx.core as mx
 
         from service.common.model_source import embedded_gguf_path
@@ -209,6 +216,15 @@ def spread(values: list[float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: embedded)")
+    parser.add_argument(
+        "--load-format", default="auto", help="auto, or dummy:PRESET (random weights of its shape)"
+    )
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--no-plain",
+        action="store_true",
+        help="skip the server without adapters (one model in memory: a large one on one GPU)",
+    )
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--rank", type=int, default=8)
@@ -233,9 +249,10 @@ def main() -> None:
     # a0 a1 ... then base rows, then again from a0: 4 adapters, 8 streams -> a0-a3 base base a0 a1.
     pattern = [*names, "", ""]
     mixed = [pattern[i % len(pattern)] for i in range(args.streams)]
-    layers, dims = model_dims(args.model)
+    layers, dims = model_dims(args.model, args.load_format)
     keys = args.keys.split(",")
     model_flags = ["--model", args.model] if args.model else []
+    model_flags += ["--load-format", args.load_format, "--dtype", args.dtype]
     common = [*model_flags, "--max-batch-size", str(args.streams), "--log-format", "json"]
     if args.blas_threads is not None:
         os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # the servers inherit it
@@ -244,17 +261,18 @@ def main() -> None:
         for i, name in enumerate(names):
             write_adapter(Path(tmp) / name, layers, dims, keys, args.rank, seed=i)
             flags.append(f"--adapter={name}={Path(tmp) / name}")
-        with (
-            ServerProcess([*common, *flags], log_path=Path(tmp) / "lora.log") as lora,
-            ServerProcess(common, log_path=Path(tmp) / "plain.log") as plain,
-        ):
+        with contextlib.ExitStack() as stack:
+            lora = stack.enter_context(
+                ServerProcess([*common, *flags], log_path=Path(tmp) / "lora.log")
+            )
+            plain = None
+            if not args.no_plain:
+                plain = stack.enter_context(ServerProcess(common, log_path=Path(tmp) / "plain.log"))
             with GenerationClient(lora.target) as client:
                 info = {a.name: a.memory_bytes for a in client.model_info().adapters}
-            variants = {
-                "mixed": (lora, mixed),
-                "base": (lora, [""] * args.streams),
-                "no adapters": (plain, [""] * args.streams),
-            }
+            variants = {"mixed": (lora, mixed), "base": (lora, [""] * args.streams)}
+            if plain is not None:
+                variants["no adapters"] = (plain, [""] * args.streams)
             for server, adapters in variants.values():  # first-use costs out of the way
                 run_streams(server, adapters, args.prompt_tokens, 4, args.vocab, 0)
             rounds: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
@@ -268,12 +286,16 @@ def main() -> None:
                             server, adapters, args.prompt_tokens, args.max_tokens, args.vocab, seed
                         )
                     )
-            memory = {"lora_core_rss": core_rss(lora), "plain_core_rss": core_rss(plain)}
+            memory = {
+                "lora_core_rss": core_rss(lora),
+                "plain_core_rss": core_rss(plain) if plain is not None else 0,
+            }
 
     def ratios(key: str, a: str, b: str) -> list[float]:
         return [x[key] / y[key] for x, y in zip(rounds[a], rounds[b])]
 
-    added = memory["lora_core_rss"] - memory["plain_core_rss"]
+    # Without the plain server there is nothing to subtract: say so rather than a number.
+    added = memory["lora_core_rss"] - memory["plain_core_rss"] if not args.no_plain else 0
     result = {
         "git": git_state(),
         "machine": {
@@ -297,8 +319,16 @@ def main() -> None:
             "mixed / base": spread(ratios("tok_s", "mixed", "base")),
             "mixed / base, decode": spread(ratios("decode_tok_s", "mixed", "base")),
             "mixed / base, per CPU s": spread(ratios("tok_per_cpu_s", "mixed", "base")),
-            "base / no adapters": spread(ratios("tok_s", "base", "no adapters")),
-            "base / no adapters, per CPU s": spread(ratios("tok_per_cpu_s", "base", "no adapters")),
+            **(
+                {
+                    "base / no adapters": spread(ratios("tok_s", "base", "no adapters")),
+                    "base / no adapters, per CPU s": spread(
+                        ratios("tok_per_cpu_s", "base", "no adapters")
+                    ),
+                }
+                if "no adapters" in rounds
+                else {}
+            ),
         },
         "memory": {
             "adapter_weights_bytes": info,

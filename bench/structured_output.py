@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench.inprocess import Collect
-from service.common.config import CoreConfig, SchedulingConfig
+from service.common.config import CoreConfig, ModelConfig, SchedulingConfig
 from service.common.tokenizer import ChatTurn
 from service.core.runtime import Runtime
 from service.core.scheduler.request import Request
@@ -114,9 +114,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--replicates", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench/out/structured_output.json"))
+    ap.add_argument(
+        "--load-format", default="auto", help="auto (the embedded model) or dummy:PRESET"
+    )
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
 
-    config = CoreConfig(scheduling=SchedulingConfig(max_batch_size=args.concurrency))
+    config = CoreConfig(
+        model=ModelConfig(dtype=args.dtype, load_format=args.load_format),
+        scheduling=SchedulingConfig(max_batch_size=args.concurrency),
+    )
     runtime = Runtime(config)
     runtime.start()
     runtime.wait_ready(300)
