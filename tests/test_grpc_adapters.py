@@ -326,6 +326,68 @@ def test_an_adapter_trained_on_the_embedded_model(embedded_lora) -> None:
     assert with_adapter != mlx_lm_generate(checkpoint, None, prompts[0], 10).tokens
 
 
+@pytest.mark.model
+def test_structured_output_with_an_adapter(embedded_lora) -> None:
+    """A response format and an adapter on one request, in a batch with other kinds of rows:
+    a choice of one-token options is the option mlx-lm's logits with that adapter rank first
+    (and the base's without), a regex reply full-matches, and the free adapter row beside them
+    is still mlx-lm's."""
+    import re
+
+    checkpoint, adapter = embedded_lora
+    from mlx_lm import load
+
+    _, tokenizer = load(str(checkpoint))
+    prompt = tokenizer.encode("the cat sat on a mat and the dog")
+    options = ["yes", "no", "maybe", "cat", "dog"]
+    option_ids = [tokenizer.encode(o) for o in options]
+    assert all(len(ids) == 1 for ids in option_ids), option_ids
+    choice = pb.ResponseFormat(choice=pb.ChoiceList(options=options))
+    pattern = "[0-9]{2}-[a-z]{3}"
+    regex = pb.ResponseFormat(regex=pattern)
+
+    def expected_choice(name: str) -> str:
+        first = mlx_lm_generate(checkpoint, adapter if name else None, prompt, 1).logprobs[0]
+        scores = [float(first[ids[0]].item()) for ids in option_ids]
+        return options[int(np.argmax(scores))]
+
+    with (
+        running_server("--adapter", f"smol={adapter}", "--max-batch-size", "8") as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        stub = pb_grpc.GenerationServiceStub(channel)
+        rows = [
+            ("smol", choice),
+            ("", choice),
+            ("smol", regex),
+            ("", regex),
+            ("smol", None),
+        ]
+        futures = [
+            stub.Generate.future(
+                request(prompt, name, max_tokens=12, response_format=fmt)
+                if fmt is not None
+                else request(prompt, name, max_tokens=12),
+                timeout=300,
+            )
+            for name, fmt in rows
+        ]
+        replies = [f.result() for f in futures]
+        for (name, fmt), reply in zip(rows, replies):
+            if fmt is choice:
+                assert reply.text == expected_choice(name), (name, reply.text)
+                assert reply.finish_reason == pb.FINISH_REASON_STOP
+            elif fmt is regex:
+                assert re.fullmatch(pattern, reply.text), (name, reply.text)
+                assert reply.finish_reason == pb.FINISH_REASON_STOP
+            else:
+                assert_is(reply, mlx_lm_generate(checkpoint, adapter, prompt, 12), name)
+        # Each constrained row alone gives what it gave in the batch.
+        for (name, fmt), reply in zip(rows[:4], replies):
+            alone = stub.Generate(request(prompt, name, max_tokens=12, response_format=fmt))
+            assert list(alone.token_ids) == list(reply.token_ids), (name, fmt)
+
+
 def test_the_cli_chooses_lists_loads_and_unloads_adapters(
     work: Path, server: ServerProcess
 ) -> None:
