@@ -83,6 +83,7 @@ class RowAdapters:
     def __init__(self, slots: mx.array) -> None:
         self.slots = slots
         self._scales: dict[tuple[int, int, mx.Dtype], mx.array] = {}
+        self._onehot: dict[tuple[int, int, mx.Dtype], tuple[mx.array, mx.array]] = {}
 
     def scales(self, table: _Scales, dtype: mx.Dtype) -> mx.array:
         key = (id(table), table.version, dtype)
@@ -90,6 +91,16 @@ class RowAdapters:
         if rows is None:
             rows = self._scales[key] = table.array(dtype)[self.slots]
         return rows
+
+    def onehot(self, local: mx.array, size: int, dtype: mx.Dtype) -> mx.array:
+        """[size, B, 1, 1]: 1 where a row's local slot is that stack entry. Stacks that map
+        slots alike (the same `local` array: the identity) share one per forward."""
+        key = (id(local), size, dtype)
+        held = self._onehot.get(key)
+        if held is None or held[0] is not local:  # the array is kept, so its id is not reused
+            value = (mx.arange(size, dtype=local.dtype)[:, None] == local[None, :]).astype(dtype)
+            held = self._onehot[key] = (local, value[:, :, None, None])
+        return held[1]
 
 
 # The rows of the forward being built, or None: no row of it uses an adapter. The engine sets it
@@ -436,6 +447,7 @@ class MultiLoRALinear(nn.Module):
         self._stack: _Stack | None = None
         self._dora: _Dora | None = None
         self._num_slots = 1
+        self.dense = False  # set by the AdapterSet (EngineConfig.dense_lora)
 
     # -- shards
     def _shard(self, w: ModuleWeights) -> ModuleWeights:
@@ -581,6 +593,25 @@ class MultiLoRALinear(nn.Module):
         z = mx.gather_mm(z, b, rhs_indices=local)
         return rows.scales(self._scales, z.dtype) * z
 
+    def _dense_update(
+        self, x: mx.array, rows: RowAdapters, stack: _Stack, local: mx.array
+    ) -> mx.array:
+        """The same update [B, N, out] from every row times every adapter of the stack, the
+        products of adapters other than the row's own zeroed before the second matmul: two
+        dense products over the small stack, whatever mix of adapters the rows use. Rounding
+        may differ from mlx-lm's own product (wider reductions), within float tolerance."""
+        dtype = _promote(x.dtype, stack.a.dtype)
+        batch, length, _ = x.shape
+        size, _, rank = stack.a.shape
+        flat = x.reshape(batch * length, -1)
+        z = mx.matmul(flat if flat.dtype == dtype else flat.astype(dtype), stack.a)  # [S, BN, r]
+        z = z.reshape(size, batch, length, rank) * rows.onehot(local, size, dtype)
+        if self._reduce and self._group is not None:
+            z = mx.distributed.all_sum(z, group=self._group)
+        z = z.transpose(1, 2, 0, 3).reshape(batch * length, size * rank)
+        d = (z @ stack.b.reshape(size * rank, -1)).reshape(batch, length, -1)
+        return rows.scales(self._scales, d.dtype) * d
+
     def __call__(self, x: mx.array) -> mx.array:
         rows = row_adapters.get()
         stack = self._stack
@@ -590,6 +621,12 @@ class MultiLoRALinear(nn.Module):
         # The LM head sees [rows, H]: one token per row.
         x3 = x[:, None, :] if x.ndim == 2 else x
         slots = rows.slots
+        if self.dense:
+            local = slots if stack.local is None else stack.local[slots]
+            d = self._dense_update(x3, rows, stack, local)
+            d = d if d.dtype == x.dtype else d.astype(x.dtype)
+            d = d.reshape(y.shape) if x.ndim == 2 else d
+            return self._finish(x, y, slots, y + d, d)
         if stack.by_rank and x3.shape[1] > 1:
             parts = [
                 (stack.a[:, :, :r], stack.b[:, :r, :], table[slots]) for r, table in stack.by_rank
@@ -606,6 +643,12 @@ class MultiLoRALinear(nn.Module):
                 d = d.reshape(y.shape)
             out = out + d
             delta = d if delta is None else delta + d
+        return self._finish(x, y, slots, out, delta)
+
+    def _finish(
+        self, x: mx.array, y: mx.array, slots: mx.array, out: mx.array, delta: mx.array | None
+    ) -> mx.array:
+        """The rows' outputs (`out` = base + update), DoRA rows rescaled."""
         held = self._dora
         if held is None:
             return out
@@ -627,8 +670,10 @@ class MultiLoRALinear(nn.Module):
 class AdapterSet:
     """The adapters served on one model, by slot (slot 0 is `NO_ADAPTER`)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, dense: bool = False) -> None:
+        """`dense`: the wrappers multiply whole stacks (EngineConfig.dense_lora)."""
         self.model = model
+        self.dense = dense
         self._slots: dict[str, int] = {}
         # What GetModelInfo says of each; the weights themselves live in the stacks only.
         self._described: dict[str, AdapterDescription] = {}
@@ -643,6 +688,7 @@ class AdapterSet:
             module = dict(self.model.named_modules())[full_name]
             wrapper = MultiLoRALinear(module)
             wrapper._scales = self._scales
+            wrapper.dense = self.dense
             wrapper.resize(self._num_slots)
             self.model.update_modules(tree_unflatten([(full_name, wrapper)]))
             self._wrappers[full_name] = wrapper
