@@ -25,12 +25,12 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return trained.train_all(tmp_path_factory.mktemp("lora"))
 
 
-def served(work: Path, base: str, names: tuple[str, ...] | None = None, dense: bool = False):
+def served(work: Path, base: str, names: tuple[str, ...] | None = None, kernel: bool = False):
     """The base model with its adapters (or `names`) installed in one AdapterSet."""
     from mlx_lm import load
 
     model, _ = load(str(work / base))
-    aset = lora.AdapterSet(model, dense=dense)
+    aset = lora.AdapterSet(model, kernel=kernel)
     for name in names or [n for n, s in SPECS.items() if s.base == base]:
         aset.add(lora.load_adapter(name, work / "adapters" / name, model))
     return model, aset
@@ -100,14 +100,13 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(work: Path, base: str) 
 
 
 @pytest.mark.parametrize("base", ["f", "q", "b"])
-def test_dense_stacks_give_mlx_lm_numbers_in_a_mixed_batch(work: Path, base: str) -> None:
-    """The CUDA path (EngineConfig.dense_lora): every row times every adapter, the others'
-    products masked out. Each row of a batch mixing every adapter (of several ranks, DoRA
-    among them) and the base has mlx-lm's greedy tokens with its adapter, and its logprobs to
-    float tolerance; the base rows' are unchanged."""
+def test_the_kernel_path_gives_mlx_lm_numbers_in_a_mixed_batch(work: Path, base: str) -> None:
+    """The CUDA path (EngineConfig.lora_kernel; on the CPU its MLX-op reference): each row of a
+    batch mixing every adapter (ranks 4 to 16, DoRA layers taking the gathered path) and the
+    base has mlx-lm's greedy tokens with its adapter, and its logprobs to float tolerance."""
     names_of = {"f": ("all7", "qv_head", "dora_mlp"), "q": None, "b": None}
-    model, aset = served(work, base, names_of[base], dense=True)
-    assert all(w.dense for w in aset.wrappers.values())
+    model, aset = served(work, base, names_of[base], kernel=True)
+    assert all(w.kernel for w in aset.wrappers.values())
     names: list[str | None] = [*aset.names, None]
     batch = prompts(len(names), seed=11)
     tokens, lp = generate(model, batch, slots_of(aset, names))

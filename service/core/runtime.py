@@ -192,7 +192,7 @@ class Runtime:
         engine_config = self._engine_config(lm, fam)
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
         # After the MLPs' swap: it recognizes the projections as plain nn.Linear.
-        adapters = self._load_adapters(lm, engine_config.dense_lora)
+        adapters = self._load_adapters(lm, engine_config.lora_kernel)
         self.runner = self._build_runner(lm, fam, engine_config, adapters)
         if self.group is not None and self.rank > 0:
             # A follower: no scheduler; it replays rank 0's plans (tensor_parallel).
@@ -248,10 +248,10 @@ class Runtime:
             )
         return lm
 
-    def _load_adapters(self, lm: LoadedModel, dense: bool) -> lora.AdapterSet:
+    def _load_adapters(self, lm: LoadedModel, kernel: bool) -> lora.AdapterSet:
         """--adapter: every adapter read and checked against the model before any is
         installed (AdapterError, a ModelLoadError: the server refuses to start, saying why)."""
-        adapters = lora.AdapterSet(lm.model, dense=dense)
+        adapters = lora.AdapterSet(lm.model, kernel=kernel)
         specs = self.config.model.adapters
         for adapter in [lora.load_adapter(name, path, lm.model) for name, path in specs]:
             adapters.add(adapter)

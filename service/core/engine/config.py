@@ -5,8 +5,8 @@ One decode path per platform:
 - CUDA: decode steps attend straight from the paged pool with the CUDA kernel and write their
   K/V in place, so step N+1 is queued before step N is read (overlap) and a step replays a
   compiled graph; prefill forwards are padded to a few shape buckets (attention builds a plan
-  per new shape there). LoRA rows multiply every loaded adapter's small matrices densely and
-  mask out the others': MLX's CUDA gather_mm runs a row's product at a time.
+  per new shape there). LoRA rows' updates come from two custom kernels per adapted layer: MLX's
+  CUDA gather_mm runs a row's product at a time, and every extra primitive costs host work.
 - Elsewhere: MLX ops. Decode steps of two or more rows attend over a contiguous copy of the
   batch's K/V (service.core.engine.kv_mirror) instead of gathering it from the pool every step, and
   float32 SwiGLU MLPs use the multiply-add exp (service.core.models.activations).
@@ -50,9 +50,9 @@ class EngineConfig:
     single_row_prefill: bool = False  # multi-token forwards carry one row (recurrent state)
     fast_swiglu: bool = False
     grouped_query_mask: bool = False  # batched masks as [B, 1, 1, N, T] (families.grouped_mask)
-    # LoRA rows multiply the whole adapter stack densely and mask the other adapters out
-    # (service.core.models.lora), rather than one gathered product per row.
-    dense_lora: bool = False
+    # LoRA rows' updates come from two CUDA kernels per adapted layer
+    # (service.core.models.lora_kernel) rather than MLX's gathered products.
+    lora_kernel: bool = False
 
     @property
     def paged(self) -> bool:
@@ -127,7 +127,7 @@ def resolve(
             shape_buckets=not layout.stateful,
             single_row_prefill=layout.stateful,
             grouped_query_mask=grouped_query_mask,
-            dense_lora=True,
+            lora_kernel=True,
         )
     mirror = paged and batched and not layout.sliding
     return EngineConfig(

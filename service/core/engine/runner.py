@@ -760,7 +760,7 @@ class ModelRunner:
         with the reason when it cannot be served."""
         adapter = lora.load_adapter(name, path, self.model)
         if self.adapters is None:
-            self.adapters = lora.AdapterSet(self.model, dense=self.config.dense_lora)
+            self.adapters = lora.AdapterSet(self.model, kernel=self.config.lora_kernel)
         self.adapters.add(adapter, slot)
         del adapter  # its tensors now live in the stacks alone
         release_freed_memory()

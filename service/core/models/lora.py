@@ -52,6 +52,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from service.common.model_source import ModelLoadError
+from service.core.models import lora_kernel
 from service.protocol import AdapterDescription
 
 NO_ADAPTER = 0  # the reserved slot: zero weights, scale 0, DoRA factor 1
@@ -83,7 +84,7 @@ class RowAdapters:
     def __init__(self, slots: mx.array) -> None:
         self.slots = slots
         self._scales: dict[tuple[int, int, mx.Dtype], mx.array] = {}
-        self._onehot: dict[tuple[int, int, mx.Dtype], tuple[mx.array, mx.array]] = {}
+        self._tokens: dict[tuple[int, int, int, int], tuple[mx.array, mx.array, mx.array]] = {}
 
     def scales(self, table: _Scales, dtype: mx.Dtype) -> mx.array:
         key = (id(table), table.version, dtype)
@@ -92,15 +93,19 @@ class RowAdapters:
             rows = self._scales[key] = table.array(dtype)[self.slots]
         return rows
 
-    def onehot(self, local: mx.array, size: int, dtype: mx.Dtype) -> mx.array:
-        """[size, B, 1, 1]: 1 where a row's local slot is that stack entry. Stacks that map
-        slots alike (the same `local` array: the identity) share one per forward."""
-        key = (id(local), size, dtype)
-        held = self._onehot.get(key)
+    def per_token(self, local: mx.array, length: int, table: _Scales) -> tuple[mx.array, mx.array]:
+        """Each token's local slot (int32) and scale (float32), [B * length], for the CUDA
+        kernels. Stacks that map slots alike (the same `local` array: the identity) share them
+        within a forward."""
+        key = (id(local), length, id(table), table.version)
+        held = self._tokens.get(key)
         if held is None or held[0] is not local:  # the array is kept, so its id is not reused
-            value = (mx.arange(size, dtype=local.dtype)[:, None] == local[None, :]).astype(dtype)
-            held = self._onehot[key] = (local, value[:, :, None, None])
-        return held[1]
+            scale = self.scales(table, mx.float32).reshape(-1)
+            idx = local.astype(mx.int32)
+            if length > 1:
+                idx, scale = mx.repeat(idx, length), mx.repeat(scale, length)
+            held = self._tokens[key] = (local, idx, scale)
+        return held[1], held[2]
 
 
 # The rows of the forward being built, or None: no row of it uses an adapter. The engine sets it
@@ -406,13 +411,14 @@ class _Stack:
     local: mx.array | None = None  # int32 [global slots]; None: the identity
     # With several ranks stacked: (rank, global -> local map of that rank's slots only).
     by_rank: list[tuple[int, mx.array]] = field(default_factory=list)
+    a_t: mx.array | None = None  # A as [S, r, in], for the CUDA kernels (wrappers' `kernel`)
 
     @property
     def rank(self) -> int:
         return self.a.shape[2]
 
     def nbytes(self) -> int:
-        maps = [self.local, *(t for _, t in self.by_rank)]
+        maps = [self.local, self.a_t, *(t for _, t in self.by_rank)]
         return self.a.nbytes + self.b.nbytes + sum(m.nbytes for m in maps if m is not None)
 
 
@@ -447,7 +453,7 @@ class MultiLoRALinear(nn.Module):
         self._stack: _Stack | None = None
         self._dora: _Dora | None = None
         self._num_slots = 1
-        self.dense = False  # set by the AdapterSet (EngineConfig.dense_lora)
+        self.kernel = False  # set by the AdapterSet (EngineConfig.lora_kernel)
 
     # -- shards
     def _shard(self, w: ModuleWeights) -> ModuleWeights:
@@ -565,7 +571,10 @@ class MultiLoRALinear(nn.Module):
                 for r in distinct:
                     only = [loc if stack.ranks.get(loc) == r else 0 for loc in table]
                     stack.by_rank.append((r, mx.array(only, dtype=mx.int32)))
+            stack.a_t = mx.contiguous(stack.a.swapaxes(1, 2)) if self.kernel else None
             arrays += [stack.a, stack.b, *(t for _, t in stack.by_rank)]
+            if stack.a_t is not None:
+                arrays.append(stack.a_t)
             if stack.local is not None:
                 arrays.append(stack.local)
         if self._dora is not None:
@@ -593,24 +602,20 @@ class MultiLoRALinear(nn.Module):
         z = mx.gather_mm(z, b, rhs_indices=local)
         return rows.scales(self._scales, z.dtype) * z
 
-    def _dense_update(
-        self, x: mx.array, rows: RowAdapters, stack: _Stack, local: mx.array
+    def _kernel_update(
+        self, x: mx.array, y: mx.array, rows: RowAdapters, stack: _Stack
     ) -> mx.array:
-        """The same update [B, N, out] from every row times every adapter of the stack, the
-        products of adapters other than the row's own zeroed before the second matmul: two
-        dense products over the small stack, whatever mix of adapters the rows use. Rounding
-        may differ from mlx-lm's own product (wider reductions), within float tolerance."""
-        dtype = _promote(x.dtype, stack.a.dtype)
-        batch, length, _ = x.shape
-        size, _, rank = stack.a.shape
-        flat = x.reshape(batch * length, -1)
-        z = mx.matmul(flat if flat.dtype == dtype else flat.astype(dtype), stack.a)  # [S, BN, r]
-        z = z.reshape(size, batch, length, rank) * rows.onehot(local, size, dtype)
+        """The rows' outputs from the CUDA kernels (service.core.models.lora_kernel): two
+        primitives per layer, each token reading only its own adapter's A and B."""
+        assert stack.a_t is not None
+        batch, length, width = x.shape
+        local = rows.slots if stack.local is None else stack.local[rows.slots]
+        idx, scale = rows.per_token(local, length, self._scales)
+        z = lora_kernel.shrink(x.reshape(batch * length, width), stack.a_t, idx)
         if self._reduce and self._group is not None:
             z = mx.distributed.all_sum(z, group=self._group)
-        z = z.transpose(1, 2, 0, 3).reshape(batch * length, size * rank)
-        d = (z @ stack.b.reshape(size * rank, -1)).reshape(batch, length, -1)
-        return rows.scales(self._scales, d.dtype) * d
+        flat = y.reshape(batch * length, -1)
+        return lora_kernel.expand_add(flat, z, stack.b, idx, scale).reshape(y.shape)
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = row_adapters.get()
@@ -621,12 +626,8 @@ class MultiLoRALinear(nn.Module):
         # The LM head sees [rows, H]: one token per row.
         x3 = x[:, None, :] if x.ndim == 2 else x
         slots = rows.slots
-        if self.dense:
-            local = slots if stack.local is None else stack.local[slots]
-            d = self._dense_update(x3, rows, stack, local)
-            d = d if d.dtype == x.dtype else d.astype(x.dtype)
-            d = d.reshape(y.shape) if x.ndim == 2 else d
-            return self._finish(x, y, slots, y + d, d)
+        if self.kernel and self._dora is None:
+            return self._kernel_update(x3, y, rows, stack)
         if stack.by_rank and x3.shape[1] > 1:
             parts = [
                 (stack.a[:, :, :r], stack.b[:, :r, :], table[slots]) for r, table in stack.by_rank
@@ -670,10 +671,11 @@ class MultiLoRALinear(nn.Module):
 class AdapterSet:
     """The adapters served on one model, by slot (slot 0 is `NO_ADAPTER`)."""
 
-    def __init__(self, model: nn.Module, dense: bool = False) -> None:
-        """`dense`: the wrappers multiply whole stacks (EngineConfig.dense_lora)."""
+    def __init__(self, model: nn.Module, kernel: bool = False) -> None:
+        """`kernel`: the wrappers add the rows' updates with the CUDA kernels
+        (EngineConfig.lora_kernel; elsewhere their MLX-op reference, for tests)."""
         self.model = model
-        self.dense = dense
+        self.kernel = kernel
         self._slots: dict[str, int] = {}
         # What GetModelInfo says of each; the weights themselves live in the stacks only.
         self._described: dict[str, AdapterDescription] = {}
@@ -688,7 +690,7 @@ class AdapterSet:
             module = dict(self.model.named_modules())[full_name]
             wrapper = MultiLoRALinear(module)
             wrapper._scales = self._scales
-            wrapper.dense = self.dense
+            wrapper.kernel = self.kernel
             wrapper.resize(self._num_slots)
             self.model.update_modules(tree_unflatten([(full_name, wrapper)]))
             self._wrappers[full_name] = wrapper

@@ -1,0 +1,64 @@
+"""service/core/models/lora_kernel.py: the CUDA kernels against their MLX-op reference (each
+token with its own adapter slot, ranks padded with zeros, float32 and bfloat16 activations), and
+the reference against a plain per-token product (on any platform)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from service.core.models import lora_kernel
+
+cuda_only = pytest.mark.skipif(
+    not lora_kernel.available(), reason="the LoRA kernels run on MLX's CUDA backend only"
+)
+
+
+def case(tokens: int, width: int, rank: int, out: int, dtype: mx.Dtype, seed: int = 0):
+    """x [T, in], y [T, out] in `dtype`; float32 stacks of 4 slots (slot 0 zeros, slot 3's
+    last columns zero as rank padding); each token's slot and scale."""
+    mx.random.seed(seed)
+    x = mx.random.normal((tokens, width)).astype(dtype)
+    y = mx.random.normal((tokens, out)).astype(dtype)
+    a_t = mx.random.normal((4, rank, width)) * width**-0.5
+    b = mx.random.normal((4, rank, out)) * 0.1
+    a_t[0] = 0
+    b[0] = 0
+    a_t[3, rank // 2 :] = 0
+    b[3, rank // 2 :] = 0
+    idx = mx.array(np.random.default_rng(seed).integers(0, 4, tokens), dtype=mx.int32)
+    scale = mx.array([0.0, 2.0, 20.0, 0.5], dtype=mx.float32)[idx]
+    return x, y, a_t, b, idx, scale
+
+
+def test_the_reference_is_each_tokens_own_product() -> None:
+    x, y, a_t, b, idx, scale = case(7, 64, 8, 48, mx.float32)
+    got = lora_kernel.reference_expand_add(
+        y, lora_kernel.reference_shrink(x, a_t, idx), b, idx, scale
+    )
+    for t in range(7):
+        s = int(idx[t].item())
+        want = y[t] + scale[t] * ((x[t] @ a_t[s].T) @ b[s])
+        assert mx.allclose(got[t], want, atol=1e-5), t
+    base = mx.array(np.flatnonzero(np.array(idx) == 0))
+    assert mx.array_equal(got[base], y[base])  # slot 0 adds exact zeros
+
+
+@cuda_only
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_the_kernels_match_the_reference(tokens: int, rank: int, dtype: mx.Dtype) -> None:
+    x, y, a_t, b, idx, scale = case(tokens, 4096, rank, 1536, dtype, seed=tokens + rank)
+    z = lora_kernel.shrink(x, a_t, idx)
+    z_ref = lora_kernel.reference_shrink(x, a_t, idx)
+    assert z.dtype == mx.float32
+    assert mx.allclose(z, z_ref, rtol=1e-4, atol=1e-4).item()
+    got = lora_kernel.expand_add(y, z, b, idx, scale)
+    want = lora_kernel.reference_expand_add(y, z_ref, b, idx, scale)
+    assert got.dtype == dtype
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+    base = mx.array(np.flatnonzero(np.array(idx) == 0))
+    assert mx.array_equal(got[base], y[base])
