@@ -62,3 +62,65 @@ def test_the_kernels_match_the_reference(tokens: int, rank: int, dtype: mx.Dtype
     assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
     base = mx.array(np.flatnonzero(np.array(idx) == 0))
     assert mx.array_equal(got[base], y[base])
+
+
+def random_adapter(path, model, rank: int, keys: list[str], seed: int) -> None:
+    """An adapter directory as `mlx_lm lora` writes it, with random A and B (B not zero)."""
+    import json
+
+    mx.random.seed(seed)
+    weights = {}
+    for i, layer in enumerate(model.layers):
+        for key in keys:
+            module = layer
+            for part in key.split("."):
+                module = getattr(module, part)
+            n_out, n_in = module.weight.shape
+            name = f"model.layers.{i}.{key}"
+            weights[f"{name}.lora_a"] = mx.random.normal((n_in, rank)) * n_in**-0.5
+            weights[f"{name}.lora_b"] = mx.random.normal((rank, n_out)) * 0.2
+    path.mkdir()
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    config = {"rank": rank, "scale": 4.0, "dropout": 0.0, "keys": keys}
+    (path / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": config})
+    )
+
+
+def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path) -> None:
+    """A tiny llama serving three adapters (ranks 4, 8, 16 on different projections) on the
+    kernel path (the CUDA kernels on a GPU, their reference elsewhere): each row of a batch
+    mixing them and the base has the logits mlx-lm's own LoRA layers give that adapter, for a
+    multi-token forward and a one-token one."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    from service.core.models import lora
+    from tests.helpers.tiny import VOCAB, tiny_llama
+
+    model = tiny_llama()
+    specs = {
+        "all7": (4, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]),
+        "qv": (8, ["self_attn.q_proj", "self_attn.v_proj"]),
+        "mlp": (16, ["mlp.gate_proj", "mlp.down_proj"]),
+    }  # fmt: skip
+    aset = lora.AdapterSet(model, kernel=True)
+    for seed, (name, (rank, keys)) in enumerate(specs.items()):
+        random_adapter(tmp_path / name, model, rank, keys, seed)
+    for name in specs:
+        aset.add(lora.load_adapter(name, tmp_path / name, model))
+    names = [*specs, None]
+    tokens = mx.array(np.random.default_rng(0).integers(3, VOCAB, (len(names), 9)), mx.int32)
+    rows = aset.rows(np.array([aset.slot(n) if n else 0 for n in names], np.int32))
+    for part in (tokens, tokens[:, -1:]):
+        with lora.use_adapters(rows):
+            got = model(part)
+        for i, name in enumerate(names):
+            ref = tiny_llama()
+            base = ref(part[i : i + 1])[0]
+            if name is not None:
+                load_adapters(ref, str(tmp_path / name))
+            want = ref(part[i : i + 1])[0]
+            diff = mx.abs(got[i] - want).max().item()
+            assert diff < 1e-4, (name, part.shape, diff)
+            assert name is None or mx.abs(want - base).max().item() > 1e-2, name
