@@ -70,7 +70,7 @@ class ServedModel:
     prompt_cache: bool  # the core keeps a prompt-prefix cache
     info: pb.GetModelInfoResponse
     grammar: GrammarCache | None = None  # response formats (None: not available)
-    adapters: tuple[str, ...] = ()  # the LoRA adapters requests may name, by slot
+    adapters: tuple[str, ...] = ()  # the LoRA adapters requests may name
 
     def with_adapters(self, adapters: list[protocol.AdapterDescription]) -> ServedModel:
         """The same model, serving these adapters now."""
@@ -78,7 +78,7 @@ class ServedModel:
         info.CopyFrom(self.info)
         del info.adapters[:]
         info.adapters.extend(adapter_info(a) for a in adapters)
-        return dataclasses.replace(self, info=info, adapters=frozenset(a.name for a in adapters))
+        return dataclasses.replace(self, info=info, adapters=tuple(a.name for a in adapters))
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
