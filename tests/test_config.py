@@ -34,7 +34,7 @@ def parse(*argv: str) -> ServerConfig:
 def test_defaults_leave_device_dependent_choices_to_the_runtime():
     config = parse()
     assert config.kv.decode_storage_backend == "auto"  # paged for verified families
-    assert config.scheduling.max_batch_prefill is None  # 16 with CUDA, 4 elsewhere
+    assert config.scheduling.max_batch_prefill is None  # by device (prefill_limits)
 
 
 @pytest.mark.parametrize(
@@ -170,17 +170,18 @@ def test_cuda_path_of_a_plain_attention_family():
         overlap_steps=True,
         compile_decode=True,
         shape_buckets=True,
+        lora_kernel=True,
     )
 
 
 def test_cuda_path_narrowed_by_the_model():
     # Attention sinks: the kernel cannot read them, so decode steps gather.
     assert resolve(family("gpt_oss"), LLAMA, paged=True, batched=True, cuda=True) == (
-        EngineConfig(shape_buckets=True)
+        EngineConfig(shape_buckets=True, lora_kernel=True)
     )
     # Dense storage: no pool to read directly.
     assert resolve(family("llama"), LLAMA, paged=False, batched=True, cuda=True) == (
-        EngineConfig(storage="dense", shape_buckets=True)
+        EngineConfig(storage="dense", shape_buckets=True, lora_kernel=True)
     )
     # A head size the kernel does not take.
     config = resolve(
@@ -313,3 +314,14 @@ def test_structured_output_flags_reach_both_processes(monkeypatch):
         parse("--max-grammar-compile-ms", "0")
     with pytest.raises(ConfigError, match="--grammar-cache-size"):
         parse("--grammar-cache-size", "0")
+
+
+def test_a_gpu_prefill_pass_takes_the_whole_batch_within_a_token_cap():
+    from service.common.config import CPU_PREFILL_ROWS, GPU_PREFILL_TOKENS
+
+    config = SchedulingConfig(max_batch_size=256)
+    assert config.prefill_limits(gpu=True) == (256, GPU_PREFILL_TOKENS)
+    assert config.prefill_limits(gpu=False) == (CPU_PREFILL_ROWS, None)
+    flags = SchedulingConfig(max_batch_size=256, max_batch_prefill=8, max_batch_prefill_tokens=99)
+    assert flags.prefill_limits(gpu=True) == flags.prefill_limits(gpu=False) == (8, 99)
+    assert SchedulingConfig(max_batch_size=256, no_batch=True).prefill_limits(gpu=True)[0] == 1

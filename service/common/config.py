@@ -61,6 +61,8 @@ class TransportConfig:
                 raise ConfigError(f"{flag} {path}: no such file")
 
 
+GPU_PREFILL_TOKENS = 16384  # token cap of one prefill pass on a GPU by default
+CPU_PREFILL_ROWS = 4  # prompts per prefill pass on a CPU by default
 WORKER_CORES = 4  # CPU cores per gRPC front end by default (--api-workers auto)
 MAX_AUTO_WORKERS = 4
 
@@ -120,6 +122,20 @@ class SchedulingConfig:
     @property
     def batch_size(self) -> int:
         return 1 if self.no_batch else self.max_batch_size
+
+    def prefill_limits(self, gpu: bool) -> tuple[int, int | None]:
+        """Rows and tokens of one prefill pass, where the flags leave them unset. A GPU
+        prefills many short prompts in about the time of one, so a pass admits the whole batch
+        as far as GPU_PREFILL_TOKENS goes (a burst starts decoding at once); a CPU's prefill
+        cost grows with every prompt, so it takes CPU_PREFILL_ROWS (tokens: the scheduler's
+        derived cap)."""
+        rows = self.max_batch_prefill
+        if rows is None:
+            rows = self.batch_size if gpu else CPU_PREFILL_ROWS
+        tokens = self.max_batch_prefill_tokens
+        if tokens is None and gpu:
+            tokens = GPU_PREFILL_TOKENS
+        return rows, tokens
 
     def validate(self) -> None:
         if self.max_batch_size < 1:

@@ -354,6 +354,7 @@ class Runtime:
         cfg = self.config.scheduling
         assert self.layout is not None and self.loaded is not None
         deterministic = cfg.deterministic
+        prefill_rows, prefill_tokens = cfg.prefill_limits(gpu=mx.cuda.is_available())
         table = AdapterTable()
         for name in adapters.names if adapters is not None else []:
             table.add(name, adapters.slot(name))
@@ -372,8 +373,8 @@ class Runtime:
                 max_prefill_stall_ms=cfg.max_prefill_stall_ms,
                 max_batch_prefill=1
                 if cfg.no_batch or deterministic or engine_config.single_row_prefill
-                else self._batch_prefill(),
-                max_batch_prefill_tokens=cfg.max_batch_prefill_tokens,
+                else prefill_rows,
+                max_batch_prefill_tokens=prefill_tokens,
                 prefill_grant_interval=cfg.prefill_grant_interval,
                 enable_preemption=cfg.enable_preemption,
                 preemption_policy=cfg.preemption_policy,
@@ -540,13 +541,6 @@ class Runtime:
             kv.free_sequence(blocks)
             runner.collect(runner.submit(StepPlan(step, leaves=[RowLeave(0, True)])))
         return round(time.monotonic() - started, 2)
-
-    def _batch_prefill(self) -> int:
-        """--max-batch-prefill, default by device: a GPU prefills many short prompts in about
-        the time of one, a CPU's prefill cost grows with every prompt added."""
-        if self.config.scheduling.max_batch_prefill is not None:
-            return self.config.scheduling.max_batch_prefill
-        return 16 if mx.cuda.is_available() else 4
 
     def _pool_shape(self, lm: LoadedModel, layout: CacheLayout) -> PoolShape:
         """The paged pool's size: --kv-cache-budget, capped at what the slots could ever use
