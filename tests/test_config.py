@@ -316,12 +316,11 @@ def test_structured_output_flags_reach_both_processes(monkeypatch):
         parse("--grammar-cache-size", "0")
 
 
-def test_a_gpu_prefill_pass_takes_the_whole_batch_within_a_token_cap():
-    from service.common.config import CPU_PREFILL_ROWS, GPU_PREFILL_TOKENS
+def test_prefill_rows_by_device_unless_set():
+    from service.common.config import CPU_PREFILL_ROWS, GPU_PREFILL_ROWS
 
     config = SchedulingConfig(max_batch_size=256)
-    assert config.prefill_limits(gpu=True) == (256, GPU_PREFILL_TOKENS)
-    assert config.prefill_limits(gpu=False) == (CPU_PREFILL_ROWS, None)
-    flags = SchedulingConfig(max_batch_size=256, max_batch_prefill=8, max_batch_prefill_tokens=99)
-    assert flags.prefill_limits(gpu=True) == flags.prefill_limits(gpu=False) == (8, 99)
-    assert SchedulingConfig(max_batch_size=256, no_batch=True).prefill_limits(gpu=True)[0] == 1
+    assert config.prefill_rows(gpu=True) == GPU_PREFILL_ROWS
+    assert config.prefill_rows(gpu=False) == CPU_PREFILL_ROWS
+    flags = SchedulingConfig(max_batch_size=256, max_batch_prefill=8)
+    assert flags.prefill_rows(gpu=True) == flags.prefill_rows(gpu=False) == 8

@@ -61,7 +61,7 @@ class TransportConfig:
                 raise ConfigError(f"{flag} {path}: no such file")
 
 
-GPU_PREFILL_TOKENS = 16384  # token cap of one prefill pass on a GPU by default
+GPU_PREFILL_ROWS = 16  # prompts per prefill pass on a GPU by default
 CPU_PREFILL_ROWS = 4  # prompts per prefill pass on a CPU by default
 WORKER_CORES = 4  # CPU cores per gRPC front end by default (--api-workers auto)
 MAX_AUTO_WORKERS = 4
@@ -123,19 +123,14 @@ class SchedulingConfig:
     def batch_size(self) -> int:
         return 1 if self.no_batch else self.max_batch_size
 
-    def prefill_limits(self, gpu: bool) -> tuple[int, int | None]:
-        """Rows and tokens of one prefill pass, where the flags leave them unset. A GPU
-        prefills many short prompts in about the time of one, so a pass admits the whole batch
-        as far as GPU_PREFILL_TOKENS goes (a burst starts decoding at once); a CPU's prefill
-        cost grows with every prompt, so it takes CPU_PREFILL_ROWS (tokens: the scheduler's
-        derived cap)."""
-        rows = self.max_batch_prefill
-        if rows is None:
-            rows = self.batch_size if gpu else CPU_PREFILL_ROWS
-        tokens = self.max_batch_prefill_tokens
-        if tokens is None and gpu:
-            tokens = GPU_PREFILL_TOKENS
-        return rows, tokens
+    def prefill_rows(self, gpu: bool) -> int:
+        """Prompts per prefill pass where --max-batch-prefill is unset. A GPU prefills a few
+        short prompts in about the time of one, but each new (rows, length) shape of a prefill
+        forward costs MLX a graph build there: GPU_PREFILL_ROWS keeps the shapes few. A CPU's
+        prefill cost grows with every prompt: CPU_PREFILL_ROWS."""
+        if self.max_batch_prefill is not None:
+            return self.max_batch_prefill
+        return GPU_PREFILL_ROWS if gpu else CPU_PREFILL_ROWS
 
     def validate(self) -> None:
         if self.max_batch_size < 1:
@@ -481,14 +476,12 @@ GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
             ),
             Flag(
                 "max_batch_prefill",
-                "waiting requests prefilled together (default by device: the whole batch on a "
-                "GPU, as far as --max-batch-prefill-tokens goes; 4 elsewhere)",
+                "waiting requests prefilled together (default by device: 16 on a GPU, 4 elsewhere)",
                 parse=_optional_int,
             ),
             Flag(
                 "max_batch_prefill_tokens",
-                "token cap of one batched prefill (default 16384 on a GPU, else "
-                "2*max_batch_prefill*min(chunk,512))",
+                "token cap of one batched prefill (default 2*max_batch_prefill*min(chunk,512))",
                 parse=_optional_int,
             ),
             Flag(

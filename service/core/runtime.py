@@ -354,7 +354,7 @@ class Runtime:
         cfg = self.config.scheduling
         assert self.layout is not None and self.loaded is not None
         deterministic = cfg.deterministic
-        prefill_rows, prefill_tokens = cfg.prefill_limits(gpu=mx.cuda.is_available())
+        prefill_rows = cfg.prefill_rows(gpu=mx.cuda.is_available())
         table = AdapterTable()
         for name in adapters.names if adapters is not None else []:
             table.add(name, adapters.slot(name))
@@ -374,7 +374,7 @@ class Runtime:
                 max_batch_prefill=1
                 if cfg.no_batch or deterministic or engine_config.single_row_prefill
                 else prefill_rows,
-                max_batch_prefill_tokens=prefill_tokens,
+                max_batch_prefill_tokens=cfg.max_batch_prefill_tokens,
                 prefill_grant_interval=cfg.prefill_grant_interval,
                 enable_preemption=cfg.enable_preemption,
                 preemption_policy=cfg.preemption_policy,
