@@ -274,6 +274,18 @@ def fill_masks(matchers: Sequence[Matcher], rows: Sequence[int], bitmask: np.nda
     )
 
 
+def consume_many(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool]:
+    """Advance each matcher over its one sampled token, all at once on the engine's threads:
+    `Matcher.accept` for many rows (False for a refused token, its matcher in error)."""
+    if len(matchers) <= 1:
+        return [m.accept(int(t)) for m, t in zip(matchers, tokens)]
+    ok = mask_executor().consume_token_par([(m._m, int(t)) for m, t in zip(matchers, tokens)])
+    for m, t, good in zip(matchers, tokens, ok):
+        if good:
+            m.tokens.append(int(t))
+    return ok
+
+
 def fill_masks_with_drafts(
     matchers: Sequence[Matcher],
     rows: Sequence[int],

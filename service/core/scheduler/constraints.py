@@ -27,6 +27,7 @@ import numpy as np
 from service.common.grammar import (
     Matcher,
     allocate_bitmask,
+    consume_many,
     fill_masks,
     fill_masks_with_drafts,
     mask_words,
@@ -109,6 +110,31 @@ class Constraints:
         if not m.accept(token):
             return Verdict.REFUSED, f"the grammar refused sampled token {token}: {m.error}"
         return (Verdict.END if m.is_terminated() else Verdict.CONTINUE), ""
+
+    def accept_many(self, slots: np.ndarray, tokens: np.ndarray) -> list[tuple[int, Verdict, str]]:
+        """`accept` for one token per row, the constrained rows' grammars advanced together:
+        (index into slots, verdict, why) for each constrained row whose verdict is not
+        CONTINUE."""
+        mine = np.flatnonzero(self.active[slots])
+        if not len(mine):
+            return []
+        out: list[tuple[int, Verdict, str]] = []
+        index, matchers, ids = [], [], []
+        for i in mine.tolist():
+            token = int(tokens[i])
+            if token in self._eos:
+                out.append((i, Verdict.END, ""))
+            else:
+                index.append(i)
+                matchers.append(self._of(int(slots[i])))
+                ids.append(token)
+        for i, m, token, ok in zip(index, matchers, ids, consume_many(matchers, ids)):
+            if not ok:
+                why = f"the grammar refused sampled token {token}: {m.error}"
+                out.append((i, Verdict.REFUSED, why))
+            elif m.is_terminated():
+                out.append((i, Verdict.END, ""))
+        return out
 
     def draft(self, slot: int, tokens: list[int]) -> list[int]:
         """The longest prefix of a row's drafted tokens its grammar allows (all of them for an

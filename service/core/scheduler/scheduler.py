@@ -753,8 +753,7 @@ class Scheduler:
             stop[i] |= int(tokens[i]) in owners[i].request.stop_token_ids
         refused: dict[int, str] = {}
         if self.constraints is not None:
-            for i in np.flatnonzero(self.constraints.active[slots]).tolist():
-                verdict, why = self.constraints.accept(int(slots[i]), int(tokens[i]))
+            for i, verdict, why in self.constraints.accept_many(slots, tokens):
                 stop[i] |= verdict is Verdict.END
                 if verdict is Verdict.REFUSED:
                     refused[i] = why
