@@ -205,7 +205,11 @@ class CoreLoop:
 
     def _sample_masked(self, plan: StepPlan, pending: Any) -> None:
         """A decode step's constrained rows: their masks now (the tokens they depend on are
-        read), filled while the step's forward runs, then sampled."""
+        read), filled while the step's forward runs, then sampled. They started filling when
+        those tokens were taken: the tick's outputs go out meanwhile."""
+        if not self.scheduler.masks_due(plan):
+            return
+        self._deliver()
         masks = self.scheduler.decode_masks(plan)
         if masks is not None:
             self.runner.sample(pending, masks)

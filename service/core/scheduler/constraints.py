@@ -20,6 +20,7 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,7 @@ from service.common.grammar import (
     allocate_bitmask,
     consume_many,
     fill_masks,
+    fill_masks_later,
     fill_masks_with_drafts,
     mask_words,
 )
@@ -80,6 +82,8 @@ class Constraints:
         self._scratch = allocate_bitmask(max_rows, vocab_size)  # a decode step's masks
         self._clock = clock
         self.stats = MaskStats()
+        # A decode step's fill started early (`begin`): its rows and the fill.
+        self._pending: tuple[list[int], Future[float]] | None = None
 
     def join(self, slot: int, matcher: Matcher) -> None:
         self._matchers[slot] = matcher
@@ -143,17 +147,40 @@ class Constraints:
         return tokens if m is None or not tokens else tokens[: m.validate(tokens)]
 
     # -- masks -------------------------------------------------------------------------
+    def begin(self, slots: Sequence[int]) -> None:
+        """Start filling the masks of the constrained rows among `slots` (their grammars have
+        taken every token before this position) on a thread of their own, so that the
+        engine's thread goes on with other work meanwhile; `masks` joins it."""
+        self._join()
+        mine = [int(s) for s in slots if self.active[s]]
+        if mine:
+            matchers = [self._of(s) for s in mine]
+            fill = fill_masks_later(matchers, range(len(mine)), self._scratch, self._clock)
+            self._pending = (mine, fill)
+
+    def _join(self) -> tuple[list[int], float] | None:
+        """Wait for the fill `begin` started, if any: (its rows, its seconds)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        rows, fill = pending
+        return rows, fill.result()
+
     def masks(self, slots: Sequence[int]) -> RowMasks | None:
         """The masks of the next token of the constrained rows among `slots` (None: there are
-        none), filled in one batch call on the engine's threads and timed."""
+        none), filled in one batch call on the engine's threads and timed: by the fill `begin`
+        started for them (a row that ended since keeps its mask), else now."""
+        begun = self._join()
         mine = [int(s) for s in slots if self.active[s]]
-        if not mine:
-            return None
-        matchers = [self._of(s) for s in mine]
-        rows = list(range(len(mine)))
-        started = self._clock()
-        fill_masks(matchers, rows, self._scratch)
-        self.stats.observe(self._clock() - started, len(mine))
+        if begun is not None and set(mine) <= set(begun[0]):
+            mine, seconds = begun
+        else:
+            if not mine:
+                return None
+            started = self._clock()
+            fill_masks([self._of(s) for s in mine], range(len(mine)), self._scratch)
+            seconds = self._clock() - started
+        self.stats.observe(seconds, len(mine))
         return RowMasks(mine, self.words, self._scratch[: len(mine)].tobytes())
 
     def plan_masks(self, sampling: Sequence[int], verify: Sequence[Draft]) -> RowMasks | None:
