@@ -4,9 +4,10 @@ token masks of its next sampling positions, and what each sampled token did to i
 The scheduler owns it, as it owns the KV manager: it joins a row's matcher at admission (a
 preempted request keeps its matcher while it waits, so it resumes where it stopped), advances
 it over every token the row keeps, and asks here for the masks of each step's constrained
-rows. A decode step's masks depend on the tokens of the step before, so the core loop asks for
-them once that step is read, while the new step's forward already runs on the device:
-llguidance fills a batch's masks on its own threads with the GIL released. Drafted tokens are
+rows. A decode step's masks depend on the tokens of the step before: once that step's tokens
+are taken (all the rows' grammars advanced in one parallel call), the fill starts on a thread of
+its own (`begin`; llguidance fills a batch's masks on its threads with the GIL released) and the
+core loop joins it when it samples the new step (`masks`). Drafted tokens are
 validated before they are verified and only ever masked, never accepted unchecked (a refused
 token leaves a matcher in an error state no rollback clears); the engine rolls its trial of
 them back itself.
