@@ -6,7 +6,8 @@ Each replicate runs both, in alternating order (drift hits both), C requests sub
 every one generating exactly --max-tokens tokens (the unconstrained ones ignore EOS; the
 schema asks for more items than that many tokens can hold, so no document ends early). Prints
 tokens/s (median and range over the replicates), the constrained/unconstrained ratio per
-replicate, the process's CPU time per token (steadier than wall time on a shared machine), and
+replicate, the process's CPU time per token (steadier than wall time on a shared machine) and the
+engine loop thread's (the serial host work of a step: what a host-bound GPU step pays), and
 the mask time per step and per row-step (p50, p99 over all the constrained steps); writes JSON
 with the git commit and the machine's load.
 
@@ -23,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,9 +67,18 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def engine_cpu_clock() -> int:
+    """The CPU clock of the engine core's loop thread: its own host work per token is what a
+    host-bound GPU step pays for."""
+    (engine,) = [t for t in threading.enumerate() if t.name == "engine"]
+    assert engine.ident is not None
+    return time.pthread_getcpuclockid(engine.ident)
+
+
 def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str) -> dict:
     """C requests at once; tokens/s over the wall time until the last one finished."""
     assert runtime.loop is not None and runtime.loaded is not None
+    engine_clock = engine_cpu_clock()
     tok = runtime.loaded.tokenizer
     compiled = None
     if constrained:
@@ -75,6 +86,7 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
         compiled = runtime.grammar.compile(ResponseFormat("json_schema", json.dumps(SCHEMA)))
     sink = Collect(args.concurrency)
     started, cpu_started = time.perf_counter(), time.process_time()
+    engine_started = time.clock_gettime(engine_clock)
     for i in range(args.concurrency):
         prompt = tok.render_chat([ChatTurn("user", PROMPTS[i % len(PROMPTS)])])
         request = GenerationRequest(
@@ -92,11 +104,13 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
         raise TimeoutError(f"{tag}: {len(sink.finals)} of {args.concurrency} finished")
     seconds = time.perf_counter() - started
     cpu = time.process_time() - cpu_started
+    engine_cpu = time.clock_gettime(engine_clock) - engine_started
     reasons = sorted(set(sink.finals.values()))
     return {
         "tok_s": sink.tokens / seconds,
         "tokens": sink.tokens,
         "cpu_ms_per_token": 1000 * cpu / sink.tokens,
+        "engine_cpu_ms_per_token": 1000 * engine_cpu / sink.tokens,
         "finish": reasons,
     }
 
@@ -145,6 +159,10 @@ def main() -> int:
         result["cpu_ratio"] = (
             result["json_schema"]["cpu_ms_per_token"] / result["free"]["cpu_ms_per_token"]
         )
+        result["engine_cpu_ratio"] = (
+            result["json_schema"]["engine_cpu_ms_per_token"]
+            / result["free"]["engine_cpu_ms_per_token"]
+        )
         replicates.append(result)
         print(
             f"replicate {r + 1}: free {result['free']['tok_s']:.1f} tok/s, json_schema "
@@ -168,6 +186,7 @@ def main() -> int:
         "json_schema_tok_s": summary([r["json_schema"]["tok_s"] for r in replicates]),
         "ratio": summary([r["ratio"] for r in replicates]),
         "cpu_per_token_ratio": summary([r["cpu_ratio"] for r in replicates]),
+        "engine_cpu_per_token_ratio": summary([r["engine_cpu_ratio"] for r in replicates]),
         "mask_step_seconds": percentiles(per_step),
         "mask_row_step_seconds": percentiles(per_row),
         "masked_steps": len(per_step),
@@ -189,6 +208,7 @@ def main() -> int:
     print(row("json_schema tok/s", out["json_schema_tok_s"]))
     print(row("ratio (tok/s)", out["ratio"], "×"))
     print(row("CPU per token, json_schema / free", out["cpu_per_token_ratio"], "×"))
+    print(row("engine thread CPU per token, ditto", out["engine_cpu_per_token_ratio"], "×"))
     ms, mr = out["mask_step_seconds"], out["mask_row_step_seconds"]
     print(
         f"mask time per step: p50 {ms['p50'] * 1e6:.0f} µs, p99 {ms['p99'] * 1e6:.0f} µs; "

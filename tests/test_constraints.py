@@ -117,6 +117,54 @@ def test_accept_verdicts(person, tok) -> None:
     assert verdict is Verdict.REFUSED and "refused" in why
 
 
+def test_accept_many_gives_each_rows_accept_verdict(person, tok) -> None:
+    """One parallel call for a step's rows: the verdicts and matcher states of one accept per
+    row (a free row among them is left out)."""
+    ids = tok.encode(DOC)
+    many, one = constraints(5), constraints(5)
+    for c in (many, one):
+        for slot in (0, 1, 2, 4):
+            c.join(slot, person.matcher())
+            assert c.accept(slot, ids[0])[0] is Verdict.CONTINUE
+        for t in ids[1:-1]:
+            assert c.accept(4, t)[0] is Verdict.CONTINUE  # slot 4: one token from its end
+    slots = np.array([0, 1, 2, 3, 4])
+    tokens = np.array([ids[1], EOS, tok.encode("]")[0], 7, ids[-1]])
+    got = many.accept_many(slots, tokens)
+    want = [(i, *one.accept(int(s), int(t))) for i, (s, t) in enumerate(zip(slots, tokens))]
+    assert sorted(got) == sorted(w for w in want if w[1] is not Verdict.CONTINUE)
+    assert {i for i, *_ in got} == {1, 2, 4}
+    for slot in (0, 2, 4):
+        assert many.matcher(slot).tokens == one.matcher(slot).tokens, slot
+        assert many.matcher(slot).error == one.matcher(slot).error, slot
+
+
+def test_masks_begun_early_equal_masks_filled_when_asked(person, tok) -> None:
+    """`begin` fills on a thread of its own; `masks` joins it. A row that ended in between keeps
+    its mask; rows `begin` did not cover are filled when asked."""
+    early, late = constraints(), constraints()
+    for c in (early, late):
+        c.join(0, person.matcher())
+        c.join(2, person.matcher())
+        assert c.accept(2, tok.encode('{"name": "A')[0])[0] is Verdict.CONTINUE
+    early.begin([0, 1, 2])
+    want = late.masks([0, 1, 2])
+    got = early.masks([0, 1, 2])
+    assert got is not None and want is not None and got.slots == want.slots == [0, 2]
+    assert np.array_equal(got.array(), want.array())
+    early.begin([0, 2])
+    early.leave(2)
+    kept = early.masks([0, 2])
+    assert kept is not None and kept.slots == [0, 2]
+    assert np.array_equal(kept.array(), want.array())
+    early.begin([0])
+    early.join(2, person.matcher())
+    both = early.masks([0, 2])  # slot 2 was not begun: filled now
+    assert both is not None and both.slots == [0, 2]
+    assert np.array_equal(both.array()[0], want.array()[0])
+    assert early.stats.steps == 3 and late.stats.steps == 1
+
+
 def test_drafts_are_cut_to_what_the_grammar_allows_and_masked_per_position(person, tok) -> None:
     c = constraints()
     m = person.matcher()

@@ -199,3 +199,9 @@ def test_apply_token_masks_matches_the_engine_reference() -> None:
     assert np.array_equal(got[0], logits[0])  # all ones: bit for bit
     wide = np.asarray(apply_token_masks(mx.zeros((1, VOCAB + 40)), words[:1]))
     assert np.isneginf(wide[0, VOCAB:]).all() and (wide[0, :VOCAB] == 0).all()
+    half = mx.array(logits).astype(mx.bfloat16)  # masked in its own dtype, allowed logits as-is
+    masked = apply_token_masks(half, words)
+    assert masked.dtype == mx.bfloat16
+    expected = np.asarray(half.astype(mx.float32))
+    apply_token_bitmask_inplace(expected, words)
+    assert np.array_equal(np.asarray(masked.astype(mx.float32)), expected)

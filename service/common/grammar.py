@@ -274,6 +274,44 @@ def fill_masks(matchers: Sequence[Matcher], rows: Sequence[int], bitmask: np.nda
     )
 
 
+def consume_many(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool]:
+    """Advance each matcher over its one sampled token, all at once on the engine's threads:
+    `Matcher.accept` for many rows (False for a refused token, its matcher in error)."""
+    if len(matchers) <= 1:
+        return [m.accept(int(t)) for m, t in zip(matchers, tokens)]
+    ok = mask_executor().consume_token_par([(m._m, int(t)) for m, t in zip(matchers, tokens)])
+    for m, t, good in zip(matchers, tokens, ok):
+        if good:
+            m.tokens.append(int(t))
+    return ok
+
+
+_filler_lock = threading.Lock()
+_filler: ThreadPoolExecutor | None = None
+
+
+def fill_masks_later(
+    matchers: Sequence[Matcher],
+    rows: Sequence[int],
+    bitmask: np.ndarray,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Future[float]:
+    """`fill_masks` started on a thread of its own (one per process), so that the caller can go
+    on with other work meanwhile; nothing may touch these matchers or rows until it is done.
+    The future holds the fill's own seconds by `clock`."""
+    global _filler
+
+    def fill() -> float:
+        started = clock()
+        fill_masks(matchers, rows, bitmask)
+        return clock() - started
+
+    with _filler_lock:
+        if _filler is None:
+            _filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return _filler.submit(fill)
+
+
 def fill_masks_with_drafts(
     matchers: Sequence[Matcher],
     rows: Sequence[int],

@@ -12,9 +12,9 @@ scheduler's and the runner's Python for N+1 overlaps the device's work on N.
 
 Rows with a response format sample under token masks that depend on their last token. A
 decode step with such rows stops at its logits when it is built; once the step before it is
-read (and the rows' grammars have advanced over its tokens), the scheduler fills their masks
-on the grammar engine's threads while the new step's forward runs, and the runner samples
-under them (`_sample_masked`).
+read and the rows' grammars have advanced over its tokens, their masks start filling on a
+thread of their own while this thread finishes the update, queues the forward and delivers the
+tick's outputs; then it joins the fill and the runner samples under them (`_sample_masked`).
 
 Everything per request lives on this thread: the table of running requests by front end and
 rid, the scheduler's rows, the outbox. Other threads only put messages into the inbox, LoRA
@@ -205,7 +205,11 @@ class CoreLoop:
 
     def _sample_masked(self, plan: StepPlan, pending: Any) -> None:
         """A decode step's constrained rows: their masks now (the tokens they depend on are
-        read), filled while the step's forward runs, then sampled."""
+        read), filled while the step's forward runs, then sampled. They started filling when
+        those tokens were taken: the tick's outputs go out meanwhile."""
+        if not self.scheduler.masks_due(plan):
+            return
+        self._deliver()
         masks = self.scheduler.decode_masks(plan)
         if masks is not None:
             self.runner.sample(pending, masks)

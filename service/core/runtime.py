@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import structlog
 from mlx.utils import tree_flatten
 
@@ -26,6 +27,7 @@ from service.core.engine.compiled_decode import row_buckets
 from service.core.engine.config import EngineConfig, resolve
 from service.core.engine.memory import release_freed_memory
 from service.core.engine.runner import FaultInjector, ModelRunner, Row
+from service.core.engine.sampler import apply_token_masks
 from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
 from service.core.kv.block_pool import KVCacheManager, KVCacheStats, KVManager, UnpagedKV
 from service.core.kv.budget import parse_budget
@@ -216,6 +218,11 @@ class Runtime:
             on_adapters_changed=self._adapters_changed,
         )
         warm_up_seconds = self._warm_up(engine_config)
+        if self.grammar is not None:
+            # The token-mask kernel is compiled on first use (on the CPU, by the system's C++
+            # compiler): now, not on the first constrained request.
+            logits = mx.zeros((1, self.loaded.vocab_size), lm.dtype)
+            mx.eval(apply_token_masks(logits, np.full((1, 1), -1, np.int32)))
         self._publish(self.scheduler)  # stats before the first turn: the pool as built
         self._log_loaded(lm, fam, engine_config, fast_mlp_layers, warm_up_seconds, started)
         self.serving = True

@@ -78,16 +78,16 @@ class Row:
     constrained: bool = False  # samples under a token mask (a response format)
 
     @property
-    def plain(self) -> bool:
-        """Greedy with nothing per row to apply: sampled by one argmax over the batch."""
+    def argmax(self) -> bool:
+        """Greedy with nothing per row to apply but its token mask: one argmax over the batch's
+        (masked) logits."""
         p = self.sampler.params
-        return (
-            p.greedy
-            and not p.logit_bias
-            and not p.has_penalties
-            and not self.want_logprobs
-            and not self.constrained
-        )
+        return p.greedy and not p.logit_bias and not p.has_penalties and not self.want_logprobs
+
+    @property
+    def plain(self) -> bool:
+        """An argmax row with no token mask: sampled inside the compiled decode graph."""
+        return self.argmax and not self.constrained
 
 
 # Token bitmasks by slot: int32 [positions, words], a row per sampling position.
@@ -97,8 +97,11 @@ Masks = dict[int, np.ndarray]
 def masks_by_slot(masks: RowMasks | None) -> Masks:
     if masks is None:
         return {}
+    words = masks.array()
+    if len(set(masks.slots)) == len(masks.slots):  # one position per slot: views, no copies
+        return {slot: words[i : i + 1] for i, slot in enumerate(masks.slots)}
     out: dict[int, list[np.ndarray]] = {}
-    for slot, row in zip(masks.slots, masks.array()):
+    for slot, row in zip(masks.slots, words):
         out.setdefault(slot, []).append(row)
     return {slot: np.stack(rows) for slot, rows in out.items()}
 
@@ -193,6 +196,7 @@ class ModelRunner:
         self.tables = np.zeros((max_rows, max(1, max_blocks_per_row)), np.int32)
         self.table_lengths = np.zeros(max_rows, np.int32)
         self.plain = np.zeros(max_rows, bool)  # Row.plain, per slot
+        self.argmax = np.zeros(max_rows, bool)  # Row.argmax, per slot
         self.constrained = np.zeros(max_rows, bool)  # Row.constrained, per slot
         self.adapters = adapters
         self.adapter_slots = np.zeros(max_rows, np.int32)  # each row's adapter (0: none)
@@ -316,6 +320,7 @@ class ModelRunner:
         self.positions[join.slot] = join.num_cached
         self.table_lengths[join.slot] = 0
         self.plain[join.slot] = row.plain
+        self.argmax[join.slot] = row.argmax
         self.constrained[join.slot] = join.constrained
         self.adapter_slots[join.slot] = join.adapter
         self._source_step[join.slot] = -1
@@ -506,8 +511,13 @@ class ModelRunner:
         verification); unchanged when none of the slots is constrained."""
         if not masks or not self.constrained[slots].any():
             return logits
+        width = next(iter(masks.values())).shape[1]
+        if positions is None:
+            given = [masks.get(slot) for slot in slots.tolist()]
+            if all(rows is not None for rows in given):
+                return apply_token_masks(logits, np.concatenate([rows[:1] for rows in given]))
         counts = np.ones(len(slots), np.int64) if positions is None else positions
-        words = np.full((int(counts.sum()), next(iter(masks.values())).shape[1]), -1, np.int32)
+        words = np.full((int(counts.sum()), width), -1, np.int32)
         offset = 0
         for slot, n in zip(slots.tolist(), counts.tolist()):
             rows = masks.get(slot)
@@ -531,7 +541,7 @@ class ModelRunner:
         self, slots: np.ndarray, sampled: np.ndarray, rows: list[Row], logits: mx.array
     ) -> _Forward:
         sampled_slots = slots[sampled]
-        if self.plain[sampled_slots].all():
+        if self.argmax[sampled_slots].all():  # masked already where a row has a mask
             drawn = mx.argmax(logits, axis=-1).astype(mx.int32)
             logprobs = top = None
         else:

@@ -10,6 +10,7 @@ other rows' logits stay bit-identical.
 from __future__ import annotations
 
 import random
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,21 +81,43 @@ def _apply_penalties(row: mx.array, state: RowSamplerState) -> mx.array:
     return row
 
 
+def _mask_words(words: mx.array, logits: mx.array) -> mx.array:
+    """logits [R, W, 32] capped by each token's bit: min(x, +inf) is x bit for bit, min(x,
+    -inf) is -inf. A min rather than a `where`: it fuses with the unpacking into one elementwise
+    kernel (MLX's CPU `where` is not vectorized)."""
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    return mx.minimum(logits, (bits.astype(logits.dtype) * 2 - 1) * mx.inf)
+
+
+class _PerThread(threading.local):
+    """A compiled graph is bound to the streams of the thread that traced it: one per thread."""
+
+    def __init__(self) -> None:
+        self.mask = mx.compile(_mask_words, shapeless=True)
+
+
+_compiled = _PerThread()
+
+
 def apply_token_masks(logits: mx.array, words: np.ndarray) -> mx.array:
-    """Structured output: -inf wherever a row's token bitmask forbids the token, in one op for
-    the batch. `words`: int32 [rows, W], llguidance's layout (bit t % 32 of word t // 32 allows
-    token t). A row of all ones (-1) keeps its logits bit for bit; ids past 32 * W (a vocabulary
-    padded beyond the mask) are forbidden."""
+    """Structured output: -inf wherever a row's token bitmask forbids the token, in one fused
+    op for the batch. `words`: int32 [rows, W], llguidance's layout (bit t % 32 of word t // 32
+    allows token t). A row of all ones (-1) keeps its logits bit for bit; ids past 32 * W (a
+    vocabulary padded beyond the mask) are forbidden."""
     rows, vocab = logits.shape
-    shifts = mx.arange(32, dtype=mx.uint32)
-    bits = (mx.array(words.view(np.uint32))[:, :, None] >> shifts) & 1  # [rows, W, 32]
-    allowed = bits.reshape(rows, -1)
-    width = allowed.shape[1]
-    if width > vocab:
-        allowed = allowed[:, :vocab]
-    elif width < vocab:
-        allowed = mx.concatenate([allowed, mx.zeros((rows, vocab - width), allowed.dtype)], 1)
-    return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, logits.dtype))
+    width = -(-vocab // 32)
+    if words.shape[1] != width:  # cut to the logits' words, or padded with forbidding zeros
+        fitted = np.zeros((rows, width), np.int32)
+        n = min(width, words.shape[1])
+        fitted[:, :n] = words[:, :n]
+        words = fitted
+    padded = logits
+    if width * 32 != vocab:  # the last word's spare bits face -inf padding
+        fill = mx.full((rows, width * 32 - vocab), -mx.inf, logits.dtype)
+        padded = mx.concatenate([logits, fill], axis=1)
+    out = _compiled.mask(mx.array(words.view(np.uint32)), padded.reshape(rows, width, 32))
+    out = out.reshape(rows, width * 32)
+    return out if width * 32 == vocab else out[:, :vocab]
 
 
 def _filter(logits: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:

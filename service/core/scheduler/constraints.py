@@ -4,9 +4,10 @@ token masks of its next sampling positions, and what each sampled token did to i
 The scheduler owns it, as it owns the KV manager: it joins a row's matcher at admission (a
 preempted request keeps its matcher while it waits, so it resumes where it stopped), advances
 it over every token the row keeps, and asks here for the masks of each step's constrained
-rows. A decode step's masks depend on the tokens of the step before, so the core loop asks for
-them once that step is read, while the new step's forward already runs on the device:
-llguidance fills a batch's masks on its own threads with the GIL released. Drafted tokens are
+rows. A decode step's masks depend on the tokens of the step before: once that step's tokens
+are taken (all the rows' grammars advanced in one parallel call), the fill starts on a thread of
+its own (`begin`; llguidance fills a batch's masks on its threads with the GIL released) and the
+core loop joins it when it samples the new step (`masks`). Drafted tokens are
 validated before they are verified and only ever masked, never accepted unchecked (a refused
 token leaves a matcher in an error state no rollback clears); the engine rolls its trial of
 them back itself.
@@ -20,6 +21,7 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +29,9 @@ import numpy as np
 from service.common.grammar import (
     Matcher,
     allocate_bitmask,
+    consume_many,
     fill_masks,
+    fill_masks_later,
     fill_masks_with_drafts,
     mask_words,
 )
@@ -79,6 +83,8 @@ class Constraints:
         self._scratch = allocate_bitmask(max_rows, vocab_size)  # a decode step's masks
         self._clock = clock
         self.stats = MaskStats()
+        # A decode step's fill started early (`begin`): its rows and the fill.
+        self._pending: tuple[list[int], Future[float]] | None = None
 
     def join(self, slot: int, matcher: Matcher) -> None:
         self._matchers[slot] = matcher
@@ -110,6 +116,31 @@ class Constraints:
             return Verdict.REFUSED, f"the grammar refused sampled token {token}: {m.error}"
         return (Verdict.END if m.is_terminated() else Verdict.CONTINUE), ""
 
+    def accept_many(self, slots: np.ndarray, tokens: np.ndarray) -> list[tuple[int, Verdict, str]]:
+        """`accept` for one token per row, the constrained rows' grammars advanced together:
+        (index into slots, verdict, why) for each constrained row whose verdict is not
+        CONTINUE."""
+        mine = np.flatnonzero(self.active[slots])
+        if not len(mine):
+            return []
+        out: list[tuple[int, Verdict, str]] = []
+        index, matchers, ids = [], [], []
+        for i in mine.tolist():
+            token = int(tokens[i])
+            if token in self._eos:
+                out.append((i, Verdict.END, ""))
+            else:
+                index.append(i)
+                matchers.append(self._of(int(slots[i])))
+                ids.append(token)
+        for i, m, token, ok in zip(index, matchers, ids, consume_many(matchers, ids)):
+            if not ok:
+                why = f"the grammar refused sampled token {token}: {m.error}"
+                out.append((i, Verdict.REFUSED, why))
+            elif m.is_terminated():
+                out.append((i, Verdict.END, ""))
+        return out
+
     def draft(self, slot: int, tokens: list[int]) -> list[int]:
         """The longest prefix of a row's drafted tokens its grammar allows (all of them for an
         unconstrained row): no position is verified that could not be kept."""
@@ -117,17 +148,40 @@ class Constraints:
         return tokens if m is None or not tokens else tokens[: m.validate(tokens)]
 
     # -- masks -------------------------------------------------------------------------
+    def begin(self, slots: Sequence[int]) -> None:
+        """Start filling the masks of the constrained rows among `slots` (their grammars have
+        taken every token before this position) on a thread of their own, so that the
+        engine's thread goes on with other work meanwhile; `masks` joins it."""
+        self._join()
+        mine = [int(s) for s in slots if self.active[s]]
+        if mine:
+            matchers = [self._of(s) for s in mine]
+            fill = fill_masks_later(matchers, range(len(mine)), self._scratch, self._clock)
+            self._pending = (mine, fill)
+
+    def _join(self) -> tuple[list[int], float] | None:
+        """Wait for the fill `begin` started, if any: (its rows, its seconds)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        rows, fill = pending
+        return rows, fill.result()
+
     def masks(self, slots: Sequence[int]) -> RowMasks | None:
         """The masks of the next token of the constrained rows among `slots` (None: there are
-        none), filled in one batch call on the engine's threads and timed."""
+        none), filled in one batch call on the engine's threads and timed: by the fill `begin`
+        started for them (a row that ended since keeps its mask), else now."""
+        begun = self._join()
         mine = [int(s) for s in slots if self.active[s]]
-        if not mine:
-            return None
-        matchers = [self._of(s) for s in mine]
-        rows = list(range(len(mine)))
-        started = self._clock()
-        fill_masks(matchers, rows, self._scratch)
-        self.stats.observe(self._clock() - started, len(mine))
+        if begun is not None and set(mine) <= set(begun[0]):
+            mine, seconds = begun
+        else:
+            if not mine:
+                return None
+            started = self._clock()
+            fill_masks([self._of(s) for s in mine], range(len(mine)), self._scratch)
+            seconds = self._clock() - started
+        self.stats.observe(seconds, len(mine))
         return RowMasks(mine, self.words, self._scratch[: len(mine)].tobytes())
 
     def plan_masks(self, sampling: Sequence[int], verify: Sequence[Draft]) -> RowMasks | None:

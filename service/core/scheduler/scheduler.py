@@ -207,7 +207,8 @@ class Scheduler:
         self._forget: list[str] = []
         self._dirty: set[int] = set()  # slots whose block table the runner has not seen
         self._passes: dict[int, list[_PlannedPass]] = {}  # step -> its prefill forwards
-        self._masks_due: set[int] = set()  # steps whose constrained decode rows wait for masks
+        # Steps whose constrained decode rows wait for masks: their decode slots.
+        self._masks_due: dict[int, list[int]] = {}
 
     # -- requests ----------------------------------------------------------------------
     def add(self, seq: Request) -> None:
@@ -285,7 +286,7 @@ class Scheduler:
             sampling = [c.slot for forward in plan.prefill for c in forward if c.sample]
             plan.masks = self.constraints.plan_masks(sampling, plan.verify)
             if plan.decode and self.constraints.active[plan.decode].any():
-                self._masks_due.add(plan.step)
+                self._masks_due[plan.step] = plan.decode
         self._seal(plan)
         if not plan.has_forward and not plan.changes:
             self._step -= 1
@@ -295,10 +296,11 @@ class Scheduler:
     def decode_masks(self, plan: StepPlan) -> RowMasks | None:
         """The token masks of the plan's constrained decode rows (None: it had none when it
         was made). Asked for once the step before the plan is read: each depends on its row's
-        last token. Rows that ended meanwhile get none (their tokens will be dropped)."""
+        last token (`update` started filling them). A row that ended meanwhile may get one: its
+        token is dropped."""
         if self.constraints is None or plan.step not in self._masks_due:
             return None
-        self._masks_due.discard(plan.step)
+        del self._masks_due[plan.step]
         masks = self.constraints.masks(plan.decode)
         return masks if masks is not None else RowMasks([], self.constraints.words, b"")
 
@@ -675,10 +677,14 @@ class Scheduler:
         k = result.prefill_rows
         if 0 < k < len(result.slots):
             head, tail = np.arange(k), np.arange(k, len(result.slots))
-            self._accept(result.slots[:k], result.tokens[:k], _subset(result, head, head))
+            self._accept(result.slots[:k], result.tokens[:k], _subset(result, head, head), False)
             self._accept(result.slots[k:], result.tokens[k:], _subset(result, tail, tail))
         else:
             self._accept(result.slots, result.tokens, result)
+
+    def masks_due(self, plan: StepPlan) -> bool:
+        """The plan's constrained decode rows wait for their masks (`decode_masks`)."""
+        return plan.step in self._masks_due
 
     def _prefilled(self, plan: StepPlan, result: StepResult) -> None:
         passes = self._passes.pop(plan.step, [])
@@ -728,9 +734,12 @@ class Scheduler:
             if seq is not None:
                 self._finish(seq, FinishReason.ERROR, error=message)
 
-    def _accept(self, slots: np.ndarray, tokens: np.ndarray, result: StepResult) -> None:
+    def _accept(
+        self, slots: np.ndarray, tokens: np.ndarray, result: StepResult, last: bool = True
+    ) -> None:
         """Append one sampled token to each row, stream it, and finish the rows it ends: EOS, a
-        stop token, max_tokens or the slot context."""
+        stop token, max_tokens or the slot context. `last`: no more of the step's tokens
+        follow (the masks of the step planned after it can start filling)."""
         if not len(slots):
             return
         owners = [self._owner[s] for s in slots.tolist()]
@@ -753,11 +762,14 @@ class Scheduler:
             stop[i] |= int(tokens[i]) in owners[i].request.stop_token_ids
         refused: dict[int, str] = {}
         if self.constraints is not None:
-            for i in np.flatnonzero(self.constraints.active[slots]).tolist():
-                verdict, why = self.constraints.accept(int(slots[i]), int(tokens[i]))
+            for i, verdict, why in self.constraints.accept_many(slots, tokens):
                 stop[i] |= verdict is Verdict.END
                 if verdict is Verdict.REFUSED:
                     refused[i] = why
+            if last and self._masks_due:
+                # The step planned after this one waits for masks that depend on the tokens
+                # just taken: they fill while this thread goes on until it samples that step.
+                self.constraints.begin(self._masks_due[max(self._masks_due)])
         self._generated[slots] += 1
         generated = self._generated[slots]
         length = (generated >= self._max_tokens[slots]) | (
