@@ -175,3 +175,15 @@ def test_penalties_touch_only_their_row() -> None:
     expected_4 = original[0, 4]
     expected_4 = expected_4 / 1.5 if expected_4 > 0 else expected_4 * 1.5
     assert out[0, 4] == pytest.approx(expected_4 - (1.0 + 0.5 * 2), rel=1e-5)
+
+
+def test_a_tiny_repetition_penalty_keeps_logprobs_finite() -> None:
+    """The smallest positive penalty the API takes divides a logit past float32's range: the
+    seen token still wins greedy, and every processed logit and logprob is a number."""
+    logits = mx.array([[5.0, 1.0, -2.0, 0.5]])
+    state = RowSamplerState(SamplingParams(repetition_penalty=1.4e-45), prompt_token_ids=[1, 2])
+    tokens, processed = sample(logits, [state])
+    assert tokens.tolist() == [1]
+    logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
+    assert mx.all(mx.isfinite(processed)).item() and mx.all(~mx.isnan(logprobs)).item()
+    assert processed[0, 0].item() == 5.0  # unseen: untouched

@@ -72,6 +72,9 @@ def _apply_penalties(row: mx.array, state: RowSamplerState) -> mx.array:
             idx = mx.array(seen)
             old = row[idx]
             new = mx.where(old > 0, old / p.repetition_penalty, old * p.repetition_penalty)
+            # A tiny penalty overflows a positive logit: kept finite, a logprob stays a number.
+            big = mx.finfo(row.dtype).max
+            new = mx.clip(new, -big, big)
             # A token a response format forbids stays -inf (-inf - -inf would be NaN).
             row = row.at[idx].add(mx.where(mx.isinf(old), 0.0, new - old))
     if (p.presence_penalty or p.frequency_penalty) and state.generated_counts:
