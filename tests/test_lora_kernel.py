@@ -64,29 +64,6 @@ def test_the_kernels_match_the_reference(tokens: int, rank: int, dtype: mx.Dtype
     assert mx.array_equal(got[base], y[base])
 
 
-def random_adapter(path, model, rank: int, keys: list[str], seed: int) -> None:
-    """An adapter directory as `mlx_lm lora` writes it, with random A and B (B not zero)."""
-    import json
-
-    mx.random.seed(seed)
-    weights = {}
-    for i, layer in enumerate(model.layers):
-        for key in keys:
-            module = layer
-            for part in key.split("."):
-                module = getattr(module, part)
-            n_out, n_in = module.weight.shape
-            name = f"model.layers.{i}.{key}"
-            weights[f"{name}.lora_a"] = mx.random.normal((n_in, rank)) * n_in**-0.5
-            weights[f"{name}.lora_b"] = mx.random.normal((rank, n_out)) * 0.2
-    path.mkdir()
-    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
-    config = {"rank": rank, "scale": 4.0, "dropout": 0.0, "keys": keys}
-    (path / "adapter_config.json").write_text(
-        json.dumps({"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": config})
-    )
-
-
 def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path) -> None:
     """A tiny llama serving three adapters (ranks 4, 8, 16 on different projections) on the
     kernel path (the CUDA kernels on a GPU, their reference elsewhere): each row of a batch
@@ -94,6 +71,7 @@ def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path) -> None:
     multi-token forward and a one-token one."""
     from mlx_lm.tuner.utils import load_adapters
 
+    from bench.multi_lora import write_adapter
     from service.core.models import lora
     from tests.helpers.tiny import VOCAB, tiny_llama
 
@@ -105,8 +83,10 @@ def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path) -> None:
         "mlp": (16, ["mlp.gate_proj", "mlp.down_proj"]),
     }  # fmt: skip
     aset = lora.AdapterSet(model, kernel=True)
+    modules = dict(model.layers[0].named_modules())
+    dims = {key: lora.linear_dims(modules[key]) for key in specs["all7"][1]}  # (in, out)
     for seed, (name, (rank, keys)) in enumerate(specs.items()):
-        random_adapter(tmp_path / name, model, rank, keys, seed)
+        write_adapter(tmp_path / name, len(model.layers), dims, keys, rank, seed)
     for name in specs:
         aset.add(lora.load_adapter(name, tmp_path / name, model))
     names = [*specs, None]
