@@ -18,6 +18,9 @@ from typing import Any
 
 import mlx.core as mx
 
+# The same condition as the decode attention kernel's: MLX's CUDA backend, the GPU the default.
+from service.core.engine.paged_attention import kernel_available as available
+
 SHRINK_WARPS = 8  # warps per token in `shrink`: each takes every SHRINK_WARPS-th rank column
 
 _SHRINK = """
@@ -63,11 +66,6 @@ _EXPAND_ADD = """
     const TY d = static_cast<TY>(scale[t] * acc);
     out[e] = static_cast<TY>(static_cast<float>(y[e]) + static_cast<float>(d));
 """
-
-
-def available() -> bool:
-    """The kernels run on MLX's CUDA backend only."""
-    return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
 @cache
