@@ -23,12 +23,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import llguidance as llg
 import numpy as np
 
 from service.protocol import FORMAT_KINDS, ResponseFormat
+
+if TYPE_CHECKING:
+    from service.common.config import StructuredOutputConfig
+    from service.common.tokenizer import Tokenizer
 
 ENGINE = "llguidance"
 ENGINE_VERSION: str = llg.__version__
@@ -516,3 +520,28 @@ class GrammarCache:
             )
         warnings = list(proto.get_grammar_warnings())
         return Compiled(fmt, key, seconds, warnings, proto)
+
+
+def cache_for(
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    config: StructuredOutputConfig,
+    *,
+    compile_threads: int = 1,
+    observer: CompileObserver | None = None,
+) -> GrammarCache | None:
+    """The compile cache of response formats over this tokenizer (the engine's view of it is
+    built on the first compile), or None when the tokenizer cannot drive the engine: no
+    `tokenizer.json`, or no EOS (a grammar needs one to end). The core and the front ends build
+    theirs alike, so a format compiles in one exactly when it compiles in the other."""
+    text = tokenizer.tokenizer_json()
+    eos = sorted(tokenizer.eos_token_ids)
+    if text is None or not eos:
+        return None
+    return GrammarCache(
+        lambda: make_tokenizer(text, eos, vocab_size),
+        max_compile_ms=config.max_grammar_compile_ms,
+        max_entries=config.grammar_cache_size,
+        compile_threads=compile_threads,
+        observer=observer,
+    )

@@ -339,21 +339,12 @@ class Runtime:
         )
 
     def _grammar_cache(self, lm: LoadedModel) -> grammar.GrammarCache | None:
-        """The compile cache of response formats; the engine's view of the tokenizer is built
-        on the first compile. EOS: the tokenizer's (a dummy model's are ignored by the
-        scheduler, but a grammar still needs them to end)."""
-        text = lm.tokenizer.tokenizer_json()
-        eos = sorted(lm.tokenizer.eos_token_ids)
-        if text is None or not eos:
+        """The compile cache of response formats. EOS: the tokenizer's (a dummy model's are
+        ignored by the scheduler, but a grammar still needs them to end)."""
+        cache = grammar.cache_for(lm.tokenizer, lm.vocab_size, self.config.structured)
+        if cache is None:
             log.warning("structured output is off: the tokenizer cannot drive the grammar engine")
-            return None
-        vocab = lm.vocab_size
-        cfg = self.config.structured
-        return grammar.GrammarCache(
-            lambda: grammar.make_tokenizer(text, eos, vocab),
-            max_compile_ms=cfg.max_grammar_compile_ms,
-            max_entries=cfg.grammar_cache_size,
-        )
+        return cache
 
     def _build_scheduler(
         self, engine_config: EngineConfig, adapters: lora.AdapterSet | None = None

@@ -580,15 +580,12 @@ def _grammar_cache(
 ) -> GrammarCache | None:
     """The same engine over the same tokenizer as the core's (it says whether it has one):
     a format compiles here exactly when it compiles there, so refusals come before queuing."""
-    text = tokenizer.tokenizer_json()
-    if not ready.model_info.structured_output.engine or text is None:
+    if not ready.model_info.structured_output.engine:
         return None
-    eos = sorted(tokenizer.eos_token_ids)
-    vocab = ready.model_info.vocab_size
-    return GrammarCache(
-        lambda: grammar.make_tokenizer(text, eos, vocab),
-        max_compile_ms=structured.max_grammar_compile_ms,
-        max_entries=structured.grammar_cache_size,
+    return grammar.cache_for(
+        tokenizer,
+        ready.model_info.vocab_size,
+        structured,
         compile_threads=2,  # requests with different new formats need not queue behind one
         observer=observer,
     )
