@@ -417,6 +417,10 @@ class _Stack:
     def rank(self) -> int:
         return self.a.shape[2]
 
+    def local_of(self, slots: mx.array) -> mx.array:
+        """The rows' local slots in this stack."""
+        return slots if self.local is None else self.local[slots]
+
     def nbytes(self) -> int:
         maps = [self.local, self.a_t, *(t for _, t in self.by_rank)]
         return self.a.nbytes + self.b.nbytes + sum(m.nbytes for m in maps if m is not None)
@@ -609,7 +613,7 @@ class MultiLoRALinear(nn.Module):
         primitives per layer, each token reading only its own adapter's A and B."""
         assert stack.a_t is not None
         batch, length, width = x.shape
-        local = rows.slots if stack.local is None else stack.local[rows.slots]
+        local = stack.local_of(rows.slots)
         idx, scale = rows.per_token(local, length, self._scales)
         z = lora_kernel.shrink(x.reshape(batch * length, width), stack.a_t, idx)
         if self._reduce and self._group is not None:
@@ -633,7 +637,7 @@ class MultiLoRALinear(nn.Module):
                 (stack.a[:, :, :r], stack.b[:, :r, :], table[slots]) for r, table in stack.by_rank
             ]
         else:
-            local = slots if stack.local is None else stack.local[slots]
+            local = stack.local_of(slots)
             parts = [(stack.a, stack.b, local)]
         out, delta = y, None
         for a, b, local in parts:  # a row is in one part at most: the others add exact zeros
