@@ -375,7 +375,12 @@ def print_table(
             print(f"{label:<31}{s['median']:.3f}  ({s['min']:.3f}-{s['max']:.3f})")
     weights = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in info.items())
     per = added / max(1, args.adapters) / 1e6
-    print(f"adapter weights: {weights}; core RSS added: {added / 1e6:.1f} MB ({per:.1f} MB each)")
+    rss = (
+        "not measured (--no-plain)"
+        if args.no_plain
+        else f"{added / 1e6:.1f} MB ({per:.1f} MB each)"
+    )
+    print(f"adapter weights: {weights}; core RSS added: {rss}")
     git = result["git"]
     dirty = " (dirty)" if git["dirty"] else ""
     print(f"commit {git['commit'][:12]}{dirty}; wrote {args.out}")
