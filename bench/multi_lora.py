@@ -333,8 +333,10 @@ def main() -> None:
         "memory": {
             "adapter_weights_bytes": info,
             **memory,
-            "core_rss_added_bytes": added,
-            "core_rss_added_per_adapter_bytes": added / max(1, args.adapters),
+            "core_rss_added_bytes": None if args.no_plain else added,
+            "core_rss_added_per_adapter_bytes": (
+                None if args.no_plain else added / max(1, args.adapters)
+            ),
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
