@@ -154,6 +154,7 @@ def test_runtime_resolves_the_cpu_path_on_this_machine():
         assert runtime.runner.decode_graph is None
         assert config.decode_path == "native batched forward"
         assert runtime.scheduler.config.max_batch_prefill == 4
+        assert not runtime.scheduler.config.prefill_row_buckets  # a GPU's passes only
         assert runtime.scheduler.config.max_prefill_stall_ms is None  # the bound, by default
     finally:
         runtime.shutdown()
@@ -316,11 +317,11 @@ def test_structured_output_flags_reach_both_processes(monkeypatch):
         parse("--grammar-cache-size", "0")
 
 
-def test_prefill_rows_by_device_unless_set():
-    from service.common.config import CPU_PREFILL_ROWS, GPU_PREFILL_ROWS
+def test_prefill_limits_by_device_unless_set():
+    from service.common.config import CPU_PREFILL_ROWS, GPU_PREFILL_TOKENS
 
     config = SchedulingConfig(max_batch_size=256)
-    assert config.prefill_rows(gpu=True) == GPU_PREFILL_ROWS
-    assert config.prefill_rows(gpu=False) == CPU_PREFILL_ROWS
-    flags = SchedulingConfig(max_batch_size=256, max_batch_prefill=8)
-    assert flags.prefill_rows(gpu=True) == flags.prefill_rows(gpu=False) == 8
+    assert config.prefill_limits(gpu=True) == (256, GPU_PREFILL_TOKENS)  # the whole batch
+    assert config.prefill_limits(gpu=False) == (CPU_PREFILL_ROWS, None)  # scheduler-derived
+    flags = SchedulingConfig(max_batch_size=256, max_batch_prefill=8, max_batch_prefill_tokens=0)
+    assert flags.prefill_limits(gpu=True) == flags.prefill_limits(gpu=False) == (8, 0)

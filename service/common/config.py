@@ -61,7 +61,7 @@ class TransportConfig:
                 raise ConfigError(f"{flag} {path}: no such file")
 
 
-GPU_PREFILL_ROWS = 16  # prompts per prefill pass on a GPU by default
+GPU_PREFILL_TOKENS = 16384  # token cap of one prefill pass on a GPU by default
 CPU_PREFILL_ROWS = 4  # prompts per prefill pass on a CPU by default
 WORKER_CORES = 4  # CPU cores per gRPC front end by default (--api-workers auto)
 MAX_AUTO_WORKERS = 4
@@ -123,14 +123,19 @@ class SchedulingConfig:
     def batch_size(self) -> int:
         return 1 if self.no_batch else self.max_batch_size
 
-    def prefill_rows(self, gpu: bool) -> int:
-        """Prompts per prefill pass where --max-batch-prefill is unset. A GPU prefills a few
-        short prompts in about the time of one, but each new (rows, length) shape of a prefill
-        forward costs MLX a graph build there: GPU_PREFILL_ROWS keeps the shapes few. A CPU's
-        prefill cost grows with every prompt: CPU_PREFILL_ROWS."""
-        if self.max_batch_prefill is not None:
-            return self.max_batch_prefill
-        return GPU_PREFILL_ROWS if gpu else CPU_PREFILL_ROWS
+    def prefill_limits(self, gpu: bool) -> tuple[int, int | None]:
+        """Rows and tokens of one prefill pass, where the flags leave them unset. A GPU
+        prefills many short prompts in about the time of one, so a pass admits the whole batch
+        as far as GPU_PREFILL_TOKENS goes: a burst starts decoding at once. (Its passes take a
+        power of two of rows, whose shapes the runtime builds before serving.) A CPU's prefill
+        cost grows with every prompt: CPU_PREFILL_ROWS, and the scheduler's derived token cap."""
+        rows = self.max_batch_prefill
+        if rows is None:
+            rows = self.batch_size if gpu else CPU_PREFILL_ROWS
+        tokens = self.max_batch_prefill_tokens
+        if tokens is None and gpu:
+            tokens = GPU_PREFILL_TOKENS
+        return rows, tokens
 
     def validate(self) -> None:
         if self.max_batch_size < 1:
@@ -476,12 +481,14 @@ GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
             ),
             Flag(
                 "max_batch_prefill",
-                "waiting requests prefilled together (default by device: 16 on a GPU, 4 elsewhere)",
+                "waiting requests prefilled together (default by device: the whole batch on a GPU, "
+                "in passes of a power of two of rows; 4 elsewhere)",
                 parse=_optional_int,
             ),
             Flag(
                 "max_batch_prefill_tokens",
-                "token cap of one batched prefill (default 2*max_batch_prefill*min(chunk,512))",
+                "token cap of one batched prefill (default 16384 on a GPU, elsewhere "
+                "2*max_batch_prefill*min(chunk,512); 0 = none)",
                 parse=_optional_int,
             ),
             Flag(

@@ -21,9 +21,9 @@ import structlog
 from mlx.utils import tree_flatten
 
 from service.common import grammar
-from service.common.config import ConfigError, CoreConfig
+from service.common.config import GPU_PREFILL_TOKENS, ConfigError, CoreConfig
+from service.core import warm_up
 from service.core.engine import paged_attention
-from service.core.engine.compiled_decode import row_buckets
 from service.core.engine.config import EngineConfig, resolve
 from service.core.engine.memory import release_freed_memory
 from service.core.engine.runner import FaultInjector, ModelRunner, Row
@@ -38,7 +38,6 @@ from service.core.models.layout import CacheLayout, UnsupportedModelError, probe
 from service.core.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
 from service.core.scheduler.adapters import AdapterTable
 from service.core.scheduler.constraints import Constraints
-from service.core.scheduler.plan import Chunk, RowJoin, RowLeave, StepPlan
 from service.core.scheduler.request import Request
 from service.core.scheduler.scheduler import Scheduler, SchedulerConfig, SpeculationConfig
 from service.core.tensor_parallel import (
@@ -55,7 +54,6 @@ from service.protocol import (
     GrammarCounters,
     ModelInfo,
     Quantization,
-    SamplingParams,
     Speculation,
     StructuredOutputInfo,
 )
@@ -352,7 +350,8 @@ class Runtime:
         cfg = self.config.scheduling
         assert self.layout is not None and self.loaded is not None
         deterministic = cfg.deterministic
-        prefill_rows = cfg.prefill_rows(gpu=mx.cuda.is_available())
+        gpu = mx.cuda.is_available()
+        prefill_rows, prefill_tokens = cfg.prefill_limits(gpu)
         table = AdapterTable()
         for name in adapters.names if adapters is not None else []:
             table.add(name, adapters.slot(name))
@@ -372,7 +371,8 @@ class Runtime:
                 max_batch_prefill=1
                 if cfg.no_batch or deterministic or engine_config.single_row_prefill
                 else prefill_rows,
-                max_batch_prefill_tokens=cfg.max_batch_prefill_tokens,
+                max_batch_prefill_tokens=prefill_tokens,
+                prefill_row_buckets=gpu and engine_config.shape_buckets,
                 prefill_grant_interval=cfg.prefill_grant_interval,
                 enable_preemption=cfg.enable_preemption,
                 preemption_policy=cfg.preemption_policy,
@@ -502,42 +502,21 @@ class Runtime:
         return manager.capacity_tokens if manager is not None else None
 
     def _warm_up(self, config: EngineConfig) -> float:
-        """With shape buckets or direct decode attention (CUDA), run the first prefill buckets
-        (16 … 128 tokens) and a decode step on a throwaway row before serving: the attention
-        plans and the decode kernel are compiled on first use, which the first requests would
-        otherwise wait for."""
-        runner, kv = self.runner, self.kv
-        assert runner is not None
+        """With shape buckets or direct decode attention (CUDA), build what the first requests
+        would otherwise wait for (service.core.warm_up): the first prefill buckets, the decode
+        steps and, where passes take a power of two of rows, each pass shape within the cap."""
+        runner, kv, scheduler = self.runner, self.kv, self.scheduler
+        assert runner is not None and scheduler is not None
         if not (config.shape_buckets or config.decode_attention == "direct"):
             return 0.0
         started = time.monotonic()
-        step = -1
-        for width in (16, 32, 64, 128):
-            blocks = kv.new_sequence(cache_prefix=False)
-            # Room for the prefill, its decode step and one decode step per row bucket.
-            if not kv.ensure_slots(blocks, width + 2 + len(row_buckets(self.batch_size))):
-                break  # a pool too small to warm up in: the first requests pay instead
-            update = kv.take_update()
-            join = RowJoin(0, "warm-up", SamplingParams(), [0], 0)
-            prefill = StepPlan(
-                step,
-                joins=[join],
-                tables=[(0, list(blocks.block_ids))],
-                capacity=update.capacity,
-                copies=list(update.copies),
-                prefill=[[Chunk(0, [0] * width, True)]],
-            )
-            runner.collect(runner.submit(prefill))
-            runner.collect(runner.submit(StepPlan(step, decode=[0])))
-            if width == 16 and isinstance(runner, ModelRunner) and runner.decode_graph is not None:
-                # Every batch bucket's compiled decode step (and its CUDA graphs) now, not on
-                # the first burst that reaches it.
-                for rows in row_buckets(self.batch_size):
-                    runner.min_rows = rows
-                    runner.collect(runner.submit(StepPlan(step, decode=[0])))
-                runner.min_rows = 0
-            kv.free_sequence(blocks)
-            runner.collect(runner.submit(StepPlan(step, leaves=[RowLeave(0, True)])))
+        graph = isinstance(runner, ModelRunner) and runner.decode_graph is not None
+        warm_up.warm_single_row(runner, kv, self.batch_size, graph)
+        sched = scheduler.config
+        if sched.prefill_row_buckets and sched.max_batch_prefill > 1:
+            rows = min(sched.max_batch_prefill, self.batch_size)
+            shapes = warm_up.pass_shapes(rows, sched.max_batch_prefill_tokens or GPU_PREFILL_TOKENS)
+            warm_up.warm_prefill_passes(runner, kv, shapes)
         return round(time.monotonic() - started, 2)
 
     def _pool_shape(self, lm: LoadedModel, layout: CacheLayout) -> PoolShape:

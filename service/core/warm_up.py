@@ -1,0 +1,107 @@
+"""Forwards run on throwaway rows before the server says SERVING, so that no request waits for
+what MLX builds on a shape's first use: attention plans, the decode kernels, the compiled
+decode graphs and, on a GPU, the CUDA graphs and matmul plans of every prefill pass shape the
+scheduler can plan (a cold shape costs several times a warm pass)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from service.core.engine.compiled_decode import row_buckets
+from service.core.kv.block_pool import KVManager
+from service.core.scheduler.plan import Chunk, RowJoin, RowLeave, StepPlan
+from service.protocol import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+SINGLE_ROW_WIDTHS = (16, 32, 64, 128)
+# Widths of the multi-row passes built ahead: runner.shape_bucket's buckets that a burst of
+# chat-sized prompts fills. Longer chunks build their shapes on first use.
+PASS_WIDTHS = (16, 32, 64, 128, 256, 512)
+STEP = -1  # the plans' step number: no scheduler step
+
+
+def warm_single_row(runner: Any, kv: KVManager, batch_size: int, decode_graph: bool) -> None:
+    """One row's prefill at each of the first width buckets and its decode step; with
+    `decode_graph`, every batch bucket's compiled decode step too."""
+    for width in SINGLE_ROW_WIDTHS:
+        blocks = kv.new_sequence(cache_prefix=False)
+        # Room for the prefill, its decode step and one decode step per row bucket.
+        if not kv.ensure_slots(blocks, width + 2 + len(row_buckets(batch_size))):
+            kv.free_sequence(blocks)
+            return  # a pool too small to warm up in: the first requests pay instead
+        update = kv.take_update()
+        join = RowJoin(0, "warm-up", SamplingParams(), [0], 0)
+        prefill = StepPlan(
+            STEP,
+            joins=[join],
+            tables=[(0, list(blocks.block_ids))],
+            capacity=update.capacity,
+            copies=list(update.copies),
+            prefill=[[Chunk(0, [0] * width, True)]],
+        )
+        runner.collect(runner.submit(prefill))
+        runner.collect(runner.submit(StepPlan(STEP, decode=[0])))
+        if width == SINGLE_ROW_WIDTHS[0] and decode_graph:
+            # Every batch bucket's compiled decode step (and its CUDA graphs) now, not on the
+            # first burst that reaches it.
+            for rows in row_buckets(batch_size):
+                runner.min_rows = rows
+                runner.collect(runner.submit(StepPlan(STEP, decode=[0])))
+            runner.min_rows = 0
+        kv.free_sequence(blocks)
+        runner.collect(runner.submit(StepPlan(STEP, leaves=[RowLeave(0, True)])))
+
+
+def pass_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(rows, width) of the multi-row prefill passes to build: a power of two of rows (the
+    scheduler's passes with prefill_row_buckets), each width of PASS_WIDTHS within the pass's
+    token cap."""
+    shapes = []
+    rows = 2
+    while rows <= max_rows:
+        shapes.extend((rows, w) for w in PASS_WIDTHS if rows * w <= max_tokens)
+        rows *= 2
+    return shapes
+
+
+def warm_prefill_passes(runner: Any, kv: KVManager, shapes: list[tuple[int, int]]) -> int:
+    """Run one prefill pass of each shape on throwaway rows (every row sampling, as a burst of
+    whole prompts does); returns how many ran (a pool too small for the next stops there)."""
+    done = 0
+    started = time.monotonic()
+    for rows, width in shapes:
+        seqs = []
+        for _ in range(rows):
+            seqs.append(kv.new_sequence(cache_prefix=False))
+            if not kv.ensure_slots(seqs[-1], width):
+                for blocks in seqs:
+                    kv.free_sequence(blocks)
+                kv.take_update()
+                return done
+        update = kv.take_update()
+        plan = StepPlan(
+            STEP,
+            joins=[RowJoin(s, f"warm-up-{s}", SamplingParams(), [0], 0) for s in range(rows)],
+            tables=[(s, list(blocks.block_ids)) for s, blocks in enumerate(seqs)],
+            capacity=update.capacity,
+            copies=list(update.copies),
+            prefill=[[Chunk(s, [0] * width, True) for s in range(rows)]],
+        )
+        runner.collect(runner.submit(plan))
+        leaves = [RowLeave(s, True) for s in range(rows)]
+        runner.collect(runner.submit(StepPlan(STEP, leaves=leaves)))
+        for blocks in seqs:
+            kv.free_sequence(blocks)
+        done += 1
+        if done % 8 == 0:
+            log.info(
+                "building prefill pass shapes",
+                done=done,
+                of=len(shapes),
+                seconds=round(time.monotonic() - started, 1),
+            )
+    return done

@@ -1,0 +1,49 @@
+"""service.core.warm_up: the prefill pass shapes built before serving, run on throwaway rows
+that leave nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.common.config import CoreConfig, ModelConfig, SchedulingConfig
+from service.core import warm_up
+
+
+def test_pass_shapes_are_powers_of_two_of_rows_within_the_token_cap():
+    shapes = warm_up.pass_shapes(max_rows=8, max_tokens=1024)
+    assert {rows for rows, _ in shapes} == {2, 4, 8}
+    assert all(rows * width <= 1024 for rows, width in shapes)
+    assert (2, 512) in shapes and (4, 256) in shapes and (8, 128) in shapes
+    assert (4, 512) not in shapes
+    assert warm_up.pass_shapes(max_rows=1, max_tokens=1024) == []
+
+
+@pytest.mark.model  # the dummy preset takes the embedded model's tokenizer
+def test_warm_prefill_passes_run_each_shape_and_leave_the_pool_as_it_was():
+    from service.core.runtime import Runtime
+
+    runtime = Runtime(
+        CoreConfig(
+            model=ModelConfig(load_format="dummy:tiny"),
+            scheduling=SchedulingConfig(max_batch_size=4),
+        )
+    )
+    runtime.load()
+    try:
+        runner, kv = runtime.runner, runtime.kv
+        free = kv.num_free_blocks
+        seen = []
+        submit = runner.submit
+
+        def recording(plan, *args, **kwargs):
+            seen.extend((len(p), len(p[0].tokens)) for p in plan.prefill)
+            return submit(plan, *args, **kwargs)
+
+        runner.submit = recording
+        shapes = warm_up.pass_shapes(max_rows=4, max_tokens=128)
+        assert warm_up.warm_prefill_passes(runner, kv, shapes) == len(shapes)
+        assert seen == shapes
+        assert kv.num_free_blocks == free
+        assert all(row is None for row in runner.rows)
+    finally:
+        runtime.shutdown()
