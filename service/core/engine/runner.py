@@ -145,6 +145,11 @@ class Pending:
 FaultInjector = Callable[[Row, str], bool]
 
 
+# The fewest key positions a padded multi-token forward attends over: a chunk after a cached
+# prefix then has the shape of the same chunk without one (the shapes built at start).
+MIN_PADDED_SPAN = 256
+
+
 def shape_bucket(n: int) -> int:
     """Round a multi-token forward's length up: powers of two from 16 to 1024, then multiples
     of 1024. Few distinct shapes means few per-shape attention plans."""
@@ -435,7 +440,8 @@ class ModelRunner:
         width = int(lengths.max())
         if self.config.shape_buckets and width > 1:
             layout.pad_width = shape_bucket(width)
-            layout.pad_span = shape_bucket(int((starts + lengths).max()))
+            span = shape_bucket(int((starts + lengths).max()))
+            layout.pad_span = max(span, MIN_PADDED_SPAN)
         tokens = self._input_tokens(slots, inputs, layout.width)  # [B, N]
         decode = layout.width == 1
         sampled = (
