@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+import mlx.core as mx
 import pytest
 
 from service.common.config import (
@@ -138,6 +139,7 @@ def test_a_max_prefill_stall_ms_that_is_no_number_names_the_flag(capsys):
 
 
 @pytest.mark.model  # the dummy preset takes the embedded model's tokenizer
+@pytest.mark.skipif(mx.cuda.is_available(), reason="a CUDA host resolves the CUDA path")
 def test_runtime_resolves_the_cpu_path_on_this_machine():
     runtime = Runtime(
         CoreConfig(
