@@ -45,5 +45,8 @@ def test_warm_prefill_passes_run_each_shape_and_leave_the_pool_as_it_was():
         assert seen == shapes
         assert kv.num_free_blocks == free
         assert all(row is None for row in runner.rows)
+        # A spent budget builds nothing more (the rest is built on first use).
+        assert warm_up.warm_prefill_passes(runner, kv, shapes, budget_s=-1.0) == 0
+        assert kv.num_free_blocks == free
     finally:
         runtime.shutdown()

@@ -22,6 +22,10 @@ SINGLE_ROW_WIDTHS = (16, 32, 64, 128)
 # chat-sized prompts fills. Longer chunks build their shapes on first use.
 PASS_WIDTHS = (16, 32, 64, 128, 256, 512)
 STEP = -1  # the plans' step number: no scheduler step
+# The most seconds start-up spends on multi-row pass shapes: a model whose kernels MLX compiles
+# per shape (quantized matmuls on CUDA) could otherwise take many minutes; the shapes left are
+# built on first use.
+PASS_BUDGET_S = 90.0
 
 
 def warm_single_row(runner: Any, kv: KVManager, batch_size: int, decode_graph: bool) -> None:
@@ -68,12 +72,23 @@ def pass_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
     return shapes
 
 
-def warm_prefill_passes(runner: Any, kv: KVManager, shapes: list[tuple[int, int]]) -> int:
+def warm_prefill_passes(
+    runner: Any, kv: KVManager, shapes: list[tuple[int, int]], budget_s: float = PASS_BUDGET_S
+) -> int:
     """Run one prefill pass of each shape on throwaway rows (every row sampling, as a burst of
-    whole prompts does); returns how many ran (a pool too small for the next stops there)."""
+    whole prompts does), in order, until `budget_s` has passed; returns how many ran (a pool
+    too small for the next stops there too)."""
     done = 0
     started = time.monotonic()
     for rows, width in shapes:
+        if time.monotonic() - started > budget_s:
+            log.warning(
+                "prefill pass shapes left to build on first use: the start-up budget is spent",
+                built=done,
+                left=len(shapes) - done,
+                budget_s=budget_s,
+            )
+            return done
         seqs = []
         for _ in range(rows):
             seqs.append(kv.new_sequence(cache_prefix=False))
