@@ -580,11 +580,20 @@ class Scheduler:
         own new rows are never its victims."""
         if not self.kv.paged:
             return
+        size = self.kv.block_size
         while True:
-            slots = self._continuing(self._decoding)
-            need = self._fed[slots] + 1
-            crossing = need > self._capacity(slots)
-            if int(crossing.sum()) <= self.kv.num_free_blocks or len(self._running) <= 1:
+            slots = self._continuing(self._decoding).tolist()
+            need = (self._fed[slots] + 1).tolist()
+            # One pass: the rows that stay inside their blocks are counted at once (a
+            # preemption below frees only the victim's blocks), the others are collected.
+            crossing = []
+            for slot, n in zip(slots, need):
+                blocks = self._owner[slot].blocks
+                if n > len(blocks.block_ids) * size:
+                    crossing.append((slot, n))
+                elif n > blocks.num_tokens:
+                    blocks.num_tokens = n
+            if len(crossing) <= self.kv.num_free_blocks or len(self._running) <= 1:
                 break
             victim = min(
                 self._running,
@@ -592,23 +601,13 @@ class Scheduler:
             )
             log.info("KV blocks short: preempting", request_id=victim.request_id)
             self.preempt(victim)
-        for slot, n, grow in zip(slots.tolist(), need.tolist(), crossing.tolist()):
+        for slot, n in crossing:
             seq = self._owner[slot]
             assert seq is not None and seq.blocks is not None
-            if not grow:
-                seq.blocks.num_tokens = max(seq.blocks.num_tokens, n)
-            elif self.kv.ensure_slots(seq.blocks, n):
+            if self.kv.ensure_slots(seq.blocks, n):
                 self._dirty.add(slot)
             else:
                 self._finish(seq, FinishReason.ERROR, error="KV cache exhausted")
-
-    def _capacity(self, slots: np.ndarray) -> np.ndarray:
-        size = self.kv.block_size
-        out = np.empty(len(slots), np.int64)
-        for i, slot in enumerate(slots.tolist()):
-            seq = self._owner[slot]
-            out[i] = len(seq.blocks.block_ids) * size if seq is not None and seq.blocks else 0
-        return out
 
     # -- speculative decoding ----------------------------------------------------------
     def _any_drafting(self) -> bool:
