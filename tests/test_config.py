@@ -10,8 +10,6 @@ import pytest
 
 from service.common.config import (
     ConfigError,
-    CoreConfig,
-    ModelConfig,
     SchedulingConfig,
     ServerConfig,
     add_server_arguments,
@@ -22,7 +20,7 @@ from service.core.engine.config import DEBUG_REFERENCE_ENV, EngineConfig, resolv
 from service.core.engine.storage import PoolShape, make_storage
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
-from service.core.runtime import Runtime
+from tests.helpers.runtime import loaded_runtime
 from tests.helpers.tiny import tiny_llama
 
 
@@ -141,14 +139,7 @@ def test_a_max_prefill_stall_ms_that_is_no_number_names_the_flag(capsys):
 @pytest.mark.model  # the dummy preset takes the embedded model's tokenizer
 @pytest.mark.skipif(mx.cuda.is_available(), reason="a CUDA host resolves the CUDA path")
 def test_runtime_resolves_the_cpu_path_on_this_machine():
-    runtime = Runtime(
-        CoreConfig(
-            model=ModelConfig(load_format="dummy:tiny"),
-            scheduling=SchedulingConfig(max_batch_size=2),
-        )
-    )
-    runtime.load()
-    try:
+    with loaded_runtime(max_batch_size=2) as runtime:
         config = runtime.runner.config
         # No CUDA here: MLX ops, decode steps over the contiguous mirror of the batch.
         assert config.decode_attention == "mirror"
@@ -158,8 +149,6 @@ def test_runtime_resolves_the_cpu_path_on_this_machine():
         assert runtime.scheduler.config.max_batch_prefill == 4
         assert not runtime.scheduler.config.prefill_row_buckets  # a GPU's passes only
         assert runtime.scheduler.config.max_prefill_stall_ms is None  # the bound, by default
-    finally:
-        runtime.shutdown()
 
 
 LLAMA = probe_layout(tiny_llama())

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.common.config import CoreConfig, ModelConfig, SchedulingConfig
 from service.core import warm_up
+from tests.helpers.runtime import loaded_runtime
 
 
 def test_pass_shapes_are_powers_of_two_of_rows_within_the_token_cap():
@@ -20,16 +20,7 @@ def test_pass_shapes_are_powers_of_two_of_rows_within_the_token_cap():
 
 @pytest.mark.model  # the dummy preset takes the embedded model's tokenizer
 def test_warm_prefill_passes_run_each_shape_and_leave_the_pool_as_it_was():
-    from service.core.runtime import Runtime
-
-    runtime = Runtime(
-        CoreConfig(
-            model=ModelConfig(load_format="dummy:tiny"),
-            scheduling=SchedulingConfig(max_batch_size=4),
-        )
-    )
-    runtime.load()
-    try:
+    with loaded_runtime(max_batch_size=4) as runtime:
         runner, kv = runtime.runner, runtime.kv
         free = kv.num_free_blocks
         seen = []
@@ -48,5 +39,3 @@ def test_warm_prefill_passes_run_each_shape_and_leave_the_pool_as_it_was():
         # A spent budget builds nothing more (the rest is built on first use).
         assert warm_up.warm_prefill_passes(runner, kv, shapes, budget_s=-1.0) == 0
         assert kv.num_free_blocks == free
-    finally:
-        runtime.shutdown()
