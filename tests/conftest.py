@@ -99,9 +99,20 @@ def reference(stub: pb_grpc.GenerationServiceStub) -> Callable[[pb.GenerateReque
 
 
 @pytest.fixture(scope="session")
+def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny seeded bases and every adapter of tests/helpers/adapters.SPECS, trained once in
+    this session by mlx-lm's trainer (each with its own seed, so the same whichever test asks
+    first): root/<base>, root/adapters/<name>. Read only: a test that edits one copies it."""
+    from tests.helpers.adapters import train_all
+
+    return train_all(tmp_path_factory.mktemp("tiny-lora"))
+
+
+@pytest.fixture(scope="session")
 def embedded_lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     """The embedded SmolLM2 as an mlx-lm checkpoint and a tiny LoRA adapter trained on it in
     this session (tests/helpers/adapters.embedded_adapter): (checkpoint, adapter)."""
     from tests.helpers.adapters import embedded_adapter
 
     return embedded_adapter(tmp_path_factory.mktemp("embedded-lora"))
+

@@ -32,8 +32,9 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained.train_all(tmp_path_factory.mktemp("grpc-lora"), NAMES)
+def work(tiny_adapters: Path) -> Path:
+    """The session's tiny bases and adapters (conftest.tiny_adapters)."""
+    return tiny_adapters
 
 
 @pytest.fixture(scope="module")
