@@ -31,7 +31,10 @@ from tests.helpers import server as server_helpers
 from tests.helpers.server import ServerProcess, running_server
 
 # The shared server's fixtures: a test that uses one is slow.
-_SERVER_FIXTURES = {"server", "channel", "stub", "aio_channel", "aio_stub", "reference"}
+_SERVER_FIXTURES = {
+    *("server", "channel", "stub", "aio_channel", "aio_stub", "reference"),
+    "embedded_lora_server",
+}
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
@@ -116,3 +119,12 @@ def embedded_lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
 
     return embedded_adapter(tmp_path_factory.mktemp("embedded-lora"))
 
+
+@pytest.fixture(scope="session")
+def embedded_lora_server(embedded_lora: tuple[Any, Any]) -> Iterator[ServerProcess]:
+    """The embedded SmolLM2 serving the session's adapter trained on it (embedded_lora) as
+    `sql` (the README's name for it), up to 8 rows per decode step. Tests may load other
+    adapters at run time but leave `sql` served."""
+    _, adapter = embedded_lora
+    with running_server("--adapter", f"sql={adapter}", "--max-batch-size", "8") as s:
+        yield s
