@@ -31,7 +31,10 @@ from tests.helpers import server as server_helpers
 from tests.helpers.server import ServerProcess, running_server
 
 # The shared server's fixtures: a test that uses one is slow.
-_SERVER_FIXTURES = {"server", "channel", "stub", "aio_channel", "aio_stub", "reference"}
+_SERVER_FIXTURES = {
+    *("server", "channel", "stub", "aio_channel", "aio_stub", "reference"),
+    "embedded_lora_server",
+}
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
@@ -99,9 +102,29 @@ def reference(stub: pb_grpc.GenerationServiceStub) -> Callable[[pb.GenerateReque
 
 
 @pytest.fixture(scope="session")
+def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny seeded bases and every adapter of tests/helpers/adapters.SPECS, trained once in
+    this session by mlx-lm's trainer (each with its own seed, so the same whichever test asks
+    first): root/<base>, root/adapters/<name>. Read only: a test that edits one copies it."""
+    from tests.helpers.adapters import train_all
+
+    return train_all(tmp_path_factory.mktemp("tiny-lora"))
+
+
+@pytest.fixture(scope="session")
 def embedded_lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     """The embedded SmolLM2 as an mlx-lm checkpoint and a tiny LoRA adapter trained on it in
     this session (tests/helpers/adapters.embedded_adapter): (checkpoint, adapter)."""
     from tests.helpers.adapters import embedded_adapter
 
     return embedded_adapter(tmp_path_factory.mktemp("embedded-lora"))
+
+
+@pytest.fixture(scope="session")
+def embedded_lora_server(embedded_lora: tuple[Any, Any]) -> Iterator[ServerProcess]:
+    """The embedded SmolLM2 serving the session's adapter trained on it (embedded_lora) as
+    `sql` (the README's name for it), up to 8 rows per decode step. Tests may load other
+    adapters at run time but leave `sql` served."""
+    _, adapter = embedded_lora
+    with running_server("--adapter", f"sql={adapter}", "--max-batch-size", "8") as s:
+        yield s

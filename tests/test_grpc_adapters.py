@@ -32,8 +32,9 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained.train_all(tmp_path_factory.mktemp("grpc-lora"), NAMES)
+def work(tiny_adapters: Path) -> Path:
+    """The session's tiny bases and adapters (conftest.tiny_adapters)."""
+    return tiny_adapters
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +301,7 @@ def test_adapters_that_cannot_be_served_are_refused_at_start(work: Path, tmp_pat
 
 
 @pytest.mark.model
-def test_an_adapter_trained_on_the_embedded_model(embedded_lora) -> None:
+def test_an_adapter_trained_on_the_embedded_model(embedded_lora, embedded_lora_server) -> None:
     """SmolLM2 (no --model) with an adapter trained on it in this session: the server's greedy
     output is mlx-lm's with the adapter, on the same weights; the base rows beside it are
     mlx-lm's without."""
@@ -309,15 +310,12 @@ def test_an_adapter_trained_on_the_embedded_model(embedded_lora) -> None:
 
     _, tokenizer = load(str(checkpoint))
     prompts = [tokenizer.encode(t) for t in ("the cat sat on a mat and the dog", "old men read")]
-    with (
-        running_server("--adapter", f"smol={adapter}", "--max-batch-size", "4") as server,
-        grpc.insecure_channel(server.target) as channel,
-    ):
+    with grpc.insecure_channel(embedded_lora_server.target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         futures = [
             (name, p, stub.Generate.future(request(p, name, max_tokens=10), timeout=300))
             for p in prompts
-            for name in ("smol", "")
+            for name in ("sql", "")
         ]
         for name, p, future in futures:
             ref = mlx_lm_generate(checkpoint, adapter if name else None, p, 10)
@@ -327,7 +325,7 @@ def test_an_adapter_trained_on_the_embedded_model(embedded_lora) -> None:
 
 
 @pytest.mark.model
-def test_structured_output_with_an_adapter(embedded_lora) -> None:
+def test_structured_output_with_an_adapter(embedded_lora, embedded_lora_server) -> None:
     """A response format and an adapter on one request, in a batch with other kinds of rows:
     a choice of one-character options is the option mlx-lm's logits with that adapter rank first
     (and the base's without), a regex reply full-matches, and the free adapter row beside them
@@ -353,17 +351,14 @@ def test_structured_output_with_an_adapter(embedded_lora) -> None:
         scores = [float(first[ids[0]].item()) for ids in option_ids]
         return options[int(np.argmax(scores))]
 
-    with (
-        running_server("--adapter", f"smol={adapter}", "--max-batch-size", "8") as server,
-        grpc.insecure_channel(server.target) as channel,
-    ):
+    with grpc.insecure_channel(embedded_lora_server.target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         rows = [
-            ("smol", choice),
+            ("sql", choice),
             ("", choice),
-            ("smol", regex),
+            ("sql", regex),
             ("", regex),
-            ("smol", None),
+            ("sql", None),
         ]
         futures = [
             stub.Generate.future(

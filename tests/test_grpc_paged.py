@@ -18,11 +18,13 @@ from tests.helpers.server import ServerProcess, free_port, running_server, wait_
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
-# ~1000 tokens of system prompt shared by every request of the sharing test.
+# ~600 tokens of system prompt (over 35 full 16-token blocks) shared by the requests of the
+# sharing and adoption tests: it outweighs what each request adds to it many times over.
 SYSTEM = " ".join(
     f"Rule {i}: answer politely, keep facts straight, and cite the section number {i}."
-    for i in range(60)
+    for i in range(30)
 )
+SHARED_TOKENS = 550  # fewer than SYSTEM's full blocks: what an adopting request must reuse
 QUESTIONS = [
     "What is the capital of France?",
     "Name a primary color.",
@@ -101,14 +103,14 @@ def test_adopting_requests_decode_like_cold_runs(stub: pb_grpc.GenerationService
     ]
     assert all(r.usage.cached_tokens == 0 for r in cold)
     warm_up = stub.Generate(chat_request(QUESTIONS[5], system=SYSTEM, max_tokens=2), timeout=120)
-    assert warm_up.usage.prompt_tokens > 900
+    assert warm_up.usage.prompt_tokens > SHARED_TOKENS
     for q, expected in zip(QUESTIONS[:2], cold):
         got = stub.Generate(chat_request(q, system=SYSTEM, max_tokens=12), timeout=120)
-        assert got.usage.cached_tokens >= 900, got.usage
+        assert got.usage.cached_tokens >= SHARED_TOKENS, got.usage
         assert list(got.token_ids) == list(expected.token_ids), q
     after = _stats(stub)
     assert after.prefix_hits >= before.prefix_hits + 2
-    assert after.prefix_hit_tokens >= before.prefix_hit_tokens + 2 * 900
+    assert after.prefix_hit_tokens >= before.prefix_hit_tokens + 2 * SHARED_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +133,14 @@ def test_paged_output_equals_dense_output(
             assert paged_out.text == dense_out.text
 
 
+# The tight budget: 16 blocks of 16 tokens of float32 K/V. Each of the 8 requests (~40 prompt
+# tokens, 48 generated) needs about 6 blocks, its first two shared: room for 3 at a time, while
+# the 8 rows of a batch all start at once.
+TIGHT_BLOCKS, TIGHT_REQUESTS, TIGHT_TOKENS = 16, 8, 48
+
+
 def test_tight_budget_completes_everything_without_leaks() -> None:
-    # 24 blocks of 16 tokens (~18 MB of float32 K/V): room for about 3 of the 12 requests.
-    budget = str(24 * 16 * 2 * 30 * 3 * 64 * 4)
+    budget = str(TIGHT_BLOCKS * 16 * 2 * 30 * 3 * 64 * 4)
     metrics_port = free_port()
     with (
         running_server(
@@ -143,14 +150,14 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
         grpc.insecure_channel(server.target) as channel,
     ):  # fmt: skip
         stub = pb_grpc.GenerationServiceStub(channel)
-        assert _stats(stub).total_blocks == 24
+        assert _stats(stub).total_blocks == TIGHT_BLOCKS
         results: dict[int, pb.GenerateResponse | grpc.RpcError] = {}
 
         def run(i: int) -> None:
             request = chat_request(
                 QUESTIONS[i % 8],
                 request_id=f"tight-{i}",
-                max_tokens=72,
+                max_tokens=TIGHT_TOKENS,
                 stopping=pb.StoppingCriteria(ignore_eos=True),
             )
             try:
@@ -158,7 +165,7 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
             except grpc.RpcError as exc:
                 results[i] = exc
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(TIGHT_REQUESTS)]
         for t in threads:
             t.start()
         for t in threads:
@@ -167,7 +174,7 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
         assert not failures, {i: (e.code(), e.details()) for i, e in failures.items()}
         for r in results.values():
             assert r.finish_reason == pb.FINISH_REASON_LENGTH
-            assert r.usage.completion_tokens == 72
+            assert r.usage.completion_tokens == TIGHT_TOKENS
         idle = wait_idle(stub)
         assert idle.active_blocks == 0
         assert idle.free_blocks == idle.total_blocks
@@ -181,14 +188,15 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
         assert "KV cache budget" in refused.value.details()
         details = error_details(refused.value)
         assert details.reason == "KV_BUDGET_EXCEEDED" and details.retry_delay is None
-        assert details.metadata["capacity_tokens"] == str(24 * 16)
+        assert details.metadata["capacity_tokens"] == str(TIGHT_BLOCKS * 16)
 
         # The metrics saw the same: the preemptions, the refusal, the pool's size, all free.
         samples = scrape_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
         model = {"model": EMBEDDED_MODEL_ID}
         assert metric(samples, "mlxserve_preemptions_total", **model) == idle.preemptions
         assert metric(samples, "mlxserve_rejections_total", **model, reason="kv_budget") == 1
-        assert metric(samples, "mlxserve_requests_total", **model, finish_reason="length") == 12
-        assert metric(samples, "mlxserve_kv_cache_capacity_blocks", **model) == 24
+        done = metric(samples, "mlxserve_requests_total", **model, finish_reason="length")
+        assert done == TIGHT_REQUESTS
+        assert metric(samples, "mlxserve_kv_cache_capacity_blocks", **model) == TIGHT_BLOCKS
         assert metric(samples, "mlxserve_kv_cache_capacity_bytes", **model) == int(budget)
         assert metric(samples, "mlxserve_kv_cache_usage_ratio", **model) == 0

@@ -21,8 +21,9 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained.train_all(tmp_path_factory.mktemp("lora"))
+def work(tiny_adapters: Path) -> Path:
+    """The session's tiny bases and adapters (conftest.tiny_adapters)."""
+    return tiny_adapters
 
 
 def served(work: Path, base: str, names: tuple[str, ...] | None = None, kernel: bool = False):

@@ -23,7 +23,13 @@ from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers.metrics import EMBEDDED_MODEL_ID, metric, scrape_metrics
 from tests.helpers.processes import children, core_of, maps_mlx
 from tests.helpers.requests import chat_request, to_stream
-from tests.helpers.server import GENERATION_SERVICE, free_port, running_server, start_server
+from tests.helpers.server import (
+    GENERATION_SERVICE,
+    ServerProcess,
+    free_port,
+    running_server,
+    start_server,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,17 +38,17 @@ pytestmark = [
 ]
 
 
-def test_only_the_engine_core_imports_mlx() -> None:
-    with running_server("--log-format", "json") as server:
-        assert not maps_mlx(server.proc.pid), "the front end mapped MLX"
-        core = core_of(server.proc.pid)
-        assert core != server.proc.pid
-        with grpc.insecure_channel(server.target) as channel:
-            reply = pb_grpc.GenerationServiceStub(channel).Generate(
-                chat_request("What is the capital of France?", max_tokens=8), timeout=60
-            )
-            assert "Paris" in reply.text
-        assert not maps_mlx(server.proc.pid)
+def test_only_the_engine_core_imports_mlx(server: ServerProcess) -> None:
+    """On the session's server (a plain launch of the embedded model)."""
+    assert not maps_mlx(server.proc.pid), "the front end mapped MLX"
+    core = core_of(server.proc.pid)
+    assert core != server.proc.pid
+    with grpc.insecure_channel(server.target) as channel:
+        reply = pb_grpc.GenerationServiceStub(channel).Generate(
+            chat_request("What is the capital of France?", max_tokens=8), timeout=60
+        )
+        assert "Paris" in reply.text
+    assert not maps_mlx(server.proc.pid)
 
 
 def test_front_ends_share_the_port() -> None:
@@ -84,15 +90,14 @@ def test_front_ends_share_the_port() -> None:
         assert metric(samples, "mlxserve_num_requests_running", **model) == 0
 
 
-def test_a_slow_consumer_gets_several_steps_per_message_and_slows_no_one() -> None:
+def test_a_slow_consumer_gets_several_steps_per_message_and_slows_no_one(
+    server: ServerProcess,
+) -> None:
     """A stream read slowly has its tokens coalesced (fewer messages than tokens, same text as
     read at full speed); a stream read normally beside it keeps one message per step and
-    finishes long before the slow reader is done."""
+    finishes long before the slow reader is done. On the session's server."""
     request = to_stream(chat_request("Write a story about a cat.", max_tokens=40))
-    with (
-        running_server("--log-format", "json") as server,
-        grpc.insecure_channel(server.target) as channel,
-    ):
+    with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         want = stub.Generate(chat_request("Write a story about a cat.", max_tokens=40))
         slow_messages: list[pb.StreamGenerateResponse] = []

@@ -69,11 +69,10 @@ README_ADAPTERS = ("/adapters/sql", "/adapters/support")
 
 
 @pytest.fixture(scope="module")
-def with_adapter(embedded_lora) -> Iterator[tuple[ServerProcess, str]]:
+def with_adapter(embedded_lora, embedded_lora_server) -> tuple[ServerProcess, str]:
     """The embedded model serving an adapter as `sql`; (server, the adapter's directory)."""
     _, adapter = embedded_lora
-    with running_server("--adapter", f"sql={adapter}") as server:
-        yield server, str(adapter)
+    return embedded_lora_server, str(adapter)
 
 
 @pytest.mark.slow

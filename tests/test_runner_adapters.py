@@ -23,8 +23,9 @@ NAMES = ("all7", "qv_head", "dora_mlp")
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained.train_all(tmp_path_factory.mktemp("runner"))
+def work(tiny_adapters: Path) -> Path:
+    """The session's tiny bases and adapters (conftest.tiny_adapters)."""
+    return tiny_adapters
 
 
 def engine(

@@ -128,13 +128,13 @@ def test_tp2_cancellation_and_preemption(tp_model) -> None:
         assert stub.CacheStats(pb.CacheStatsRequest(), timeout=10).preemptions >= 1
 
 
-def test_tp2_serves_lora_adapters_sharded_like_their_layers(tmp_path) -> None:
+def test_tp2_serves_lora_adapters_sharded_like_their_layers(tiny_adapters) -> None:
     """Adapters trained with mlx-lm on a 4-head llama (LoRA on every projection, on q/v and the
     LM head; DoRA on the MLP and o_proj, whose input is sharded) at TP=2: concurrent requests of
     every adapter and none get mlx-lm's tokens for their adapter (one rank), and an adapter
     loaded at run time is loaded on both ranks."""
     names = ("all7", "qv_head", "dora_mlp")
-    work = adapters.train_all(tmp_path, names)
+    work = tiny_adapters
     prompts = [adapters.prompts(1, seed=10 + i, length=6 + i)[0] for i in range(8)]
     rows = [(name, prompts[i]) for i, name in enumerate([*names, ""] * 2)]
     flags = [f"--adapter={n}={work / 'adapters' / n}" for n in names]
