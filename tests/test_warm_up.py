@@ -39,3 +39,9 @@ def test_warm_prefill_passes_run_each_shape_and_leave_the_pool_as_it_was():
         # A spent budget builds nothing more (the rest is built on first use).
         assert warm_up.warm_prefill_passes(runner, kv, shapes, budget_s=-1.0) == 0
         assert kv.num_free_blocks == free
+        # One row at each first width bucket, each followed by its decode step.
+        seen.clear()
+        warm_up.warm_single_row(runner, kv, batch_size=4, decode_graph=False)
+        assert seen == [(1, width) for width in warm_up.SINGLE_ROW_WIDTHS]
+        assert kv.num_free_blocks == free
+        assert all(row is None for row in runner.rows)

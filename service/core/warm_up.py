@@ -32,22 +32,10 @@ def warm_single_row(runner: Any, kv: KVManager, batch_size: int, decode_graph: b
     """One row's prefill at each of the first width buckets and its decode step; with
     `decode_graph`, every batch bucket's compiled decode step too."""
     for width in SINGLE_ROW_WIDTHS:
-        blocks = kv.new_sequence(cache_prefix=False)
         # Room for the prefill, its decode step and one decode step per row bucket.
-        if not kv.ensure_slots(blocks, width + 2 + len(row_buckets(batch_size))):
-            kv.free_sequence(blocks)
+        seqs = _prefill_rows(runner, kv, 1, width, width + 2 + len(row_buckets(batch_size)))
+        if seqs is None:
             return  # a pool too small to warm up in: the first requests pay instead
-        update = kv.take_update()
-        join = RowJoin(0, "warm-up", SamplingParams(), [0], 0)
-        prefill = StepPlan(
-            STEP,
-            joins=[join],
-            tables=[(0, list(blocks.block_ids))],
-            capacity=update.capacity,
-            copies=list(update.copies),
-            prefill=[[Chunk(0, [0] * width, True)]],
-        )
-        runner.collect(runner.submit(prefill))
         runner.collect(runner.submit(StepPlan(STEP, decode=[0])))
         if width == SINGLE_ROW_WIDTHS[0] and decode_graph:
             # Every batch bucket's compiled decode step (and its CUDA graphs) now, not on the
@@ -56,8 +44,7 @@ def warm_single_row(runner: Any, kv: KVManager, batch_size: int, decode_graph: b
                 runner.min_rows = rows
                 runner.collect(runner.submit(StepPlan(STEP, decode=[0])))
             runner.min_rows = 0
-        kv.free_sequence(blocks)
-        runner.collect(runner.submit(StepPlan(STEP, leaves=[RowLeave(0, True)])))
+        _leave(runner, kv, seqs)
 
 
 def pass_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -89,28 +76,10 @@ def warm_prefill_passes(
                 budget_s=budget_s,
             )
             return done
-        seqs = []
-        for _ in range(rows):
-            seqs.append(kv.new_sequence(cache_prefix=False))
-            if not kv.ensure_slots(seqs[-1], width):
-                for blocks in seqs:
-                    kv.free_sequence(blocks)
-                kv.take_update()
-                return done
-        update = kv.take_update()
-        plan = StepPlan(
-            STEP,
-            joins=[RowJoin(s, f"warm-up-{s}", SamplingParams(), [0], 0) for s in range(rows)],
-            tables=[(s, list(blocks.block_ids)) for s, blocks in enumerate(seqs)],
-            capacity=update.capacity,
-            copies=list(update.copies),
-            prefill=[[Chunk(s, [0] * width, True) for s in range(rows)]],
-        )
-        runner.collect(runner.submit(plan))
-        leaves = [RowLeave(s, True) for s in range(rows)]
-        runner.collect(runner.submit(StepPlan(STEP, leaves=leaves)))
-        for blocks in seqs:
-            kv.free_sequence(blocks)
+        seqs = _prefill_rows(runner, kv, rows, width, width)
+        if seqs is None:
+            return done
+        _leave(runner, kv, seqs)
         done += 1
         if done % 8 == 0:
             log.info(
@@ -120,3 +89,39 @@ def warm_prefill_passes(
                 seconds=round(time.monotonic() - started, 1),
             )
     return done
+
+
+def _prefill_rows(
+    runner: Any, kv: KVManager, rows: int, width: int, reserve: int
+) -> list[Any] | None:
+    """Join `rows` throwaway rows in slots 0.. with `reserve` positions each and run one
+    prefill pass of `width` tokens on every one (each sampling, as a whole prompt does); their
+    blocks, or None (nothing held) when the pool lacks the room."""
+    seqs = []
+    for _ in range(rows):
+        seqs.append(kv.new_sequence(cache_prefix=False))
+        if not kv.ensure_slots(seqs[-1], reserve):
+            for blocks in seqs:
+                kv.free_sequence(blocks)
+            kv.take_update()
+            return None
+    update = kv.take_update()
+    plan = StepPlan(
+        STEP,
+        joins=[RowJoin(s, f"warm-up-{s}", SamplingParams(), [0], 0) for s in range(rows)],
+        tables=[(s, list(blocks.block_ids)) for s, blocks in enumerate(seqs)],
+        capacity=update.capacity,
+        copies=list(update.copies),
+        prefill=[[Chunk(s, [0] * width, True) for s in range(rows)]],
+    )
+    runner.collect(runner.submit(plan))
+    return seqs
+
+
+def _leave(runner: Any, kv: KVManager, seqs: list[Any]) -> None:
+    """The throwaway rows leave the runner and give their blocks back."""
+    runner.collect(
+        runner.submit(StepPlan(STEP, leaves=[RowLeave(s, True) for s in range(len(seqs))]))
+    )
+    for blocks in seqs:
+        kv.free_sequence(blocks)
