@@ -372,7 +372,8 @@ class Runtime:
                 if cfg.no_batch or deterministic or engine_config.single_row_prefill
                 else prefill_rows,
                 max_batch_prefill_tokens=prefill_tokens,
-                prefill_row_buckets=gpu and engine_config.shape_buckets,
+                # The shapes a GPU pass can take are few and built at start (warm_up).
+                prefill_row_buckets=engine_config.shape_buckets,
                 prefill_grant_interval=cfg.prefill_grant_interval,
                 enable_preemption=cfg.enable_preemption,
                 preemption_policy=cfg.preemption_policy,
