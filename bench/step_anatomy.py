@@ -90,7 +90,6 @@ class _Rows:
             tables.append((slot, list(seq.block_ids)))
             chunks.append(Chunk(slot, list(range(17, 49)), True))
         update = kv.take_update()
-        self._plan = StepPlan
         plan = StepPlan(self._next(), joins=joins, tables=tables, capacity=update.capacity)
         plan.prefill = [chunks[i : i + 16] for i in range(0, batch, 16)]
         runtime.runner.collect(runtime.runner.submit(plan))
@@ -100,7 +99,7 @@ class _Rows:
         return self.step
 
     def round(self, steps: int) -> dict[str, float]:
-        from service.core.scheduler.plan import RowLeave, StepPlan
+        from service.core.scheduler.plan import StepPlan
 
         runner, slots = self.runtime.runner, list(range(self.batch))
         _PHASES.clear()
@@ -112,9 +111,18 @@ class _Rows:
             runner.dispatch(nxt)
             pending = nxt
         runner.collect(pending)
-        row = _summary("runner", self.batch, steps, started, cpu)
-        self.leaves = [RowLeave(s, True) for s in slots]
-        return row
+        return _summary("runner", self.batch, steps, started, cpu)
+
+    def release(self) -> None:
+        """The rows leave the runner and give their blocks back."""
+        from service.core.scheduler.plan import RowLeave, StepPlan
+
+        leaves = [RowLeave(s, True) for s in range(self.batch)]
+        self.runtime.runner.collect(
+            self.runtime.runner.submit(StepPlan(self._next(), leaves=leaves))
+        )
+        for seq in self.blocks:
+            self.runtime.kv.free_sequence(seq)
 
 
 def prefill_rounds(runtime: Any, batch: int, per_pass: int, width: int) -> list[dict[str, Any]]:
@@ -292,13 +300,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     rows.append(rows_.round(args.steps))
                     _print(rows[-1])
-                runner.collect(
-                    runner.submit(
-                        rows_._plan(rows_._next(), leaves=rows_.leaves),
-                    )
-                )
-                for seq in rows_.blocks:
-                    runtime.kv.free_sequence(seq)
+                rows_.release()
             runtime = Runtime(config)
         if "core" in paths:
             runtime.start()
