@@ -160,6 +160,7 @@ def test_cuda_path_of_a_plain_attention_family():
         decode_attention="direct",
         in_place_writes=True,
         overlap_steps=True,
+        update_beside_dispatch=True,
         compile_decode=True,
         shape_buckets=True,
         lora_kernel=True,
@@ -209,6 +210,8 @@ def test_the_factory_builds_the_storage_the_config_names():
         make_storage(cpu, model, LLAMA)
     with pytest.raises(ValueError, match="needs paged storage"):
         EngineConfig(storage="dense", decode_attention="mirror")
+    with pytest.raises(ValueError, match="needs overlapped steps"):
+        EngineConfig(update_beside_dispatch=True)
 
 
 def test_parallel_and_max_batch_size_are_one_setting(monkeypatch, capsys):

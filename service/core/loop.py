@@ -8,7 +8,11 @@ waiting it blocks until something arrives (no busy loop, no fixed delay).
 Steps are pipelined: while step N runs, step N+1 is planned and built when the scheduler says
 it is nothing but decode steps (`decode_only`), and N's tokens are read only once N+1 is queued
 (or, where the storage's writes are not in place, right before N+1 is dispatched). So the
-scheduler's and the runner's Python for N+1 overlaps the device's work on N.
+scheduler's and the runner's Python for N+1 overlaps the device's work on N. Where the engine
+says so (`update_beside_dispatch`: a device whose dispatch is long host work that releases the
+GIL), N is read, handed to the scheduler and delivered on a second thread while this one is
+inside N+1's dispatch; the two never touch the scheduler at once (this thread waits for the
+other before it goes on).
 
 Rows with a response format sample under token masks that depend on their last token. A
 decode step with such rows stops at its logits when it is built; once the step before it is
@@ -27,6 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -51,6 +56,7 @@ class Runner(Protocol):
     def sample(self, pending: Any, masks: RowMasks) -> Any: ...
     def take_prefill(self, pending: Any) -> StepResult: ...
     def collect(self, pending: Any) -> StepResult: ...
+    def read_beside(self, pending: Any) -> StepResult | None: ...
     def load_adapter(self, name: str, path: str, slot: int) -> AdapterDescription: ...
 
 
@@ -91,6 +97,7 @@ class CoreLoop:
         runner: Runner,
         *,
         overlap_steps: bool,
+        update_beside_dispatch: bool = False,
         on_turn: Callable[[Scheduler], None] | None = None,
         on_finished: Callable[[Request], None] | None = None,
         fatal_errors: bool = False,
@@ -98,6 +105,8 @@ class CoreLoop:
         on_adapters_changed: Callable[[], None] | None = None,
     ) -> None:
         """overlap_steps: step N+1 may be dispatched before N is read (in-place pool writes);
+        update_beside_dispatch: N is read and handed to the scheduler on a second thread while
+        N+1 is dispatched (needs overlap_steps);
         on_turn: told after each turn, before its outputs go out (where the state other threads
         read is published: whoever saw a token finds its request there);
         on_finished: told of each request whose final output was delivered;
@@ -108,6 +117,13 @@ class CoreLoop:
         self.scheduler = scheduler
         self.runner = runner
         self._overlap = overlap_steps
+        if update_beside_dispatch and not overlap_steps:
+            raise ValueError("reading a step beside the next one's dispatch needs overlap_steps")
+        self._beside = (
+            ThreadPoolExecutor(1, thread_name_prefix="engine-update")
+            if update_beside_dispatch
+            else None
+        )
         self._on_turn = on_turn
         self._fatal = fatal_errors
         self._on_finished = on_finished
@@ -172,6 +188,8 @@ class CoreLoop:
         self._finish_inflight()
         self.scheduler.cancel_all()
         self._deliver()
+        if self._beside is not None:
+            self._beside.shutdown()
 
     def turn(self) -> None:
         """One step: plan, run, read. A plain decode step's successor is planned and queued
@@ -179,6 +197,9 @@ class CoreLoop:
         sched, runner = self.scheduler, self.runner
         if self._inflight is not None and sched.decode_only():
             plan = sched.schedule()
+            if plan is not None and self._beside is not None and not sched.masks_due(plan):
+                self._step_beside(plan)
+                return
             pending = runner.submit(plan, dispatch=self._overlap) if plan is not None else None
             self._finish_inflight()
             if pending is not None:
@@ -202,6 +223,34 @@ class CoreLoop:
             self._inflight = (plan, pending)
         else:
             sched.update(plan, runner.collect(pending))
+
+    def _step_beside(self, plan: StepPlan) -> None:
+        """Build step N+1, then dispatch it while the other thread reads step N, updates the
+        scheduler and delivers the tick's outputs (it holds the GIL while this thread is inside
+        `mx.async_eval`)."""
+        assert self._beside is not None and self._inflight is not None
+        pending = self.runner.submit(plan, dispatch=False)
+        update = self._beside.submit(self._update_beside)
+        try:
+            self.runner.dispatch(pending)
+        finally:
+            read = update.result()  # the scheduler is this thread's again; raises its error
+        if not read:
+            self._finish_inflight()
+        self._inflight = (plan, pending)
+
+    def _update_beside(self) -> bool:
+        """On the other thread: step N's tokens to the scheduler and out; False when N must be
+        read on the loop thread (see ModelRunner.read_beside)."""
+        assert self._inflight is not None
+        plan, pending = self._inflight
+        result = self.runner.read_beside(pending)
+        if result is None:
+            return False
+        self._inflight = None
+        self.scheduler.update(plan, result)
+        self._deliver()
+        return True
 
     def _sample_masked(self, plan: StepPlan, pending: Any) -> None:
         """A decode step's constrained rows: their masks now (the tokens they depend on are

@@ -208,6 +208,8 @@ class Runtime:
             self.scheduler,
             self.runner,
             overlap_steps=engine_config.overlap_steps,
+            # Tensor parallel: every read is one the other ranks follow, on this thread.
+            update_beside_dispatch=engine_config.update_beside_dispatch and self.group is None,
             on_turn=self._publish,
             on_finished=self.on_request_finished,
             # Tensor parallel: the other ranks cannot follow a step rank 0 gave up on.
@@ -415,6 +417,7 @@ class Runtime:
             storage_backend=self.runner.storage.name,
             decode_attention=engine_config.decode_attention,
             overlap_steps=engine_config.overlap_steps,
+            update_beside_dispatch=engine_config.update_beside_dispatch,
             compiled_decode=engine_config.compile_decode,
             shape_buckets=engine_config.shape_buckets,
             fast_swiglu_layers=fast_mlp_layers,

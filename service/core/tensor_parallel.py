@@ -188,6 +188,11 @@ class ReplicatedRunner:
         self._send(Collect(pending.plan.step))
         return self._runner.collect(pending)  # a failure raises (no containment here)
 
+    def read_beside(self, pending: Any) -> StepResult | None:
+        """Never: every read is a command the other ranks follow, sent from the loop thread
+        (the runtime does not read beside a dispatch under tensor parallel)."""
+        return None
+
     def load_adapter(self, name: str, path: str, slot: int) -> AdapterDescription:
         """Every rank loads it into the same slot, its shard of each layer's update."""
         self._send(LoadAdapter(name, path, slot))

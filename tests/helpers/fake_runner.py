@@ -12,6 +12,7 @@ runner's does."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -115,6 +116,8 @@ class FakeRunner:
     calls: list[tuple] = field(default_factory=list)
     adapter_of: dict[str, int] = field(default_factory=dict)  # request id -> adapter slot joined
     adapters: dict[int, str] = field(default_factory=dict)  # loaded: slot -> name
+    # The threads that read steps beside a dispatch (read_beside), one entry per step read.
+    beside_threads: list[str] = field(default_factory=list)
 
     @property
     def live(self) -> set[str]:
@@ -277,6 +280,14 @@ class FakeRunner:
         result.decoded = pending.decode is not None
         return result
 
+    def read_beside(self, pending: _Pending) -> StepResult | None:
+        """As the model runner's: a plain decode step is read, anything else is left to
+        `collect` on the loop thread."""
+        if pending.prefill or pending.decode is None or pending.waiting:
+            return None
+        self.beside_threads.append(threading.current_thread().name)
+        return self.collect(pending)
+
 
 def _result(sampled: list[tuple[int, int]]) -> StepResult:
     return StepResult(
@@ -349,9 +360,12 @@ class Harness:
         constraints: Constraints | None = None,
         steer: Steer | None = None,
         adapters: Seq[str] = (),
+        beside: bool = False,
         **config,
     ) -> None:
-        """`adapters`: names of LoRA adapters served from the start (slots 1, 2, ...)."""
+        """`adapters`: names of LoRA adapters served from the start (slots 1, 2, ...);
+        `beside`: the loop reads plain decode steps on its second thread while it dispatches
+        the next (update_beside_dispatch, with overlapped steps)."""
         self.engine = FakeRunner(config=EngineConfig(batched=batched), cost=cost, steer=steer)
         table = AdapterTable()
         for name in adapters:
@@ -375,7 +389,8 @@ class Harness:
         self.loop = CoreLoop(
             self.sched,
             self.engine,
-            overlap_steps=False,
+            overlap_steps=beside,
+            update_beside_dispatch=beside,
             on_rejected=lambda seq, why: self.rejected.__setitem__(seq.request_id, why),
             on_adapters_changed=self._adapters_changed,
         )

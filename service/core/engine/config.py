@@ -3,8 +3,9 @@ anything is built, and frozen. Nothing changes a built engine's mode afterwards.
 
 One decode path per platform:
 - CUDA: decode steps attend straight from the paged pool with the CUDA kernel and write their
-  K/V in place, so step N+1 is queued before step N is read (overlap) and a step replays a
-  compiled graph; prefill forwards are padded to a few shape buckets (attention builds a plan
+  K/V in place, so step N+1 is queued before step N is read (overlap), N is read and handed to
+  the scheduler on a second thread while N+1's dispatch runs, and a step replays a compiled
+  graph; prefill forwards are padded to a few shape buckets (attention builds a plan
   per new shape there). LoRA rows' updates come from two custom kernels per adapted layer: MLX's
   CUDA gather_mm runs a row's product at a time, and every extra primitive costs host work.
 - Elsewhere: MLX ops. Decode steps of two or more rows attend over a contiguous copy of the
@@ -45,6 +46,10 @@ class EngineConfig:
     decode_attention: str = "gather"  # "gather", "mirror" (CPU) or "direct" (CUDA kernel)
     in_place_writes: bool = False  # decode K/V written in place by the CUDA kernel
     overlap_steps: bool = False  # step N+1 queued before step N is read
+    # Step N is read and handed to the scheduler on a second thread while this one is inside
+    # step N+1's `mx.async_eval` (MLX's host work, the GIL released): the scheduler's Python
+    # then costs the step nothing on a host-bound device.
+    update_beside_dispatch: bool = False
     compile_decode: bool = False  # decode steps replay a compiled graph
     shape_buckets: bool = False  # multi-token forwards padded to bucket lengths
     single_row_prefill: bool = False  # multi-token forwards carry one row (recurrent state)
@@ -82,6 +87,8 @@ class EngineConfig:
             raise ValueError("in-place K/V writes come with direct decode attention")
         if self.overlap_steps and not self.in_place_writes:
             raise ValueError("overlapped steps need in-place K/V writes")
+        if self.update_beside_dispatch and not self.overlap_steps:
+            raise ValueError("reading a step beside the next one's dispatch needs overlapped steps")
         if self.compile_decode and self.decode_attention != "direct":
             raise ValueError("compiled decode steps need direct decode attention")
 
@@ -123,6 +130,7 @@ def resolve(
             decode_attention="direct" if direct else "gather",
             in_place_writes=direct,
             overlap_steps=direct,
+            update_beside_dispatch=direct,
             compile_decode=direct and family.split_head and not layout.stateful and compilable,
             shape_buckets=not layout.stateful,
             single_row_prefill=layout.stateful,

@@ -129,6 +129,10 @@ class _Forward:
     masks: Masks | None = None  # the masks it sampled under (a redo applies them again)
     parts: list[_Forward] | None = None  # rows run one by one, some waiting for masks
     dispatched: bool = False
+    # `tokens` as the host reads them, when steps are read beside the next one's dispatch: the
+    # next step's graph takes `tokens` as its input, and an MLX array must not be waited on by
+    # one thread while another evaluates a graph through it.
+    readout: mx.array | None = None
 
 
 @dataclass
@@ -278,6 +282,32 @@ class ModelRunner:
         result = StepResult.merge(pending.plan.step, parts)
         result.prefill_rows = prefill_rows
         result.decoded = pending.verified is not None or pending.decode is not None
+        return result
+
+    def read_beside(self, pending: Pending) -> StepResult | None:
+        """`collect`, from a second thread while this runner dispatches the next step (the
+        GIL released inside `mx.async_eval`): only a plain decode forward is read there, through
+        its readout, which the next step's graph does not reach. None: anything else (rows run
+        alone, a redo, a verification, injected faults), which `collect` reads after the
+        dispatch."""
+        forward = pending.decode
+        if (
+            pending.prefill
+            or pending.verified is not None
+            or forward is None
+            or forward.readout is None
+            or forward.read is not None
+            or forward.parts is not None
+            or forward.logits is not None
+            or self._fault_injector is not None
+        ):
+            return None
+        try:
+            result = self._read_plain(forward)
+        except Exception:
+            return None  # `collect` reads it again and redoes its rows on this thread
+        result = StepResult.merge(pending.plan.step, [result])
+        result.decoded = True
         return result
 
     # -- row table -------------------------------------------------------------------
@@ -539,6 +569,7 @@ class ModelRunner:
         logits = self._masked(forward.logits, sampled_slots, masks)
         done = self._sample(forward.slots, forward.sampled, forward.rows, logits)
         forward.tokens, forward.logprobs, forward.top = done.tokens, done.logprobs, done.top
+        forward.readout = done.readout
         forward.sources, forward.logits, forward.masks = done.sources, None, masks
         if forward.dispatched:
             self._dispatch(forward)
@@ -583,6 +614,8 @@ class ModelRunner:
             slots, rows, np.ones(len(slots), np.int32), sampled, drawn, logprobs, top
         )
         forward.sources = sources
+        if self.config.update_beside_dispatch:
+            forward.readout = mx.stop_gradient(drawn)  # shares the buffer: no kernel
         return forward
 
     def _next_forward_id(self) -> int:
@@ -649,8 +682,8 @@ class ModelRunner:
             elif forward.tokens is None:
                 mx.async_eval(forward.hidden)
             else:
-                extra = [x for x in (forward.logprobs, *(forward.top or ())) if x is not None]
-                mx.async_eval([forward.tokens, *extra])
+                extra = (forward.readout, forward.logprobs, *(forward.top or ()))
+                mx.async_eval([forward.tokens, *(x for x in extra if x is not None)])
         return forward
 
     def _read(self, forward: _Forward) -> StepResult:
@@ -665,16 +698,22 @@ class ModelRunner:
             if forward.tokens is None:
                 mx.eval(forward.hidden)
                 return StepResult.empty(-1)
-            if self._fault_injector is not None:
-                self._check_faults([forward.rows[i] for i in forward.sampled], "evaluate")
-            tokens = np.asarray(forward.tokens, dtype=np.int32)
+            return self._read_plain(forward)
         except Exception as exc:
             if not self._contain:
                 raise
             log.warning("batched evaluation failed; retrying rows one by one", error=str(exc))
             return self._redo_alone(forward)
-        sampled_slots = forward.slots[forward.sampled]
-        result = StepResult(-1, sampled_slots, tokens)
+
+    def _read_plain(self, forward: _Forward) -> StepResult:
+        """A sampled forward's tokens (and logprobs) on the host; raises where its evaluation
+        failed."""
+        if self._fault_injector is not None:
+            self._check_faults([forward.rows[i] for i in forward.sampled], "evaluate")
+        tokens = np.asarray(
+            forward.tokens if forward.readout is None else forward.readout, dtype=np.int32
+        )
+        result = StepResult(-1, forward.slots[forward.sampled], tokens)
         if forward.logprobs is not None:
             result.logprobs = np.asarray(forward.logprobs, dtype=np.float32)
             if forward.top is not None:
