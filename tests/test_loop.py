@@ -107,7 +107,8 @@ def test_a_read_that_fails_beside_fails_the_running_requests_and_the_loop_serves
 def test_a_cuda_core_reading_beside_the_dispatch_gives_the_tokens_read_on_its_thread():
     """The real runner: steps read through their readout on the second thread, while the next
     step's graph (fed by the same tokens on the device) is dispatched."""
-    with loaded_runtime(max_batch_size=8) as runtime:
+    # A shape whose heads the CUDA kernel reads (the tiny preset's are too narrow).
+    with loaded_runtime("smollm2-135m", max_batch_size=8) as runtime:
         assert runtime.engine_config is not None
         assert runtime.engine_config.update_beside_dispatch
         outs: dict[bool, dict[int, list[int]]] = {}
