@@ -1024,6 +1024,10 @@ class Scheduler:
             prompt_tokens=seq.prompt_len,
             completion_tokens=seq.num_generated,
             error=error,
+            # From its arrival at the engine core: where a client's latency is spent.
+            queue_ms=round(queue_s * 1000, 1),
+            ttft_ms=round(ttft_s * 1000, 1),
+            total_ms=round(total_s * 1000, 1),
         )
 
     def _end_cancelled(self) -> None:
