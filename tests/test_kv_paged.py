@@ -5,6 +5,7 @@ refusing unreserved positions and in-place pool updates."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models import llama
 
@@ -85,6 +86,53 @@ def test_shape_buckets_give_the_same_tokens(model, kind):
         for s in seqs:
             engine.release(s)
     assert outs[True] == outs[False]
+
+
+def test_a_padded_pass_repeats_its_last_row_and_writes_only_the_scratch_slot(model):
+    """With shape buckets a multi-row prefill is padded up to a power of two of rows (copies of
+    its last row): the model sees 4 rows for 3 prompts, the tokens are the unpadded pass's and
+    the pool outside the scratch block holds what the unpadded pass stored (to float noise:
+    the padded shapes run other kernels' blockings)."""
+    runs = {}
+    for buckets in (False, True):
+        storage = paged()
+        engine = make_engine(model, storage, EngineConfig(shape_buckets=buckets))
+        rows_seen: list[int] = []
+        hidden = engine.engine._head.hidden
+
+        def spy(tokens, views, adapters, hidden=hidden, rows_seen=rows_seen):
+            rows_seen.append(tokens.shape[0])
+            return hidden(tokens, views, adapters)
+
+        engine.engine._head.hidden = spy
+        _, out = generate(engine, PROMPTS, steps=3, tag="p")
+        scratch = storage.scratch_slot
+        pools = [np.array(a[:scratch]) for a in storage.pool_arrays()]
+        runs[buckets] = (rows_seen[0], out, pools)
+    assert runs[False][0] == 3 and runs[True][0] == 4
+    assert runs[True][1] == runs[False][1]
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(runs[True][2], runs[False][2]))
+
+
+def test_padding_rows_read_their_last_row_and_write_only_the_scratch_slot():
+    storage = paged(num_blocks=16, block_size=4)
+    manager = KVCacheManager(16, 4)
+    a, b = storage.new_sequence(), storage.new_sequence()
+    table_a, table_b = manager.new_sequence(), manager.new_sequence()
+    assert manager.ensure_slots(table_a, 3) and manager.ensure_slots(table_b, 2)
+    step = step_layout([a, b], [0, 0], [3, 2], [table_a.block_ids, table_b.block_ids])
+    padded = step.padded_rows(2)
+    assert padded.batch_size == 4 and padded.padding_rows == 2
+    keys = mx.random.normal((2, KV_HEADS, 3, HEAD_DIM))
+    junk = mx.full((2, KV_HEADS, 3, HEAD_DIM), 99.0)  # what the padding rows would write
+    k, _ = storage.write_and_gather(
+        0, padded, mx.concatenate([keys, junk]), mx.repeat(keys[:1], 4, axis=0)
+    )
+    stored_b, _ = storage.gather(table_b.block_ids, 0, 2)
+    stored_a, _ = storage.gather(table_a.block_ids, 0, 3)
+    assert mx.array_equal(stored_a, keys[0]) and mx.array_equal(stored_b, keys[1, :, :2])
+    # The padding rows attended over their last row's positions, as it did.
+    assert mx.array_equal(k[2, :, :2], k[1, :, :2]) and mx.array_equal(k[3, :, :2], k[1, :, :2])
 
 
 def _forward_logits(model, storage, handles, tables, starts, rows):

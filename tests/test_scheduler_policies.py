@@ -400,22 +400,6 @@ def test_batched_prefill_groups_up_to_max_batch_prefill_requests() -> None:
     assert all(len(h.tokens(f"r{i}")) == 2 for i in range(5))
 
 
-def test_prefill_row_buckets_take_a_power_of_two_of_rows_per_pass() -> None:
-    """On a GPU a pass takes the largest power of two of the rows it could (each new forward
-    shape costs a graph build): 7 waiting prompts go as 4, 2, 1, in priority order."""
-    h = Harness(max_batch_size=8, max_batch_prefill=8, prefill_row_buckets=True)
-    for i in range(7):
-        h.submit(f"r{i}", prompt=[10 * i + 1] * 10, max_tokens=2)
-    passes = [prefill_forwards(tick(h)) for _ in range(3)]
-    assert [[f.ids for f in p] for p in passes] == [
-        [["r0", "r1", "r2", "r3"]],
-        [["r4", "r5"]],
-        [["r6"]],
-    ]
-    h.run()
-    assert all(len(h.tokens(f"r{i}")) == 2 for i in range(7))
-
-
 def test_batched_prefill_respects_the_token_cap() -> None:
     h = Harness(max_batch_size=8, max_batch_prefill=4, max_batch_prefill_tokens=25)
     for request_id, n in [("a", 10), ("b", 10), ("c", 10), ("d", 5)]:

@@ -126,8 +126,8 @@ class SchedulingConfig:
     def prefill_limits(self, gpu: bool) -> tuple[int, int | None]:
         """Rows and tokens of one prefill pass, where the flags leave them unset. A GPU
         prefills many short prompts in about the time of one, so a pass admits the whole batch
-        as far as GPU_PREFILL_TOKENS goes: a burst starts decoding at once. (Its passes take a
-        power of two of rows, whose shapes the runtime builds before serving.) A CPU's prefill
+        as far as GPU_PREFILL_TOKENS goes: a burst starts decoding at once. (The runner pads a pass
+        to a power of two of rows, whose shapes the runtime builds before serving.) A CPU's prefill
         cost grows with every prompt: CPU_PREFILL_ROWS, and the scheduler's derived token cap."""
         rows = self.max_batch_prefill
         if rows is None:
@@ -482,7 +482,7 @@ GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
             Flag(
                 "max_batch_prefill",
                 "waiting requests prefilled together (default by device: the whole batch on a GPU, "
-                "in passes of a power of two of rows; 4 elsewhere)",
+                "each pass padded to a power of two of rows; 4 elsewhere)",
                 parse=_optional_int,
             ),
             Flag(

@@ -374,8 +374,6 @@ class Runtime:
                 if cfg.no_batch or deterministic or engine_config.single_row_prefill
                 else prefill_rows,
                 max_batch_prefill_tokens=prefill_tokens,
-                # The shapes a GPU pass can take are few and built at start (warm_up).
-                prefill_row_buckets=engine_config.shape_buckets,
                 prefill_grant_interval=cfg.prefill_grant_interval,
                 enable_preemption=cfg.enable_preemption,
                 preemption_policy=cfg.preemption_policy,
@@ -508,7 +506,8 @@ class Runtime:
     def _warm_up(self, config: EngineConfig) -> float:
         """With shape buckets or direct decode attention (CUDA), build what the first requests
         would otherwise wait for (service.core.warm_up): the first prefill buckets, the decode
-        steps and, where passes take a power of two of rows, each pass shape within the cap."""
+        steps and, where the runner pads passes to a power of two of rows (paged storage),
+        each pass shape within the cap."""
         runner, kv, scheduler = self.runner, self.kv, self.scheduler
         assert runner is not None and scheduler is not None
         if not (config.shape_buckets or config.decode_attention == "direct"):
@@ -517,7 +516,7 @@ class Runtime:
         graph = isinstance(runner, ModelRunner) and runner.decode_graph is not None
         warm_up.warm_single_row(runner, kv, self.batch_size, graph)
         sched = scheduler.config
-        if sched.prefill_row_buckets and sched.max_batch_prefill > 1:
+        if config.shape_buckets and config.paged and sched.max_batch_prefill > 1:
             rows = min(sched.max_batch_prefill, self.batch_size)
             shapes = warm_up.pass_shapes(rows, sched.max_batch_prefill_tokens or GPU_PREFILL_TOKENS)
             warm_up.warm_prefill_passes(runner, kv, shapes)

@@ -49,8 +49,7 @@ def warm_single_row(runner: Any, kv: KVManager, batch_size: int, decode_graph: b
 
 def pass_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
     """(rows, width) of the multi-row prefill passes to build: a power of two of rows (the
-    scheduler's passes with prefill_row_buckets), each width of PASS_WIDTHS within the pass's
-    token cap."""
+    runner pads a pass up to one), each width of PASS_WIDTHS within the pass's token cap."""
     shapes = []
     rows = 2
     while rows <= max_rows:

@@ -45,6 +45,27 @@ class StepLayout:
     # many key positions (span); the padding is masked out. See the runner's shape_buckets.
     pad_width: int = 0
     pad_span: int = 0
+    # The last `padding_rows` rows repeat the row before them to round the batch up to a shape
+    # built at start: they read what it reads and write only the scratch slot.
+    padding_rows: int = 0
+
+    def padded_rows(self, n: int) -> StepLayout:
+        """This layout with `n` padding rows, copies of its last row."""
+
+        def repeat(a: np.ndarray) -> np.ndarray:
+            return np.concatenate([a, np.repeat(a[-1:], n, axis=0)]) if len(a) else a
+
+        return StepLayout(
+            self.handles + [self.handles[-1]] * n,
+            repeat(self.starts),
+            repeat(self.lengths),
+            repeat(self.block_table),
+            repeat(self.table_lengths),
+            repeat(self.rows),
+            self.pad_width,
+            self.pad_span,
+            self.padding_rows + n,
+        )
 
     @property
     def batch_size(self) -> int:

@@ -341,6 +341,8 @@ class PagedKVStorage:
         new = np.arange(n)[None, :] < batch.lengths[:, None]
         rows = np.broadcast_to(np.arange(b)[:, None], (b, n))
         write[new] = read[rows[new], cols[new]]
+        if batch.padding_rows:
+            write[b - batch.padding_rows :] = self.scratch_slot
         self._plan = _StepPlan(write.reshape(-1), read, batch.total_lengths.tolist(), self.kv_heads)
         self._plan_layout = weakref.ref(batch)
         return self._plan

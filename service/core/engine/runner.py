@@ -497,14 +497,22 @@ class ModelRunner:
                 tokens, layout, False, self.min_rows, graph_adapters
             )
         else:
-            views = self.storage.views(layout, self.cache, states, self.config.grouped_query_mask)
+            pad = self._padding_rows(layout) if states is None else 0
+            run, run_tokens, run_adapters = layout, tokens, adapters
+            if pad:
+                run = layout.padded_rows(pad)
+                run_tokens = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad, axis=0)])
+                run_adapters = np.concatenate([adapters, np.repeat(adapters[-1:], pad)])
+            views = self.storage.views(run, self.cache, states, self.config.grouped_query_mask)
             self._check_faults(rows, "build")
-            row_lengths = rope.ROW_LENGTHS.set(lengths.tolist())
+            row_lengths = rope.ROW_LENGTHS.set(run.lengths.tolist())
             try:
                 # [B, N, H] (logits if not split)
-                hidden = self._head.hidden(tokens, views, self._adapter_rows(adapters))
+                hidden = self._head.hidden(run_tokens, views, self._adapter_rows(run_adapters))
             finally:
                 rope.ROW_LENGTHS.reset(row_lengths)
+            if pad:
+                hidden = hidden[: len(slots)]
         if states is not None:
             states.commit()
         self.positions[slots] += lengths
@@ -534,6 +542,17 @@ class ModelRunner:
             forward.masks = masks
         forward.lengths, forward.undo, forward.inputs = lengths, undo, inputs
         return forward
+
+    def _padding_rows(self, layout: StepLayout) -> int:
+        """Rows to add to a multi-token forward on paged storage with shape buckets: up to a
+        power of two of rows, the pass shapes built at start (service.core.warm_up), when the
+        row table holds that many. Padding rows cost the device little next to a new shape's
+        build, and a pass never leaves rows waiting for the next tick to keep its shape."""
+        b = layout.batch_size
+        if not (self.config.shape_buckets and self.config.paged) or b < 2 or layout.width < 2:
+            return 0
+        target = 1 << (b - 1).bit_length()
+        return target - b if target <= len(self.rows) else 0
 
     def _masked(
         self,

@@ -86,9 +86,6 @@ class SchedulerConfig:
     max_prefill_stall_ms: float | None = None
     max_batch_prefill: int = 4
     max_batch_prefill_tokens: int | None = None  # None = derived; 0 = no cap
-    # A batched pass takes a power of two of rows (the rest wait a tick): on a GPU each new
-    # forward shape costs MLX a graph build, and the runtime builds these before serving.
-    prefill_row_buckets: bool = False
     prefill_grant_interval: int = 16  # ticks a parked prefill yields before a guaranteed turn
     enable_preemption: bool = False
     preemption_policy: str = "longest-first"  # or "lowest-priority"
@@ -479,9 +476,6 @@ class Scheduler:
             chosen.append(seq)
             planned.append((len(tokens), start))
             total += len(tokens)
-        if self.config.prefill_row_buckets and self.batched:
-            keep = 1 << (len(chunks).bit_length() - 1) if chunks else 0
-            del chunks[keep:], chosen[keep:], planned[keep:]
         taken = {id(seq) for seq in chosen}
         for seq in prefilling:
             seq.parked_ticks = 0 if id(seq) in taken else seq.parked_ticks + 1
