@@ -114,12 +114,18 @@ def test_a_padded_pass_repeats_its_last_row_and_writes_only_the_scratch_slot(mod
     assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(runs[True][2], runs[False][2]))
 
 
-def test_padding_rows_read_their_last_row_and_write_only_the_scratch_slot():
+def _two_sequences(slots_a: int, slots_b: int):
+    """A small pool and two sequences with their block tables holding that many slots."""
     storage = paged(num_blocks=16, block_size=4)
     manager = KVCacheManager(16, 4)
     a, b = storage.new_sequence(), storage.new_sequence()
     table_a, table_b = manager.new_sequence(), manager.new_sequence()
-    assert manager.ensure_slots(table_a, 3) and manager.ensure_slots(table_b, 2)
+    assert manager.ensure_slots(table_a, slots_a) and manager.ensure_slots(table_b, slots_b)
+    return storage, manager, (a, table_a), (b, table_b)
+
+
+def test_padding_rows_read_their_last_row_and_write_only_the_scratch_slot():
+    storage, _, (a, table_a), (b, table_b) = _two_sequences(3, 2)
     step = step_layout([a, b], [0, 0], [3, 2], [table_a.block_ids, table_b.block_ids])
     padded = step.padded_rows(2)
     assert padded.batch_size == 4 and padded.padding_rows == 2
@@ -176,11 +182,7 @@ def test_paged_matches_dense_logits(model):
 
 
 def test_write_and_gather_shapes():
-    storage = paged(num_blocks=16, block_size=4)
-    manager = KVCacheManager(16, 4)
-    a, b = storage.new_sequence(), storage.new_sequence()
-    table_a, table_b = manager.new_sequence(), manager.new_sequence()
-    assert manager.ensure_slots(table_a, 7) and manager.ensure_slots(table_b, 3)
+    storage, manager, (a, table_a), (b, table_b) = _two_sequences(7, 3)
     keys = mx.random.normal((1, KV_HEADS, 7, HEAD_DIM))
     step = step_layout([a], [0], [7], [table_a.block_ids])
     k, _ = storage.write_and_gather(0, step, keys, keys)
