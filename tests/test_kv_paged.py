@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
+from service.core import warm_up
 from service.core.engine.batch_view import make_views
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import SlotsNotReservedError
@@ -90,13 +91,15 @@ def test_shape_buckets_give_the_same_tokens(model, kind):
 
 def test_a_padded_pass_repeats_its_last_row_and_writes_only_the_scratch_slot(model):
     """With shape buckets a multi-row prefill is padded up to a power of two of rows (copies of
-    its last row): the model sees 4 rows for 3 prompts, the tokens are the unpadded pass's and
-    the pool outside the scratch block holds what the unpadded pass stored (to float noise:
-    the padded shapes run other kernels' blockings)."""
+    its last row) where that pass shape was built: the model sees 4 rows for 3 prompts, the
+    tokens are the unpadded pass's and the pool outside the scratch block holds what the
+    unpadded pass stored (to float noise: the padded shapes run other kernels' blockings)."""
     runs = {}
     for buckets in (False, True):
         storage = paged()
         engine = make_engine(model, storage, EngineConfig(shape_buckets=buckets))
+        # The shape a pass is padded to must have run before (as the warm-up runs them).
+        assert warm_up.warm_prefill_passes(engine.engine, engine.kv, [(4, 32)]) == 1
         rows_seen: list[int] = []
         hidden = engine.engine._head.hidden
 

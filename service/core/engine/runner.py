@@ -219,6 +219,8 @@ class ModelRunner:
         # Compiled decode steps pad to at least this many rows: warm-up sets it to trace each
         # row bucket's graph before requests reach it.
         self.min_rows = 0
+        # (rows, width) of the multi-token forwards built so far: a pass is padded only to one.
+        self._pass_shapes: set[tuple[int, int]] = set()
 
     @property
     def batched(self) -> bool:
@@ -504,6 +506,8 @@ class ModelRunner:
                 run_tokens = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad, axis=0)])
                 run_adapters = np.concatenate([adapters, np.repeat(adapters[-1:], pad)])
             views = self.storage.views(run, self.cache, states, self.config.grouped_query_mask)
+            if run.width > 1:
+                self._pass_shapes.add((run.batch_size, run.width))
             self._check_faults(rows, "build")
             row_lengths = rope.ROW_LENGTHS.set(run.lengths.tolist())
             try:
@@ -544,15 +548,15 @@ class ModelRunner:
         return forward
 
     def _padding_rows(self, layout: StepLayout) -> int:
-        """Rows to add to a multi-token forward on paged storage with shape buckets: up to a
-        power of two of rows, the pass shapes built at start (service.core.warm_up), when the
-        row table holds that many. Padding rows cost the device little next to a new shape's
-        build, and a pass never leaves rows waiting for the next tick to keep its shape."""
+        """Rows to add to a multi-token forward on paged storage with shape buckets: up to the
+        next power of two of rows, where a pass of that shape has run before (the warm-up builds
+        them: service.core.warm_up). Padding rows cost the device little next to a new shape's
+        build, and the pass's memory is bounded by one that already ran."""
         b = layout.batch_size
         if not (self.config.shape_buckets and self.config.paged) or b < 2 or layout.width < 2:
             return 0
         target = 1 << (b - 1).bit_length()
-        return target - b if target <= len(self.rows) else 0
+        return target - b if (target, layout.width) in self._pass_shapes else 0
 
     def _masked(
         self,
