@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+
 import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -23,8 +25,35 @@ def tok() -> Tokenizer:
 
 
 def _detokenizer(tok: Tokenizer, stops: list[str] | None = None) -> IncrementalDetokenizer:
-    """Wired as the server wires it: byte-level tokenizers tell where characters end."""
-    return IncrementalDetokenizer(tok.decode, stops or (), tok.ends_mid_character)
+    """Wired as the server wires it: byte-level tokenizers tell where characters end, and the
+    embedded one's text is its tokens' bytes (no decode per token)."""
+    assert tok.text_bytes is not None
+    return IncrementalDetokenizer(tok.decode, stops or (), tok.ends_mid_character, tok.text_bytes)
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(ids=st.lists(st.integers(0, 49151), min_size=1, max_size=24))
+def test_the_byte_path_gives_the_tokenizers_text_for_any_ids(tok: Tokenizer, ids) -> None:
+    """Any ids a model may emit (special tokens, bytes that never form a character): the text
+    is the tokenizer's decode of them all, but for a last character whose bytes never all came;
+    where the bytes are well-formed UTF-8, each delta is the one decoding token windows gives."""
+    by_bytes = _detokenizer(tok)
+    deltas = [*_push_all(by_bytes, ids), by_bytes.flush()]
+    data = b"".join(tok.token_bytes(i) for i in ids)
+    tail = codecs.getincrementaldecoder("utf-8")("replace")
+    tail.decode(data)
+    if tail.getstate()[0] == b"":  # no character left incomplete at the end
+        assert "".join(deltas) == tok.decode(ids)
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return
+    by_decode = IncrementalDetokenizer(tok.decode, (), tok.ends_mid_character)
+    assert deltas == [*_push_all(by_decode, ids), by_decode.flush()]
 
 
 def test_text_only_heuristic_never_emits_split_bytes(tok: Tokenizer) -> None:

@@ -68,6 +68,12 @@ class Tokenizer:
         names = sorted(self._specials, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, names))) if names else None
         self._encode_plain = _plain_encoder(hf)
+        self._text_bytes: dict[int, bytes] = {}
+        # A byte-level tokenizer whose decode is the byte map's UTF-8 (nothing cleaned up, every
+        # added token decoding to its bytes): generated text from each token's bytes alone.
+        self.text_bytes: Callable[[int], bytes] | None = (
+            self._cached_text_bytes if self._bytes_decode_exactly() else None
+        )
 
     def ends_mid_character(self, token_ids: Sequence[int]) -> bool | None:
         """Whether these tokens' bytes end inside a UTF-8 character; None when the tokenizer is
@@ -80,6 +86,22 @@ class Tokenizer:
         except UnicodeDecodeError as exc:
             return exc.end == len(data) and exc.reason == "unexpected end of data"
         return False
+
+    def _cached_text_bytes(self, token_id: int) -> bytes:
+        data = self._text_bytes.get(token_id)
+        if data is None:
+            data = self._text_bytes[token_id] = self.token_bytes(token_id)
+        return data
+
+    def _bytes_decode_exactly(self) -> bool:
+        if self._byte_decoder is None or self._backend_decode is None:
+            return False
+        added = [int(i) for i in self._hf.added_tokens_decoder]
+        decode = self._backend_decode
+        return all(
+            decode([i], skip_special_tokens=False).encode("utf-8") == self.token_bytes(i)
+            for i in added
+        )
 
     def _bytes_of(self, token_id: int) -> bytes:
         """A token's bytes under the byte-level map (special tokens: none), cached."""

@@ -8,6 +8,7 @@ anything after it are dropped.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
@@ -20,26 +21,39 @@ class IncrementalDetokenizer:
         decode: Callable[[Sequence[int]], str],
         stop_strings: Sequence[str] = (),
         ends_mid_character: Callable[[Sequence[int]], bool | None] | None = None,
+        token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
+        """`token_bytes`: each token's bytes, where the text is exactly their UTF-8 decoding
+        (Tokenizer.text_bytes): the text then grows by an incremental UTF-8 decode of each
+        token's bytes, with no decode of a token window per token."""
         self._decode = decode
         self._ends_mid_character = ends_mid_character
+        self._token_bytes = token_bytes
+        # Holds a character's leading bytes until its last arrives (invalid bytes: U+FFFD).
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if token_bytes else None
         self._stops = tuple(s for s in stop_strings if s)
         self._ids: list[int] = []
         self._prefix_offset = 0  # tokens before this are already part of `_text`
         self._read_offset = 0
-        self._text = ""  # all final text decoded so far (before stop truncation)
-        self._emitted = 0  # characters of `_text` handed out
+        # Final text not handed out yet (held back as a possible start of a stop string). Text
+        # handed out never ends in a stop string's prefix, so no stop string begins before it:
+        # searching this tail alone finds every match.
+        self._text = ""
+        self._out: list[str] = []  # what was handed out, piece by piece
         self.stopped = False
         self.matched_stop = ""  # the stop string that matched (the earliest in the text)
 
     @property
     def text(self) -> str:
-        return self._text[: self._emitted]
+        return "".join(self._out)
 
     def push(self, token_id: int) -> str:
         """Add one generated token (that belongs in the text); return the text now safe to emit."""
         if self.stopped:
             return ""
+        if self._utf8 is not None and self._token_bytes is not None:
+            self._text += self._utf8.decode(self._token_bytes(token_id))
+            return self._release(final=False)
         self._ids.append(token_id)
         self._absorb(final=False)
         return self._release(final=False)
@@ -48,7 +62,9 @@ class IncrementalDetokenizer:
         """At the end of generation: release whatever is held back (no stop string matched)."""
         if self.stopped:
             return ""
-        self._absorb(final=True)
+        if self._utf8 is None:
+            self._absorb(final=True)
+        # (A character whose last bytes never came is dropped, as the decode path drops it.)
         return self._release(final=True)
 
     def _absorb(self, final: bool) -> None:
@@ -72,11 +88,9 @@ class IncrementalDetokenizer:
 
     def _release(self, final: bool) -> str:
         if self._stops:
-            search_from = max(0, self._emitted - max(len(s) for s in self._stops) + 1)
-            hits = [(i, s) for s in self._stops if (i := self._text.find(s, search_from)) >= 0]
+            hits = [(i, s) for s in self._stops if (i := self._text.find(s)) >= 0]
             if hits:
                 cut, self.matched_stop = min(hits, key=lambda hit: hit[0])
-                self._text = self._text[:cut]
                 self.stopped = True
                 return self._take(cut)
             if not final:
@@ -94,7 +108,8 @@ class IncrementalDetokenizer:
         return longest
 
     def _take(self, end: int) -> str:
-        end = max(end, self._emitted)
-        delta = self._text[self._emitted : end]
-        self._emitted = end
+        """Hand out the first `end` characters of the held text."""
+        delta, self._text = self._text[:end], self._text[end:]
+        if delta:
+            self._out.append(delta)
         return delta

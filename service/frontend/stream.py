@@ -64,7 +64,7 @@ class RequestStream:
         self.request = request
         self.rid = rid  # the core's handle of this request (unique in this front end)
         self._detok = IncrementalDetokenizer(
-            tokenizer.decode, request.stop, tokenizer.ends_mid_character
+            tokenizer.decode, request.stop, tokenizer.ends_mid_character, tokenizer.text_bytes
         )
         self._no_text = (eos_token_ids if not request.ignore_eos else frozenset()) | (
             request.stop_token_ids
