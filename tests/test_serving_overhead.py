@@ -43,7 +43,7 @@ def test_the_embedded_tokenizer_streams_every_id_the_model_can_generate() -> Non
     assert all(tok.decode([i]) for i in range(so.VOCAB))  # each id is spelled
     rng = random.Random(0)
     ids = [rng.randrange(so.VOCAB) for _ in range(2000)]  # byte pieces, special tokens, words
-    detok = IncrementalDetokenizer(tok.decode, (), tok.ends_mid_character)
+    detok = IncrementalDetokenizer(tok.decode, (), tok.ends_mid_character, tok.text_bytes)
     text = "".join(detok.push(i) for i in ids) + detok.flush()
     assert text and detok.text == text
 
