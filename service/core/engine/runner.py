@@ -551,9 +551,12 @@ class ModelRunner:
         """Rows to add to a multi-token forward on paged storage with shape buckets: up to the
         next power of two of rows, where a pass of that shape has run before (the warm-up builds
         them: service.core.warm_up). Padding rows cost the device little next to a new shape's
-        build, and the pass's memory is bounded by one that already ran."""
+        build, and the pass's memory is bounded by one that already ran. Not where the model
+        runs whole (its logits at every position would double with the rows)."""
         b = layout.batch_size
-        if not (self.config.shape_buckets and self.config.paged) or b < 2 or layout.width < 2:
+        if not (self.config.shape_buckets and self.config.paged and self._head.split):
+            return 0
+        if b < 2 or layout.width < 2:
             return 0
         target = 1 << (b - 1).bit_length()
         return target - b if (target, layout.width) in self._pass_shapes else 0
