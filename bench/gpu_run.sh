@@ -13,7 +13,7 @@
 # kernel with bench/check_paged_attention.py and stop if it is wrong; default 1), SERVER_ARGS
 # (extra flags for our server, one string), TAG (suffix of the result names) and CHANNELS (gRPC
 # connections the harness opens, default 32: the kernel spreads connections over the front ends by
-# a hash, and 8 over 4 front ends left one idle).
+# a hash, and a few connections can leave a front end idle).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 BUDGET_S=${BUDGET_S:-540}
