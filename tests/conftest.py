@@ -34,6 +34,7 @@ from tests.helpers.server import ServerProcess, running_server
 _SERVER_FIXTURES = {
     *("server", "channel", "stub", "aio_channel", "aio_stub", "reference"),
     "embedded_lora_server",
+    "one_slot_server",
 }
 
 
@@ -99,6 +100,19 @@ def reference(stub: pb_grpc.GenerationServiceStub) -> Callable[[pb.GenerateReque
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def one_slot_server() -> Iterator[ServerProcess]:
+    """The embedded SmolLM2 with one row, preemption, prompt-lookup drafts and a 300 ms compile
+    budget for response formats: the preemption tests of speculation and of structured output
+    share it (one start instead of two)."""
+    flags = [
+        "--max-batch-size", "1", "--enable-preemption", "--draft-kind", "prompt-lookup",
+        "--max-grammar-compile-ms", "300", "--log-format", "json",
+    ]  # fmt: skip
+    with running_server(*flags) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")
