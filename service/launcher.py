@@ -14,6 +14,10 @@ the engine core died.
 With --metrics-port and several front ends, prometheus-client's multiprocess mode is set up
 here, before any front end imports it (service.frontend.server is imported late for that):
 each front end keeps its counters in the run directory and front end 0's /metrics adds them up.
+
+The engine core starts before this process imports the front end's modules (transformers for
+the tokenizer, gRPC), so that the two import side by side: this module imports neither the
+core's modules nor the front end's at its top.
 """
 
 from __future__ import annotations
@@ -34,13 +38,12 @@ import structlog
 
 from service.common.config import (
     ConfigError,
+    CoreConfig,
     FrontendProcessConfig,
     ServerConfig,
     visible_gpus,
 )
 from service.common.logging import configure_logging
-from service.core import server as core
-from service.frontend.core_client import LoadFailedError
 
 log = structlog.get_logger(__name__)
 CORE_STOP_TIMEOUT_S = 15.0
@@ -54,8 +57,6 @@ def run(config: ServerConfig) -> int:
         metrics_dir = run_dir / "metrics"
         metrics_dir.mkdir()
         os.environ[MULTIPROC_ENV] = str(metrics_dir)  # the spawned front ends inherit it
-    from service.frontend.server import LOAD_FAILED_EXIT, serve_frontend
-
     try:
         rank_env = _rank_environments(config, run_dir)
     except ConfigError as exc:
@@ -69,7 +70,7 @@ def run(config: ServerConfig) -> int:
         alive, holds = ctx.Pipe(duplex=False)
         name = "mlxserve-core" if rank == 0 else f"mlxserve-core-rank-{rank}"
         process = ctx.Process(
-            target=core.run, args=(config.core, str(run_dir), holds, rank, env), name=name
+            target=_core, args=(config.core, str(run_dir), holds, rank, env), name=name
         )
         process.start()
         holds.close()  # the rank's copy is the only writing end left
@@ -85,6 +86,9 @@ def run(config: ServerConfig) -> int:
     ]
     for w in workers:
         w.start()
+    # Only now, while the core imports MLX: front end 0's own modules.
+    from service.frontend.core_client import LoadFailedError
+    from service.frontend.server import LOAD_FAILED_EXIT, serve_frontend
 
     def stop_workers() -> None:
         for w in workers:
@@ -161,10 +165,24 @@ def _stop(engine: mp.process.BaseProcess) -> None:
         engine.join()
 
 
+def _core(
+    config: CoreConfig,
+    run_dir: str,
+    alive: Connection,
+    rank: int = 0,
+    env: dict[str, str] | None = None,
+) -> None:
+    """An engine-core process (service.core.server.run), imported only there."""
+    from service.core import server
+
+    server.run(config, run_dir, alive, rank, env)
+
+
 def _worker(
     config: FrontendProcessConfig, run_dir: str, index: int, core_alive: list[Connection]
 ) -> None:
     """Front end `index` (> 0) in its own process."""
+    from service.frontend.core_client import LoadFailedError
     from service.frontend.server import serve_frontend
 
     configure_logging(config.observability.log_level, config.observability.log_format)

@@ -28,12 +28,15 @@ import pytest_asyncio
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import server as server_helpers
+from tests.helpers.certs import SECURED_TOKEN, Pki, make_pki
 from tests.helpers.server import ServerProcess, running_server
 
 # The shared server's fixtures: a test that uses one is slow.
 _SERVER_FIXTURES = {
     *("server", "channel", "stub", "aio_channel", "aio_stub", "reference"),
     "embedded_lora_server",
+    "one_slot_server",
+    "secured_server",
 }
 
 
@@ -99,6 +102,33 @@ def reference(stub: pb_grpc.GenerationServiceStub) -> Callable[[pb.GenerateReque
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def one_slot_server() -> Iterator[ServerProcess]:
+    """The embedded SmolLM2 with one row, preemption, prompt-lookup drafts and a 300 ms compile
+    budget for response formats: the preemption tests of speculation and of structured output
+    share it (one start instead of two)."""
+    flags = [
+        "--max-batch-size", "1", "--enable-preemption", "--draft-kind", "prompt-lookup",
+        "--max-grammar-compile-ms", "300", "--log-format", "json",
+    ]  # fmt: skip
+    with running_server(*flags) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def secured_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServerProcess, Pki]]:
+    """The embedded SmolLM2 behind mutual TLS (certificates of the returned Pki) and one bearer
+    token (tests.helpers.certs.SECURED_TOKEN): the CLI's and the README's TLS tests share it."""
+    directory = tmp_path_factory.mktemp("secured")
+    pki = make_pki(directory)
+    (directory / "tokens.txt").write_text(f"{SECURED_TOKEN}\n")
+    flags = [*pki.server_flags(mutual=True), "--auth-token-file", str(directory / "tokens.txt")]
+    with running_server(*flags, credentials=pki.channel_credentials(client_cert=True)) as s:
+        yield s, pki
 
 
 @pytest.fixture(scope="session")

@@ -24,8 +24,8 @@ from client import (
 )
 from client.bench.server import ServerProcess
 from mlxserve.v1 import generation_pb2 as pb
-from tests.helpers.certs import Pki, make_pki
-from tests.helpers.server import running_server
+from tests.helpers.certs import SECURED_TOKEN, Pki
+from tests.helpers.server import ServerProcess as RunningServer
 
 pytestmark = pytest.mark.model
 
@@ -241,17 +241,13 @@ def test_cli_and_client_constrain_the_reply(server_target: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pki]]:
-    """A server that wants mutual TLS and a bearer token."""
-    directory = tmp_path_factory.mktemp("secured")
-    pki = make_pki(directory)
-    (directory / "tokens").write_text(f"{TOKEN}\n")
-    flags = [*pki.server_flags(mutual=True), "--auth-token-file", str(directory / "tokens")]
-    with running_server(*flags, credentials=pki.channel_credentials(client_cert=True)) as server:
-        yield server.target, pki
+def secured(secured_server: tuple[RunningServer, Pki]) -> tuple[str, Pki]:
+    """The session's server that wants mutual TLS and a bearer token (conftest)."""
+    server, pki = secured_server
+    return server.target, pki
 
 
-TOKEN = "cli-test-token"
+TOKEN = SECURED_TOKEN
 
 
 def _tls_flags(pki: Pki) -> list[str]:

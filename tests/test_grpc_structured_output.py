@@ -32,7 +32,7 @@ from service.common.grammar import GrammarCache
 from service.protocol import ResponseFormat
 from tests.helpers.grammar import corpus, engine_cache, schema_format
 from tests.helpers.requests import chat_request, to_stream
-from tests.helpers.server import ServerProcess, running_server, wait_idle
+from tests.helpers.server import ServerProcess, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -297,13 +297,12 @@ def test_model_info_names_the_engine(stub) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_slot() -> Iterator[tuple[ServerProcess, pb_grpc.GenerationServiceStub]]:
-    flags = [
-        "--max-batch-size", "1", "--enable-preemption", "--draft-kind", "prompt-lookup",
-        "--max-grammar-compile-ms", "300", "--log-format", "json",
-    ]  # fmt: skip
-    with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
-        yield server, pb_grpc.GenerationServiceStub(channel)
+def one_slot(
+    one_slot_server: ServerProcess,
+) -> Iterator[tuple[ServerProcess, pb_grpc.GenerationServiceStub]]:
+    """The session's one-row server (conftest.one_slot_server) and a stub to it."""
+    with grpc.insecure_channel(one_slot_server.target) as channel:
+        yield one_slot_server, pb_grpc.GenerationServiceStub(channel)
 
 
 def test_a_preempted_request_resumes_its_document(one_slot) -> None:

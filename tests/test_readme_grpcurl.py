@@ -13,13 +13,12 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.certs import Pki, make_pki
-from tests.helpers.server import ServerProcess, running_server
+from tests.helpers.certs import SECURED_TOKEN, Pki
+from tests.helpers.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 README_ADDRESS = "localhost:50051"
@@ -55,16 +54,12 @@ def test_the_readme_has_grpcurl_commands() -> None:
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Pki]]:
-    directory = tmp_path_factory.mktemp("readme-pki")
-    pki = make_pki(directory)
-    (directory / "tokens.txt").write_text(f"{README_TOKEN}\n")
-    flags = [*pki.server_flags(mutual=True), "--auth-token-file", str(directory / "tokens.txt")]
-    with running_server(*flags, credentials=pki.channel_credentials(client_cert=True)) as server:
-        yield server, pki
+def secured(secured_server: tuple[ServerProcess, Pki]) -> tuple[ServerProcess, Pki]:
+    """The session's server that wants mutual TLS and a bearer token (conftest)."""
+    return secured_server
 
 
-README_TOKEN = "readme-token"
+README_TOKEN = SECURED_TOKEN  # what the README's MLXSERVE_TOKEN holds here
 README_ADAPTERS = ("/adapters/sql", "/adapters/support")
 
 

@@ -230,22 +230,22 @@ def test_prompts_of_the_tiny_model_are_repetitive_enough() -> None:
 
 @pytest.mark.slow
 @pytest.mark.model
-def test_speculation_through_preemption_and_cancellation(stub) -> None:
-    """One slot, preemption on: a speculating request is evicted by a higher-priority one and
-    resumes with the same tokens as a plain server's; a cancelled speculating stream frees
-    everything."""
+def test_speculation_through_preemption_and_cancellation(stub, one_slot_server) -> None:
+    """One slot, preemption on (conftest.one_slot_server): a speculating request is evicted by
+    a higher-priority one and resumes with the same tokens as a plain server's; a cancelled
+    speculating stream frees everything."""
     low = chat_request(SUMMARY, max_tokens=40, cache_prompt=False, request_id="spec-low")
     want = stub.Generate(low, timeout=120)
-    flags = ("--draft-kind", "prompt-lookup", "--max-batch-size", "1", "--enable-preemption")
-    with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
+    with grpc.insecure_channel(one_slot_server.target) as channel:
         spec = pb_grpc.GenerationServiceStub(channel)
+        before = wait_idle(spec, 10).preemptions  # the server is shared: count from here
         stream = spec.StreamGenerate(to_stream(low), timeout=120)
         first = next(stream)
         high = chat_request("Hi", max_tokens=3, priority=5)
         assert len(spec.Generate(high, timeout=120).token_ids) == 3
         messages = [first, *stream]
         assert [t for m in messages for t in m.token_ids] == list(want.token_ids)
-        assert spec.CacheStats(pb.CacheStatsRequest(), timeout=10).preemptions >= 1
+        assert spec.CacheStats(pb.CacheStatsRequest(), timeout=10).preemptions >= before + 1
         cancelled = spec.StreamGenerate(to_stream(low), timeout=120)
         next(cancelled)
         cancelled.cancel()

@@ -15,6 +15,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+# The bearer token of conftest's mutual-TLS server (secured_server).
+SECURED_TOKEN = "secured-test-token"
+
 
 @dataclass(frozen=True)
 class Pki:

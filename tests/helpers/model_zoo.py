@@ -1009,9 +1009,10 @@ class Generation:
 def reference(path: Path, prompt_set: dict[str, list[int]], max_tokens: int = MAX_TOKENS):
     """mlx-lm's greedy generation of each prompt alone, from the saved checkpoint."""
     from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load
+    from mlx_lm.utils import load_model
 
-    model, _ = load(str(path))
+    # What mlx_lm.utils.load builds, without the tokenizer: the prompts are token ids.
+    model, _ = load_model(path)
     out: dict[str, Generation] = {}
     for name, ids in prompt_set.items():
         gen = Generation([], [], [])

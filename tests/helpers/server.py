@@ -39,6 +39,9 @@ FAST_RECONNECT = [
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 200),
 ]
+# Between two health checks while the server starts: each check costs the starting server (and
+# this process) CPU that its loading competes for.
+HEALTH_POLL_S = 0.05
 _STATUS_NAME = health_pb2.HealthCheckResponse.ServingStatus.Name
 
 # Whether the running test may start a server (or an engine core in this process): conftest
@@ -166,7 +169,7 @@ def _wait_serving(
             try:
                 answer = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
             except grpc.RpcError:
-                time.sleep(0.02)
+                time.sleep(HEALTH_POLL_S)
                 continue
             status = _STATUS_NAME(answer.status)
             server.health_history.append(status)
@@ -174,7 +177,7 @@ def _wait_serving(
                 return
             if server.probe_while_loading is None:
                 _probe_generate(server, generation, health)
-            time.sleep(0.02)
+            time.sleep(HEALTH_POLL_S)
 
 
 def _probe_generate(
