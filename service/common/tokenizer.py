@@ -72,7 +72,7 @@ class Tokenizer:
         # A byte-level tokenizer whose decode is the byte map's UTF-8 (nothing cleaned up, every
         # added token decoding to its bytes): generated text from each token's bytes alone.
         self.text_bytes: Callable[[int], bytes] | None = (
-            self._cached_text_bytes if self._bytes_decode_exactly() else None
+            self.token_bytes if self._bytes_decode_exactly() else None
         )
 
     def ends_mid_character(self, token_ids: Sequence[int]) -> bool | None:
@@ -86,12 +86,6 @@ class Tokenizer:
         except UnicodeDecodeError as exc:
             return exc.end == len(data) and exc.reason == "unexpected end of data"
         return False
-
-    def _cached_text_bytes(self, token_id: int) -> bytes:
-        data = self._text_bytes.get(token_id)
-        if data is None:
-            data = self._text_bytes[token_id] = self.token_bytes(token_id)
-        return data
 
     def _bytes_decode_exactly(self) -> bool:
         if self._byte_decoder is None or self._backend_decode is None:
@@ -148,7 +142,13 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the token stands for in generated text: a byte-level BPE piece through the
         byte map, a SentencePiece byte token (`<0xE2>`) as that byte, `▁` as a space; a special
-        token is its text."""
+        token is its text. Cached: detokenization asks once per generated token."""
+        data = self._text_bytes.get(token_id)
+        if data is None:
+            data = self._text_bytes[token_id] = self._piece_bytes(token_id)
+        return data
+
+    def _piece_bytes(self, token_id: int) -> bytes:
         piece = self.id_to_token(token_id)
         if self._byte_decoder is not None:
             data = self._bytes_of(token_id)
