@@ -10,8 +10,8 @@ import pytest
 
 from service.core.loop import CoreLoop
 from service.core.scheduler.request import Request
-from service.protocol import FinishReason, GenerationRequest, Outputs
-from tests.helpers.fake_runner import EOS, Harness
+from service.protocol import FinishReason, GenerationRequest
+from tests.helpers.fake_runner import EOS, Delivered, Harness, ListSink
 from tests.helpers.runtime import loaded_runtime
 
 # Prompts, max_tokens, and when each request arrives (the tick before which it is submitted).
@@ -119,7 +119,8 @@ def test_a_cuda_core_reading_beside_the_dispatch_gives_the_tokens_read_on_its_th
                 overlap_steps=True,
                 update_beside_dispatch=beside,
             )
-            sink = _Collect()
+            calls: list[list[Delivered]] = []
+            sink = ListSink(calls)
             for i in range(6):
                 prompt = tuple(range(20 + i, 20 + i + 3 + 5 * i))
                 request = GenerationRequest(
@@ -130,25 +131,12 @@ def test_a_cuda_core_reading_beside_the_dispatch_gives_the_tokens_read_on_its_th
                 assert loop._drain(block=False)
                 loop.turn()
                 loop._deliver()
-                if sink.finished == 6 and loop._inflight is None:
+                if sum(d.finished for c in calls for d in c) == 6 and loop._inflight is None:
                     break
-            assert sink.finished == 6
-            outs[beside] = sink.tokens
+            assert sum(d.finished for c in calls for d in c) == 6
+            tokens: dict[int, list[int]] = {}
+            for delivered in (d for c in calls for d in c):
+                tokens.setdefault(delivered.rid, []).extend(delivered.token_ids)
+            outs[beside] = tokens
         assert outs[True] == outs[False]
         assert [len(outs[True][i + 1]) for i in range(6)] == [24 + 4 * i for i in range(6)]
-
-
-class _Collect:
-    batch_key = "collect"
-
-    def __init__(self) -> None:
-        self.tokens: dict[int, list[int]] = {}
-        self.finished = 0
-
-    def deliver(self, outputs: Outputs) -> None:
-        counts = outputs.counts or [1] * len(outputs.rids)
-        offset = 0
-        for rid, n in zip(outputs.rids, counts):
-            self.tokens.setdefault(rid, []).extend(outputs.tokens[offset : offset + n])
-            offset += n
-        self.finished += len(outputs.finals)
