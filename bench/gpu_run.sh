@@ -13,7 +13,8 @@
 # kernel with bench/check_paged_attention.py and stop if it is wrong; default 1), SERVER_ARGS
 # (extra flags for our server, one string), TAG (suffix of the result names) and CHANNELS (gRPC
 # connections the harness opens, default 32: the kernel spreads connections over the front ends by
-# a hash, and a few connections can leave a front end idle).
+# a hash, and a few connections can leave a front end idle) and CLIENT_PROCS (client processes the
+# harness sends from, default 4: one Python process cannot receive a GPU's tokens/s).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 BUDGET_S=${BUDGET_S:-540}
@@ -61,7 +62,7 @@ for spec in $RUNS; do
   timeout --signal=TERM $((left - 5)) "$PY" -m bench.compare --spawn-server \
     --load-format "dummy:$preset" --dtype bfloat16 --concurrency "$CONC" \
     --max-tokens "$MAX_TOKENS" --rounds "$rounds" --min-requests 8 --warmup 2 --warmup-rounds 1 \
-    --channels "${CHANNELS:-32}" \
+    --channels "${CHANNELS:-32}" --client-processes "${CLIENT_PROCS:-4}" \
     "${peer_args[@]}" --targets gpu --deadline $((end - 60)) \
     --export-dir /tmp/mlx-lm-export --log-dir /tmp/benchlogs \
     --title "dummy:$preset bf16, H200, $MAX_TOKENS-token completions, burst rounds of C" \

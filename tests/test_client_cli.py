@@ -337,7 +337,9 @@ async def test_async_client_with_tls_and_token(secured) -> None:
 
 
 @pytest.mark.slow
-def test_bench_runs_against_a_secured_server(secured, tmp_path) -> None:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_bench_runs_against_a_secured_server(secured, tmp_path, processes: int) -> None:
+    """From this process, and from client processes (each given the TLS files and token)."""
     target, pki = secured
     out = tmp_path / "bench.json"
     done = run_cli(
@@ -347,7 +349,11 @@ def test_bench_runs_against_a_secured_server(secured, tmp_path) -> None:
         TOKEN,
         "bench",
         "--concurrency",
-        "1",
+        str(processes),
+        "--client-processes",
+        str(processes),
+        "--channels",
+        str(processes),
         "--rounds",
         "1",
         "--max-tokens",
@@ -361,6 +367,9 @@ def test_bench_runs_against_a_secured_server(secured, tmp_path) -> None:
         str(out),
     )
     assert done.returncode == 0, done.stderr
-    summary = json.loads(out.read_text())["ours"][0]["summary"]
-    assert summary["requests"] >= 1 and summary["errors"] == 0
+    level = json.loads(out.read_text())["ours"][0]
+    summary = level["summary"]
+    assert summary["requests"] >= processes and summary["errors"] == 0
     assert summary["completion_tokens"] == 4 * summary["requests"]
+    # Send times are relative to the level's start, whichever process sent them.
+    assert all(0 <= r["start"] < 5 and r["ttft"] > 0 for r in level["requests"])

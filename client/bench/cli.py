@@ -220,6 +220,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser, peers: ModuleType | Non
         help="gRPC channels (each its own connection) the requests are spread over, as several "
         "callers would open them: one connection reaches one of the server's front ends",
     )
+    out.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="client processes sending our server's requests (the channels are divided among "
+        "them): one process's grpc.aio caps the tokens/s it can receive",
+    )
 
 
 def default_out_path() -> Path:
@@ -383,7 +390,11 @@ def run_bench(args: argparse.Namespace, peers: Mapping[str, PeerRun] | None = No
         meta["plan"] = _plan_summary(plan)
         progress(f"server SERVING at {target}; plan {meta['plan']}")
         ours = GrpcTarget(
-            target, request_timeout=args.request_timeout, channels=args.channels, **connection
+            target,
+            request_timeout=args.request_timeout,
+            channels=args.channels,
+            processes=args.client_processes,
+            **connection,
         ).run(plan, progress)
         meta["server_after"] = _server_snapshot(target, connection)
     finally:

@@ -6,10 +6,12 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
+from functools import partial
 
 import grpc
 
 from client.bench.metrics import LevelResult, RequestRecord
+from client.bench.procs import SenderPool
 from client.bench.runner import run_plan
 from client.bench.workload import Plan, RequestSpec, Workload
 from client.client import AsyncGenerationClient, TLSConfig, build_request
@@ -25,52 +27,33 @@ _FINISH = {
 }
 
 
-class GrpcTarget:
-    """Streams every request; TTFT and inter-token gaps from message arrival times. The
-    requests are spread over `channels` channels, each its own connection, as several callers
-    would open them (a server's front ends share one port: one connection reaches one)."""
-
-    name = "ours"
+class _Streamer:
+    """Streams requests over its own channels (in this process or a client process)."""
 
     def __init__(
         self,
         target: str,
-        *,
-        request_timeout: float | None = 600.0,
-        tls: TLSConfig | None = None,
-        token: str | None = None,
-        channels: int = 1,
+        workload: Workload,
+        request_timeout: float | None,
+        tls: TLSConfig | None,
+        token: str | None,
+        channels: int,
     ) -> None:
-        self.target = target
-        self.request_timeout = request_timeout
-        self.tls, self.token = tls, token
-        self.channels = max(1, channels)
-
-    def run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
-        return asyncio.run(self._run(plan, progress))
-
-    async def _run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
         # Channels with equal arguments share one connection: a local subchannel pool each.
-        options = [("grpc.use_local_subchannel_pool", 1)] if self.channels > 1 else []
-        clients = [
-            AsyncGenerationClient(self.target, tls=self.tls, token=self.token, options=options)
-            for _ in range(self.channels)
+        options = [("grpc.use_local_subchannel_pool", 1)] if channels > 1 else []
+        self.clients = [
+            AsyncGenerationClient(target, tls=tls, token=token, options=options)
+            for _ in range(channels)
         ]
-        sent = itertools.count()
-        try:
+        self.workload = workload
+        self.request_timeout = request_timeout
 
-            async def send(spec: RequestSpec) -> RequestRecord:
-                client = clients[next(sent) % len(clients)]
-                return await self._one_request(client, plan.workload, spec)
+    async def aclose(self) -> None:
+        for client in self.clients:
+            await client.close()
 
-            return await run_plan(self.name, plan, send, progress)
-        finally:
-            for client in clients:
-                await client.close()
-
-    async def _one_request(
-        self, client: AsyncGenerationClient, workload: Workload, spec: RequestSpec
-    ) -> RequestRecord:
+    async def stream_one(self, index: int, spec: RequestSpec) -> RequestRecord:
+        client, workload = self.clients[index], self.workload
         request = build_request(
             chat=[("user", spec.prompt)],
             max_tokens=spec.max_tokens,
@@ -110,6 +93,57 @@ class GrpcTarget:
         else:
             record.completion_tokens = tokens_seen
         return record
+
+
+class GrpcTarget:
+    """Streams every request; TTFT and inter-token gaps from message arrival times. The
+    requests are spread over `channels` channels, each its own connection, as several callers
+    would open them (a server's front ends share one port: one connection reaches one), and
+    over `processes` client processes (client.bench.procs): one process's grpc.aio would cap
+    what it can receive."""
+
+    name = "ours"
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        request_timeout: float | None = 600.0,
+        tls: TLSConfig | None = None,
+        token: str | None = None,
+        channels: int = 1,
+        processes: int = 1,
+    ) -> None:
+        self.target = target
+        self.request_timeout = request_timeout
+        self.tls, self.token = tls, token
+        self.channels = max(1, channels)
+        self.processes = max(1, processes)
+
+    def run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
+        return asyncio.run(self._run(plan, progress))
+
+    async def _run(self, plan: Plan, progress: Progress) -> list[LevelResult]:
+        factory = partial(
+            _Streamer, self.target, plan.workload, self.request_timeout, self.tls, self.token
+        )
+        if self.processes > 1:
+            pool = SenderPool(factory, self.processes, self.channels)
+            try:
+                await pool.start()
+                return await run_plan(self.name, plan, pool.send, progress)
+            finally:
+                await pool.close()
+        streamer = factory(self.channels)
+        turn = itertools.count()
+        try:
+
+            async def send(spec: RequestSpec) -> RequestRecord:
+                return await streamer.stream_one(next(turn) % self.channels, spec)
+
+            return await run_plan(self.name, plan, send, progress)
+        finally:
+            await streamer.aclose()
 
 
 def count_tokens_via_rpc(
