@@ -204,6 +204,21 @@ def test_a_nonce_marker_typed_by_the_user_is_just_text() -> None:
     assert re.search("\ue000", tok.decode(ids))
 
 
+@given(
+    st.lists(
+        st.one_of(st.text(max_size=12), st.sampled_from([IM_START, IM_END, "<|endoftext|>"])),
+        max_size=6,
+    )
+)
+@settings(max_examples=80, deadline=None)
+def test_encode_is_the_wrappers_encoding(parts: list[str]) -> None:
+    """`encode` calls the Rust tokenizer directly: the ids transformers' encode gives, special
+    tokens in the text included."""
+    tok = embedded()
+    text = "".join(parts)
+    assert tok.encode(text) == list(tok._hf.encode(text, add_special_tokens=False))
+
+
 # -- a token's bytes (logprobs) ------------------------------------------------------------------
 
 

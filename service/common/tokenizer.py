@@ -121,6 +121,10 @@ class Tokenizer:
         return cls(hf, json.loads((directory / EOS_FILE).read_text()))
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None and text:
+            # The Rust tokenizer itself: the same ids (no truncation, padding or special-token
+            # splitting is configured) without the wrapper's per-call Python.
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self._hf.encode(text, add_special_tokens=False))
 
     def tokenizer_json(self) -> str | None:
