@@ -256,8 +256,16 @@ def main() -> None:
         default="",
         help="runner prefill timings, cold then warm: ROWSxPER_PASSxWIDTH,... (e.g. 256x16x32)",
     )
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="mx.disable_compile() first: every path builds its graph op by op (an A/B of "
+        "mx.compile per batch size)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.no_compile:
+        mx.disable_compile()
     from service.common.config import CoreConfig, ModelConfig, SchedulingConfig
     from service.common.logging import configure_logging
     from service.core.engine import runner as runner_module
