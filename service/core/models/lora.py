@@ -7,7 +7,9 @@ targets is wrapped once by `MultiLoRALinear`, which keeps its base layer as the 
 and the adapters' weights stacked by *adapter slot* (slot 0, `NO_ADAPTER`, is all zeros). The
 engine publishes each row's slot for the forward it builds (`row_adapters`); the base projection
 then runs once for all rows and each row adds its own adapter's update, gathered per row with
-`mx.gather_mm`. With no adapter row in the forward the wrapper is the base layer alone.
+`mx.gather_mm`; on CUDA (`EngineConfig.lora_kernel`) with a custom kernel instead
+(`lora_kernel.fused_add`), one kernel for the projections that read the same input (`_Group`).
+With no adapter row in the forward the wrapper is the base layer alone.
 
 What mlx-lm computes (`mlx_lm/tuner/lora.py`, `dora.py`), reproduced op for op:
   LoRA:  linear(x) + (scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)
@@ -33,6 +35,7 @@ the columns of `lora_b` (and of `m`) of its output shard, a sharded-to-all layer
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -664,7 +667,7 @@ class MultiLoRALinear(nn.Module):
         with the tokens' scales [tokens]."""
         stack = self._stack
         assert stack is not None and stack.a_t is not None
-        length = x.size // (x.shape[0] * x.shape[-1])  # tokens per row
+        length = math.prod(x.shape[1:-1])  # tokens per row: 1 for the LM head's [rows, H]
         idx, scale = rows.per_token(stack.local, length, self._scales)
         return lora_kernel.Part(y, stack.a_t, stack.b, idx), scale
 
