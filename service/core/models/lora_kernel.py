@@ -237,7 +237,8 @@ class Part:
 def _fused(parts: int) -> Any:
     names = [f"{n}{p}" for p in range(parts) for n in ("y", "a", "b", "idx")]
     return mx.fast.cuda_kernel(
-        # One name per source: MLX before 0.32.1 caches compiled kernels by name alone.
+        # One name per source: MLX before 0.32.1 caches a compiled kernel by its name and
+        # template arguments, not its source.
         name=f"mlxserve_lora_fused{parts}",
         input_names=["x", "scale", *names],
         output_names=[f"out{p}" for p in range(parts)],
