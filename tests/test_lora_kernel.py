@@ -1,14 +1,20 @@
 """service/core/models/lora_kernel.py: the CUDA kernels against their MLX-op reference (each
 token with its own adapter slot, ranks padded with zeros, float32 and bfloat16 activations), and
-the reference against a plain per-token product (on any platform)."""
+the reference against a plain per-token product (on any platform); the kernel path of
+service/core/models/lora.py against mlx-lm, and its projections that share one kernel
+(`_Group`) against the same projections one kernel each."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from service.core.models import lora_kernel
+from service.core.models import lora, lora_kernel
 
 cuda_only = pytest.mark.skipif(
     not lora_kernel.available(), reason="the LoRA kernels run on MLX's CUDA backend only"
@@ -72,7 +78,6 @@ def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path) -> None:
     from mlx_lm.tuner.utils import load_adapters
 
     from bench.multi_lora import write_adapter
-    from service.core.models import lora
     from tests.helpers.tiny import VOCAB, tiny_llama
 
     model = tiny_llama()
@@ -104,3 +109,414 @@ def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path) -> None:
             diff = mx.abs(got[i] - want).max().item()
             assert diff < 1e-4, (name, part.shape, diff)
             assert name is None or mx.abs(want - base).max().item() > 1e-2, name
+
+
+# -- the fused kernel ------------------------------------------------------------------------------
+
+
+def fused_case(
+    tokens: int, width: int, outs: list[int], rank: int, dtype: mx.Dtype, seed: int = 0
+) -> tuple[mx.array, list[lora_kernel.Part], mx.array, np.ndarray]:
+    """x [T, in] and each part's y [T, out] in `dtype`; float32 stacks (as the trainer saves
+    them) of 5 local slots per part, local slot 0 zeros as in every stack, the last part's slot
+    4 of half the rank (zero padding); 6 global slots over the tokens (0: no adapter), mapped to
+    local slots per part (a part's 0: an adapter that does not target it); the tokens' scales
+    and global slots. The update is of y's size, so that a wrong index shows above rounding."""
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    x = mx.random.normal((tokens, width)).astype(dtype)
+    glob = rng.integers(0, 6, tokens).astype(np.int32)
+    head = min(tokens, 6)
+    glob[:head] = (np.arange(head) + 1) % 6  # every slot (0: no adapter), an adapter first
+    scale = mx.array([0.0, 1.0, 2.0, 0.5, 1.5, 1.0], dtype=mx.float32)[mx.array(glob)]
+    maps = [[0, 1, 2, 3, 4, 4], [0, 2, 1, 0, 3, 4], [0, 4, 0, 1, 2, 3]]
+    parts = []
+    for p, out in enumerate(outs):
+        a_t = mx.random.normal((5, rank, width)) * width**-0.5
+        b = mx.random.normal((5, rank, out)) * rank**-0.5
+        a_t[0] = 0
+        b[0] = 0
+        if p == len(outs) - 1:
+            a_t[4, rank // 2 :] = 0
+            b[4, rank // 2 :] = 0
+        idx = mx.array(np.array(maps[p % 3], np.int32)[glob])
+        y = mx.random.normal((tokens, out)).astype(dtype)
+        parts.append(lora_kernel.Part(y, a_t, b, idx))
+    return x, parts, scale, glob
+
+
+def test_the_fused_reference_is_each_parts_own_update() -> None:
+    """Each part's output is y + scale * ((x @ A[s]) @ B[s]) with its own local slot s, for a
+    flat input and a [B, L, in] one; rows of no adapter (local slot 0) are y exactly."""
+    x, parts, scale, _ = fused_case(7, 64, [48, 16, 16], 8, mx.float32)
+    got = lora_kernel.reference_fused_add(x, parts, scale)
+    for part, out in zip(parts, got):
+        assert out.shape == part.y.shape
+        for t in range(7):
+            s = int(part.idx[t].item())
+            want = part.y[t] + scale[t] * ((x[t] @ part.a_t[s].T) @ part.b[s])
+            assert mx.allclose(out[t], want, atol=1e-5), t
+            if s == 0:
+                assert mx.array_equal(out[t], part.y[t])
+    batched = [lora_kernel.Part(p.y[:6].reshape(2, 3, -1), p.a_t, p.b, p.idx[:6]) for p in parts]
+    again = lora_kernel.reference_fused_add(x[:6].reshape(2, 3, -1), batched, scale[:6])
+    for out, flat in zip(again, got):
+        assert mx.array_equal(out.reshape(6, -1), flat[:6])
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300, 4096])
+@pytest.mark.parametrize("width,out", [(4096, 14336), (14336, 4096), (4096, 1024), (576, 576)])
+def test_chunks_cover_every_output_once(tokens: int, width: int, out: int) -> None:
+    """A module's chunks in `fused_add` tile its outputs, none empty, whole warps each; a chunk
+    takes at least as many outputs as the module has inputs (or all of them)."""
+    chunks, size = lora_kernel.chunking(tokens, width, out)
+    assert size % 32 == 0 and chunks >= 1
+    assert (chunks - 1) * size < out <= chunks * size
+    assert chunks == 1 or size >= max(width, lora_kernel.MIN_CHUNK)
+    if tokens >= lora_kernel.FILL_BLOCKS:
+        assert chunks == 1  # the tokens alone fill the GPU
+
+
+def assert_close_rounded(got: mx.array, want: mx.array, y: mx.array, dtype: mx.Dtype) -> None:
+    """float32: to 1e-5 relative. bfloat16: within one rounding of the update and one of the
+    sum (the kernels sum in another order, so either may land on the neighbouring value)."""
+    g, w = got.astype(mx.float32), want.astype(mx.float32)
+    eps = 1e-5 if dtype == mx.float32 else 2.0**-6
+    bound = eps * (mx.abs(w) + mx.abs(w - y.astype(mx.float32))) + 1e-5
+    excess = (mx.abs(g - w) - bound).max().item()
+    assert excess <= 0, excess
+
+
+SHAPES = {  # (in, outs) of modules that read one input
+    "llama8b-qkv": (4096, [4096, 1024, 1024]),
+    "llama8b-gate-up": (4096, [14336, 14336]),
+    "llama8b-o": (4096, [4096]),
+    "llama8b-down": (14336, [4096]),
+    "smol-qkv": (576, [576, 192, 192]),
+    "smol-gate-up": (576, [1536, 1536]),
+}
+
+
+@cuda_only
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("rank", [8, 16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+def test_the_fused_kernel_matches_the_reference(
+    shape: str, rank: int, tokens: int, dtype: mx.Dtype
+) -> None:
+    """`fused_add` on CUDA: every part's outputs are the reference's (float32 A and B, rows of
+    every adapter and of none), rows of no adapter are y exactly, and a part's outputs do not
+    depend on the other parts of the call."""
+    width, outs = SHAPES[shape]
+    x, parts, scale, _ = fused_case(tokens, width, outs, rank, dtype, seed=tokens + rank)
+    got = lora_kernel.fused_add(x, parts, scale)
+    want = lora_kernel.reference_fused_add(x, parts, scale)
+    for i, (g, w, part) in enumerate(zip(got, want, parts)):
+        assert g.shape == part.y.shape and g.dtype == dtype
+        assert_close_rounded(g, w, part.y, dtype)
+        base = mx.array(np.flatnonzero(np.array(part.idx) == 0))
+        assert mx.array_equal(g[base], part.y[base])
+        (alone,) = lora_kernel.fused_add(x, [part], scale)
+        assert mx.array_equal(alone, g), i
+
+
+@cuda_only
+def test_the_fused_kernel_takes_batched_inputs() -> None:
+    """x [B, L, in] and y [B, L, out] as the projections see them: the flat call's numbers."""
+    x, parts, scale, _ = fused_case(12, 576, [576, 192], 16, mx.bfloat16)
+    flat = lora_kernel.fused_add(x, parts, scale)
+    batched = [lora_kernel.Part(p.y.reshape(3, 4, -1), p.a_t, p.b, p.idx) for p in parts]
+    for out, want in zip(lora_kernel.fused_add(x.reshape(3, 4, -1), batched, scale), flat):
+        assert out.shape[:2] == (3, 4) and mx.array_equal(out.reshape(want.shape), want)
+
+
+# -- projections that read one input: one kernel ---------------------------------------------------
+
+SEVEN = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+]
+
+
+def adapted_llama(tmp_path: Path, specs: dict[str, tuple[int, list[str]]]):
+    """A tiny llama on the kernel path with random adapters: name -> (rank, keys)."""
+    from bench.multi_lora import write_adapter
+    from tests.helpers.tiny import tiny_llama
+
+    model = tiny_llama()
+    aset = lora.AdapterSet(model, kernel=True)
+    modules = dict(model.layers[0].named_modules())
+    dims = {key: lora.linear_dims(modules[key]) for key in SEVEN}
+    for seed, (name, (rank, keys)) in enumerate(specs.items()):
+        path = tmp_path / name
+        if not path.exists():
+            write_adapter(path, len(model.layers), dims, keys, rank, seed)
+        aset.add(lora.load_adapter(name, path, model))
+    return model, aset
+
+
+@contextmanager
+def one_kernel_each(aset: lora.AdapterSet) -> Iterator[None]:
+    """The wrappers without their groups: each projection's update from a kernel of its own."""
+    held = {name: w._shared for name, w in aset.wrappers.items()}
+    for w in aset.wrappers.values():
+        w._shared = None
+    try:
+        yield
+    finally:
+        for name, w in aset.wrappers.items():
+            w._shared = held[name]
+
+
+@contextmanager
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The number of parts of each `fused_add` call made meanwhile."""
+    calls: list[int] = []
+    real = lora_kernel.fused_add
+
+    def spy(x: mx.array, parts, scale: mx.array) -> list[mx.array]:
+        calls.append(len(parts))
+        return real(x, parts, scale)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(lora_kernel, "fused_add", spy)
+        yield calls
+
+
+GROUPINGS = {
+    # adapters (rank, keys) -> the parts of each layer's kernels, in call order
+    "all": (
+        {
+            "all7": (4, SEVEN),
+            "qv": (8, ["self_attn.q_proj", "self_attn.v_proj"]),
+            "mlp": (16, ["mlp.gate_proj", "mlp.down_proj"]),
+        },
+        [3, 1, 2, 1],
+    ),
+    # k not adapted: q and v still share a kernel; k runs its base layer alone.
+    "qv": ({"qv": (8, ["self_attn.q_proj", "self_attn.v_proj"])}, [2]),
+    # a projection with no adapted sibling: a kernel of its own.
+    "lone": ({"qd": (8, ["self_attn.q_proj", "mlp.down_proj"])}, [1, 1]),
+}
+
+
+@pytest.mark.parametrize("grouping", GROUPINGS)
+def test_projections_that_read_one_input_share_one_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grouping: str
+) -> None:
+    """q, k, v and gate, up of a layer take one kernel per group of those adapted, and every
+    row's logits are the ones a kernel per projection gives, bit for bit (the reference's
+    numbers on the CPU), in a multi-token forward, a one-token one, and a compiled one."""
+    specs, per_layer = GROUPINGS[grouping]
+    model, aset = adapted_llama(tmp_path, specs)
+    names = [*specs, None, *specs]
+    rows = aset.rows(np.array([aset.slot(n) if n else 0 for n in names], np.int32))
+    tokens = mx.array(np.random.default_rng(1).integers(3, 200, (len(names), 5)), mx.int32)
+    for part in (tokens, tokens[:, -1:]):
+        with lora.use_adapters(rows), kernel_calls(monkeypatch) as calls:
+            got = model(part)
+        assert calls == per_layer * len(model.layers)
+        with lora.use_adapters(rows), one_kernel_each(aset), kernel_calls(monkeypatch) as calls:
+            want = model(part)
+        assert calls == [1] * sum(per_layer) * len(model.layers)
+        assert mx.array_equal(got, want), part.shape
+
+    def forward(tokens: mx.array, slots: mx.array) -> mx.array:
+        with lora.use_adapters(lora.RowAdapters(slots)):
+            return model(tokens)
+
+    assert rows is not None
+    compiled = mx.compile(forward)
+    assert mx.allclose(compiled(tokens, rows.slots), forward(tokens, rows.slots), atol=1e-5)
+    assert all(w._shared is None or w._shared.enabled for w in aset.wrappers.values())
+
+
+def test_a_projection_left_without_adapters_leaves_its_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unloading the only adapter of k leaves q and v sharing a kernel, with the numbers of a
+    kernel each."""
+    model, aset = adapted_llama(
+        tmp_path, {"all7": (4, SEVEN), "qv": (8, ["self_attn.q_proj", "self_attn.v_proj"])}
+    )
+    aset.remove("all7")
+    rows = aset.rows(np.array([aset.slot("qv"), 0], np.int32))
+    tokens = mx.array([[5, 6, 7], [8, 9, 10]], mx.int32)
+    with lora.use_adapters(rows), kernel_calls(monkeypatch) as calls:
+        got = model(tokens)
+    assert calls == [2] * len(model.layers)
+    with lora.use_adapters(rows), one_kernel_each(aset):
+        assert mx.array_equal(got, model(tokens))
+
+
+def projections(tmp_path: Path):
+    """Layer 0's q, k, v of a fresh model (groups start on), with two adapters' rows."""
+    model, aset = adapted_llama(
+        tmp_path, {"all7": (4, SEVEN), "qv": (8, ["self_attn.q_proj", "self_attn.v_proj"])}
+    )
+    attn = model.layers[0].self_attn
+    rows = aset.rows(np.array([aset.slot("all7"), aset.slot("qv"), 0], np.int32))
+    return aset, (attn.q_proj, attn.k_proj, attn.v_proj), rows
+
+
+def alone(aset: lora.AdapterSet, module, x: mx.array, rows) -> mx.array:
+    with lora.use_adapters(rows), one_kernel_each(aset):
+        return module(x)
+
+
+def test_held_outputs_serve_the_same_input_only(tmp_path: Path) -> None:
+    """The group's outputs go to the members called with the very input array the first one
+    had, in any order; a member called with another input (equal values, another array)
+    computes its own, and the group turns itself off; later calls are per projection too."""
+    x = mx.random.normal((3, 4, 64))
+    aset, (q, k, v), rows = projections(tmp_path)
+    with lora.use_adapters(rows):
+        got = {"k": k(x), "q": q(x), "v": v(x)}
+    for name, m in zip("qkv", (q, k, v)):
+        assert mx.array_equal(got[name], alone(aset, m, x, rows)), name
+    assert q._shared is not None and q._shared.enabled
+
+    copy = x + 0  # the same values, another array
+    with lora.use_adapters(rows):
+        outs = [q(x), k(copy), v(x)]
+    assert not q._shared.enabled
+    for m, out, inp in zip((q, k, v), outs, (x, copy, x)):
+        assert mx.array_equal(out, alone(aset, m, inp, rows))
+    other = mx.random.normal((3, 4, 64))
+    with lora.use_adapters(rows):
+        outs = [q(other), k(x), v(other)]
+    for m, out, inp in zip((q, k, v), outs, (other, x, other)):
+        assert mx.array_equal(out, alone(aset, m, inp, rows))
+
+
+def test_held_outputs_serve_the_same_rows_only(tmp_path: Path) -> None:
+    """A member called with the first one's input but under other rows computes its own."""
+    x = mx.random.normal((3, 2, 64))
+    aset, (q, k, _), rows = projections(tmp_path)
+    swapped = aset.rows(np.array([aset.slot("qv"), 0, aset.slot("all7")], np.int32))
+    with lora.use_adapters(rows):
+        q(x)
+    with lora.use_adapters(swapped):
+        got = k(x)
+    assert mx.array_equal(got, alone(aset, k, x, swapped))
+    assert not mx.array_equal(got, alone(aset, k, x, rows))
+
+
+def test_a_member_never_called_turns_the_group_off(tmp_path: Path) -> None:
+    """A family that calls q and v but not k on an input (as layers that reuse another layer's
+    K/V do): the next computation finds k's output untaken, and the group stops; every output
+    is still the per-projection one."""
+    x, later = mx.random.normal((3, 2, 64)), mx.random.normal((3, 2, 64))
+    aset, (q, k, v), rows = projections(tmp_path)
+    with lora.use_adapters(rows):
+        first = [q(x), v(x)]
+        second = [q(later), k(later), v(later)]
+    assert q._shared is not None and not q._shared.enabled
+    for m, out in zip((q, v), first):
+        assert mx.array_equal(out, alone(aset, m, x, rows))
+    for m, out in zip((q, k, v), second):
+        assert mx.array_equal(out, alone(aset, m, later, rows))
+
+
+def test_fused_projections_take_one_kernel_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """phi3's fused qkv_proj and gate_up_proj read one input each: no groups, a kernel per
+    adapted module, and each row has mlx-lm's logits with its adapter."""
+    from mlx_lm.models import phi3
+    from mlx_lm.tuner.utils import load_adapters
+
+    from bench.multi_lora import write_adapter
+
+    def tiny_phi3() -> phi3.Model:
+        mx.random.seed(3)
+        args = phi3.ModelArgs(
+            model_type="phi3",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            vocab_size=256,
+        )
+        m = phi3.Model(args)
+        m.set_dtype(mx.float32)
+        mx.eval(m.parameters())
+        return m
+
+    keys = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+    model = tiny_phi3()
+    modules = dict(model.layers[0].named_modules())
+    dims = {key: lora.linear_dims(modules[key]) for key in keys}
+    write_adapter(tmp_path / "a", len(model.layers), dims, keys, 8, 0)
+    aset = lora.AdapterSet(model, kernel=True)
+    aset.add(lora.load_adapter("a", tmp_path / "a", model))
+    assert all(w._shared is None for w in aset.wrappers.values())
+    rows = aset.rows(np.array([aset.slot("a"), 0], np.int32))
+    tokens = mx.array([[5, 6, 7, 8], [9, 10, 11, 12]], mx.int32)
+    with lora.use_adapters(rows), kernel_calls(monkeypatch) as calls:
+        got = model(tokens)
+    assert calls == [1] * len(keys) * len(model.layers)
+    ref = tiny_phi3()
+    assert mx.abs(got[1] - ref(tokens[1:])[0]).max().item() < 1e-4
+    load_adapters(ref, str(tmp_path / "a"))
+    assert mx.abs(got[0] - ref(tokens[:1])[0]).max().item() < 1e-4
+
+
+@cuda_only
+def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Path) -> None:
+    """The CUDA decode path (steps replayed from a compiled graph with the rows' slots as an
+    input, one kernel per group of projections, K/V written in place) gives the greedy tokens
+    of the same rows stepped op by op on the gathered MLX-op path, rows of three adapters (of
+    different targets and ranks) and of none in one batch."""
+    from bench.multi_lora import write_adapter
+    from service.core.engine.config import EngineConfig
+    from service.core.engine.kv_paged import PagedKVStorage
+    from service.protocol import SamplingParams
+    from tests.helpers.tiny import LAYERS, StepRow, make_engine, tiny_llama
+
+    specs = {
+        "all7": (4, SEVEN),
+        "qv": (8, ["self_attn.q_proj", "self_attn.v_proj"]),
+        "mlp": (16, ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]),
+    }
+    prompts = [[(7 * r + 3 * i) % 250 + 3 for i in range(5 + 3 * r)] for r in range(6)]
+    names = ["all7", "qv", None, "mlp", "all7", None]
+    outs = {}
+    for cuda in (False, True):
+        model = tiny_llama(hidden_size=128, heads=2, kv_heads=1, seed=11)  # head_dim 64
+        modules = dict(model.layers[0].named_modules())
+        dims = {key: lora.linear_dims(modules[key]) for key in SEVEN}
+        aset = lora.AdapterSet(model, kernel=cuda)
+        for seed, (name, (rank, keys)) in enumerate(specs.items()):
+            path = tmp_path / name
+            if not path.exists():
+                write_adapter(path, len(model.layers), dims, keys, rank, seed)
+            aset.add(lora.load_adapter(name, path, model))
+        direct = "direct" if cuda else "gather"
+        storage = PagedKVStorage(
+            LAYERS, 1, 64, mx.float32, 64, 8, decode_attention=direct, in_place=cuda
+        )
+        config = EngineConfig(
+            decode_attention=direct, in_place_writes=cuda, compile_decode=cuda, lora_kernel=cuda
+        )
+        engine = make_engine(model, storage, config, adapters=aset)
+        seqs = [
+            engine.add_sequence(
+                f"r{i}", SamplingParams(), p, adapter=aset.slot(n) if n else lora.NO_ADAPTER
+            )
+            for i, (n, p) in enumerate(zip(names, prompts))
+        ]
+        out = [[r.token_id] for r in engine.prefill([StepRow(s, p) for s, p in zip(seqs, prompts)])]
+        for _ in range(16):
+            for i, r in enumerate(engine.step([StepRow(s) for s in seqs])):
+                out[i].append(r.token_id)
+        outs[cuda] = out
+    assert outs[True] == outs[False]

@@ -7,7 +7,9 @@ targets is wrapped once by `MultiLoRALinear`, which keeps its base layer as the 
 and the adapters' weights stacked by *adapter slot* (slot 0, `NO_ADAPTER`, is all zeros). The
 engine publishes each row's slot for the forward it builds (`row_adapters`); the base projection
 then runs once for all rows and each row adds its own adapter's update, gathered per row with
-`mx.gather_mm`. With no adapter row in the forward the wrapper is the base layer alone.
+`mx.gather_mm`; on CUDA (`EngineConfig.lora_kernel`) with a custom kernel instead
+(`lora_kernel.fused_add`), one kernel for the projections that read the same input (`_Group`).
+With no adapter row in the forward the wrapper is the base layer alone.
 
 What mlx-lm computes (`mlx_lm/tuner/lora.py`, `dora.py`), reproduced op for op:
   LoRA:  linear(x) + (scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)
@@ -33,7 +35,9 @@ the columns of `lora_b` (and of `m`) of its output shard, a sharded-to-all layer
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+import math
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -84,7 +88,8 @@ class RowAdapters:
     def __init__(self, slots: mx.array) -> None:
         self.slots = slots
         self._scales: dict[tuple[int, int, mx.Dtype], mx.array] = {}
-        self._tokens: dict[tuple[int, int, int, int], tuple[mx.array, mx.array, mx.array]] = {}
+        self._tokens: dict[tuple[int, int], tuple[mx.array | None, mx.array]] = {}
+        self._token_scales: dict[tuple[int, int, int], mx.array] = {}
 
     def scales(self, table: _Scales, dtype: mx.Dtype) -> mx.array:
         key = (id(table), table.version, dtype)
@@ -93,19 +98,29 @@ class RowAdapters:
             rows = self._scales[key] = table.array(dtype)[self.slots]
         return rows
 
-    def per_token(self, local: mx.array, length: int, table: _Scales) -> tuple[mx.array, mx.array]:
+    def per_token(
+        self, local: mx.array | None, length: int, table: _Scales
+    ) -> tuple[mx.array, mx.array]:
         """Each token's local slot (int32) and scale (float32), [B * length], for the CUDA
-        kernels. Stacks that map slots alike (the same `local` array: the identity) share them
-        within a forward."""
-        key = (id(local), length, id(table), table.version)
+        kernels; `local`: a stack's global -> local slot map (None: the identity). Made once per
+        forward for each map: stacks holding the same adapters share one (`_Maps`)."""
+        key = (id(local), length)
         held = self._tokens.get(key)
-        if held is None or held[0] is not local:  # the array is kept, so its id is not reused
-            scale = self.scales(table, mx.float32).reshape(-1)
-            idx = local.astype(mx.int32)
+        if held is None or held[0] is not local:  # the map is kept, so its id is not reused
+            idx = self.slots if local is None else local[self.slots]
+            if idx.dtype != mx.int32:
+                idx = idx.astype(mx.int32)
             if length > 1:
-                idx, scale = mx.repeat(idx, length), mx.repeat(scale, length)
-            held = self._tokens[key] = (local, idx, scale)
-        return held[1], held[2]
+                idx = mx.repeat(idx, length)
+            held = self._tokens[key] = (local, idx)
+        skey = (id(table), table.version, length)
+        scale = self._token_scales.get(skey)
+        if scale is None:
+            scale = self.scales(table, mx.float32).reshape(-1)
+            if length > 1:
+                scale = mx.repeat(scale, length)
+            self._token_scales[skey] = scale
+        return held[1], scale
 
 
 # The rows of the forward being built, or None: no row of it uses an adapter. The engine sets it
@@ -398,6 +413,27 @@ class _Scales:
         return table
 
 
+class _Maps:
+    """Global -> local slot maps, one array per distinct map, shared by the wrappers of one
+    AdapterSet: the kernels' per-token slots are then gathered once per forward for each
+    (`RowAdapters.per_token`), not once per layer."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[int, ...], mx.array] = {}
+
+    def get(self, table: Sequence[int]) -> mx.array:
+        key = tuple(table)
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = mx.array(key, dtype=mx.int32)
+        return held
+
+    def retain(self, live: Iterable[mx.array | None]) -> None:
+        """Forget the maps no stack uses any more."""
+        keep = {id(m) for m in live if m is not None}
+        self._held = {k: m for k, m in self._held.items() if id(m) in keep}
+
+
 @dataclass
 class _Stack:
     """One layer's adapters, stacked and zero-padded to the largest rank among them: A [S, in,
@@ -457,7 +493,11 @@ class MultiLoRALinear(nn.Module):
         self._stack: _Stack | None = None
         self._dora: _Dora | None = None
         self._num_slots = 1
+        self._maps = _Maps()  # replaced by the AdapterSet's shared one
         self.kernel = False  # set by the AdapterSet (EngineConfig.lora_kernel)
+        # The projections that read this one's input, when it has such siblings (_Group).
+        self._shared: _Group | None = None
+        self._shared_index = 0
 
     # -- shards
     def _shard(self, w: ModuleWeights) -> ModuleWeights:
@@ -568,7 +608,7 @@ class MultiLoRALinear(nn.Module):
             table = [stack.members.get(s, 0) for s in range(self._num_slots)]
             # The global -> local gather is skipped when it is the identity.
             identity = stack.a.shape[0] == self._num_slots and table == list(range(self._num_slots))
-            stack.local = None if identity else mx.array(table, dtype=mx.int32)
+            stack.local = None if identity else self._maps.get(table)
             stack.by_rank = []
             distinct = sorted(set(stack.ranks.values()))
             if len(distinct) > 1:
@@ -583,6 +623,8 @@ class MultiLoRALinear(nn.Module):
                 arrays.append(stack.local)
         if self._dora is not None:
             arrays += [self._dora.factor, self._dora.is_dora]
+        if self._shared is not None:
+            self._shared.version += 1
         mx.eval(arrays)
 
     @property
@@ -606,15 +648,37 @@ class MultiLoRALinear(nn.Module):
         z = mx.gather_mm(z, b, rhs_indices=local)
         return rows.scales(self._scales, z.dtype) * z
 
+    def fusable(self) -> bool:
+        """The update comes from `lora_kernel.fused_add`: the kernel path, no DoRA adapter, and
+        no sum over a tensor-parallel group between the two products."""
+        stack = self._stack
+        return (
+            self.kernel
+            and stack is not None
+            and stack.a_t is not None
+            and self._dora is None
+            and not self._reduce
+        )
+
+    def part(
+        self, x: mx.array, y: mx.array, rows: RowAdapters
+    ) -> tuple[lora_kernel.Part, mx.array]:
+        """This layer's share of a `fused_add` call for input x [..., in] and base output y,
+        with the tokens' scales [tokens]."""
+        stack = self._stack
+        assert stack is not None and stack.a_t is not None
+        length = math.prod(x.shape[1:-1])  # tokens per row: 1 for the LM head's [rows, H]
+        idx, scale = rows.per_token(stack.local, length, self._scales)
+        return lora_kernel.Part(y, stack.a_t, stack.b, idx), scale
+
     def _kernel_update(
         self, x: mx.array, y: mx.array, rows: RowAdapters, stack: _Stack
     ) -> mx.array:
-        """The rows' outputs from the CUDA kernels (service.core.models.lora_kernel): two
-        primitives per layer, each token reading only its own adapter's A and B."""
+        """A sharded-to-all layer's update on CUDA: `shrink`, z summed over the tensor-parallel
+        group, `expand_add`."""
         assert stack.a_t is not None
         batch, length, width = x.shape
-        local = stack.local_of(rows.slots)
-        idx, scale = rows.per_token(local, length, self._scales)
+        idx, scale = rows.per_token(stack.local, length, self._scales)
         z = lora_kernel.shrink(x.reshape(batch * length, width), stack.a_t, idx)
         if self._reduce and self._group is not None:
             z = mx.distributed.all_sum(z, group=self._group)
@@ -626,6 +690,13 @@ class MultiLoRALinear(nn.Module):
         stack = self._stack
         if rows is None or stack is None:
             return self.linear(x)
+        if self.fusable():
+            # One kernel: this layer's alone, or its siblings' too (_Group).
+            out = None if self._shared is None else self._shared(self, x, rows)
+            if out is None:
+                part, scale = self.part(x, self.linear(x), rows)
+                (out,) = lora_kernel.fused_add(x, [part], scale)
+            return out
         y = self.linear(x)
         # The LM head sees [rows, H]: one token per row.
         x3 = x[:, None, :] if x.ndim == 2 else x
@@ -669,6 +740,88 @@ class MultiLoRALinear(nn.Module):
         return mx.where(is_dora[:, None] if x.ndim == 2 else is_dora[:, None, None], dora_out, out)
 
 
+# -- projections that read one input -------------------------------------------------------------
+
+# mlx-lm's attention blocks call q, k and v, and its MLPs gate and up, with one input array.
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass
+class _Held:
+    """Outputs a group computed for its members still to be called, and what they are for."""
+
+    x: mx.array  # held: while it is, no other array can take its identity
+    rows: RowAdapters
+    version: int
+    outs: dict[int, mx.array]  # member index -> its output
+
+
+class _Group:
+    """Wrapped projections of one block that read the same input (`SHARED_INPUT`): their updates
+    come from one `fused_add` kernel instead of one each.
+
+    The first member called with adapter rows runs every ready member's base layer and one
+    kernel for them all, returns its own output and holds the others'. A member takes its held
+    output only when called with the very same input array, under the same rows, with the
+    stacks unchanged; every other call computes its own (the numbers are the same either way:
+    a member's blocks of the kernel do the same work whatever else the kernel holds). A call
+    that shows the model does not call its members that way (a member called with another
+    input, or a new computation while a member has not taken its output) turns the group off,
+    for good: a family that passes the members other inputs, or skips some, pays one wasted
+    computation, never wrong numbers.
+
+    A traced (`mx.compile`) forward runs this logic at trace time: what it decides is in the
+    graph. Each thread's forwards hold their own outputs."""
+
+    def __init__(self, members: list[MultiLoRALinear]) -> None:
+        self.members = members
+        self.enabled = True
+        self.version = 0  # bumped when a member's stacks change (MultiLoRALinear._reindex)
+        self._local = threading.local()
+
+    def disable(self) -> None:
+        self.enabled = False
+        self._local.held = None
+
+    def __call__(self, member: MultiLoRALinear, x: mx.array, rows: RowAdapters) -> mx.array | None:
+        """`member`'s output (base plus update) for x; None: the member computes it alone."""
+        if not self.enabled:
+            return None
+        held: _Held | None = getattr(self._local, "held", None)
+        if held is not None:
+            out = held.outs.pop(member._shared_index, None)
+            if not held.outs:
+                self._local.held = None
+            if out is not None and held.x is x and held.rows is rows:
+                if held.version == self.version:
+                    return out
+                return None  # the stacks changed since (between forwards): compute anew
+            # Not the pattern: another input than its siblings', or a sibling never called.
+            self.disable()
+            return None
+        ready = [
+            m
+            for m in self.members
+            if m.fusable()
+            and m._scales is member._scales
+            and m._stack is not None
+            and m._stack.a.shape[1] == x.shape[-1]
+        ]
+        if len(ready) < 2 or not any(m is member for m in ready):
+            return None
+        shares = [m.part(x, m.linear(x), rows) for m in ready]
+        outs = lora_kernel.fused_add(x, [part for part, _ in shares], shares[0][1])
+        own = None
+        siblings: dict[int, mx.array] = {}
+        for m, out in zip(ready, outs):
+            if m is member:
+                own = out
+            else:
+                siblings[m._shared_index] = out
+        self._local.held = _Held(x, rows, self.version, siblings)
+        return own
+
+
 # -- the set --------------------------------------------------------------------------------------
 
 
@@ -686,6 +839,7 @@ class AdapterSet:
         self._wrappers: dict[str, MultiLoRALinear] = {}
         self._num_slots = 1
         self._scales = _Scales()
+        self._maps = _Maps()
         self._layers = layer_names(model)
 
     def _wrapper(self, full_name: str) -> MultiLoRALinear:
@@ -694,11 +848,28 @@ class AdapterSet:
             module = dict(self.model.named_modules())[full_name]
             wrapper = MultiLoRALinear(module)
             wrapper._scales = self._scales
+            wrapper._maps = self._maps
             wrapper.kernel = self.kernel
             wrapper.resize(self._num_slots)
             self.model.update_modules(tree_unflatten([(full_name, wrapper)]))
             self._wrappers[full_name] = wrapper
+            self._regroup(full_name)
         return wrapper
+
+    def _regroup(self, full_name: str) -> None:
+        """Group the new wrapper with its wrapped siblings that read the same input."""
+        parent, _, leaf = full_name.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        for names in SHARED_INPUT:
+            if leaf not in names:
+                continue
+            members = [self._wrappers[prefix + n] for n in names if prefix + n in self._wrappers]
+            group = _Group(members) if len(members) > 1 else None
+            for index, member in enumerate(members):
+                member._shared, member._shared_index = group, index
+
+    def _prune_maps(self) -> None:
+        self._maps.retain(w._stack.local for w in self._wrappers.values() if w._stack is not None)
 
     def add(self, adapter: Adapter, slot: int | None = None) -> int:
         """Install a checked adapter in `slot` (default: the lowest free one); returns it."""
@@ -715,6 +886,7 @@ class AdapterSet:
             self._wrapper(full_name).set_slot(slot, weights, adapter.scale, adapter.dora)
         for wrapper in self._wrappers.values():  # every wrapper can index every slot
             wrapper.resize(self._num_slots)
+        self._prune_maps()
         self._slots[adapter.name] = slot
         self._described[adapter.name] = adapter.describe(self._layers)
         return slot
@@ -726,6 +898,7 @@ class AdapterSet:
         self._scales.set(slot, 0.0)
         for wrapper in self._wrappers.values():
             wrapper.clear_slot(slot)
+        self._prune_maps()
         return slot
 
     def name_of(self, slot: int) -> str | None:

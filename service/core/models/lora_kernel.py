@@ -1,18 +1,33 @@
-"""Per-row LoRA updates on CUDA in two kernels: `y + scale * ((x @ A[s]) @ B[s])` for each row's
-own adapter slot s, without a per-row product and without touching other adapters' weights.
+"""Per-row LoRA updates on CUDA: `y + scale * ((x @ A[s]) @ B[s])` for each row's own adapter
+slot s, without a per-row product and without touching other adapters' weights.
 
 MLX's CUDA backend pays host work per primitive, and a decode step is bound by it: the MLX-op
 forms of a mixed batch's update (a gathered product per row, or every row times the whole stack
 with the other adapters masked out) add five to ten primitives to every adapted layer, more than
-the layer itself. Here each adapted layer adds two: `shrink` (z = x @ A[s], a warp per output,
-[tokens, r] in float32) and `expand_add` (y + scale * z @ B[s], cast as mlx-lm casts it). The
-reductions run in another order than a matmul's, so the numbers equal mlx-lm's to float
+the layer itself. Here an update is one kernel, `fused_add`, and one call serves several modules
+that read the same input (an attention's q, k and v; an MLP's gate and up: service.core.models.
+lora groups them), each with its own stacks, slots and output. A block computes z = x[t] @ A[s]
+for its token and module (float32, into shared memory), then a chunk of that module's outputs,
+y + scale * z @ B[s] cast as mlx-lm casts it.
+
+Grid: a block per (token, module, chunk of outputs). A chunk holds at least as many outputs as
+the module has inputs (and at least MIN_CHUNK), so recomputing z in each chunk reads no more of
+A than the chunk reads of B; a module is split into chunks only while the tokens alone leave the
+GPU short of FILL_BLOCKS blocks (decode), and is one block per token otherwise (prefill). The
+chunking changes which block computes an output, never how.
+
+Under tensor parallel a sharded-to-all layer sums z over the group between the two products, so
+it takes two kernels: `shrink` (z = x @ A[s], [tokens, r] float32) and `expand_add`.
+
+The reductions run in another order than a matmul's, so the numbers equal mlx-lm's to float
 tolerance. Elsewhere the same computation runs from MLX ops (`reference_*`): what the CPU tests
 exercise, and what the GPU tests hold the kernels to.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -131,6 +146,157 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
     return out
 
 
+FUSED_WARPS = 8  # warps per block in `fused_add`
+MIN_CHUNK = 1024  # the fewest outputs a block of `fused_add` takes (unless the module has fewer)
+FILL_BLOCKS = 512  # blocks that keep every SM of a large GPU busy: below it, modules are chunked
+
+_FUSED_HEADER = """
+// One block's share of a LoRA update: zs = x[t] @ A[s] (float32, shared memory), then outputs
+// [chunk * CHUNK, (chunk + 1) * CHUNK) of out[t] = y[t] + (scale * zs @ B[s]) cast to TY before
+// the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], y and out [T, OUT], a_t
+// [S, R, IN] (A transposed: a warp's lanes read consecutive inputs), b [S, R, OUT].
+template <typename TX, typename TY, typename TA, typename TB,
+          int IN, int R, int OUT, int CHUNK, int WARPS>
+__device__ __forceinline__ void mlxserve_lora_block(
+    const TX* x, const TY* y, const TA* a_t, const TB* b, const int s, const float scale,
+    const size_t t, const int chunk, TY* out, float* zs) {
+  constexpr int THREADS = WARPS * 32;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int first = chunk * CHUNK;
+  const int last = first + CHUNK < OUT ? first + CHUNK : OUT;
+  const TY* yt = y + t * OUT;
+  TY* ot = out + t * OUT;
+  if (s == 0) {
+    // Local slot 0 is zeros in every stack: the update is zero, A and B need not be read.
+    // (s depends on the block alone, so the whole block returns before the barrier.)
+    for (int o = first + (int)threadIdx.x; o < last; o += THREADS) {
+      ot[o] = yt[o];
+    }
+    return;
+  }
+  const TX* xt = x + t * IN;
+  for (int k = warp; k < R; k += WARPS) {
+    const TA* ar = a_t + ((size_t)s * R + k) * IN;
+    float acc = 0.0f;
+    for (int i = lane; i < IN; i += 32) {
+      acc += static_cast<float>(xt[i]) * static_cast<float>(ar[i]);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      acc += __shfl_xor_sync(0xffffffff, acc, offset);
+    }
+    if (lane == 0) {
+      zs[k] = acc;
+    }
+  }
+  __syncthreads();
+  const TB* bs = b + (size_t)s * R * OUT;
+  for (int o = first + (int)threadIdx.x; o < last; o += THREADS) {
+    float acc = 0.0f;
+    for (int k = 0; k < R; ++k) {
+      acc += zs[k] * static_cast<float>(bs[(size_t)k * OUT + o]);
+    }
+    const TY d = static_cast<TY>(scale * acc);
+    ot[o] = static_cast<TY>(static_cast<float>(yt[o]) + static_cast<float>(d));
+  }
+}
+"""
+
+
+def _fused_source(parts: int) -> str:
+    """The kernel body for `parts` modules: block b of token t is chunk c of the module whose
+    chunks [FIRSTp, FIRSTp + CHUNKSp) of the token's BLOCKS hold c."""
+    lines = [
+        "    const size_t t = blockIdx.x / BLOCKS;",
+        "    const int c = blockIdx.x % BLOCKS;",
+        "    const float sc = scale[t];",
+        "    __shared__ float zs[RMAX];",
+    ]
+    for p in range(parts):
+        lines += [
+            f"    {'if' if p == 0 else 'else if'} (c < FIRST{p} + CHUNKS{p}) {{",
+            f"        mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p}, CHUNK{p},",
+            "                            WARPS>(",
+            f"            x, y{p}, a{p}, b{p}, idx{p}[t], sc, t, c - FIRST{p}, out{p}, zs);",
+            "    }",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One module's share of a `fused_add` call."""
+
+    y: mx.array  # the base layer's output [..., out]
+    a_t: mx.array  # A as [S, r, in]
+    b: mx.array  # [S, r, out]
+    idx: mx.array  # int32 [tokens]: each token's local slot in this module's stacks
+
+
+@cache
+def _fused(parts: int) -> Any:
+    names = [f"{n}{p}" for p in range(parts) for n in ("y", "a", "b", "idx")]
+    return mx.fast.cuda_kernel(
+        # One name per source: MLX before 0.32.1 caches a compiled kernel by its name and
+        # template arguments, not its source.
+        name=f"mlxserve_lora_fused{parts}",
+        input_names=["x", "scale", *names],
+        output_names=[f"out{p}" for p in range(parts)],
+        source=_fused_source(parts),
+        header=_FUSED_HEADER,
+    )
+
+
+def chunking(tokens: int, width: int, out: int) -> tuple[int, int]:
+    """(chunks, outputs per chunk) of one module's outputs in `fused_add`."""
+    per_token = -(-FILL_BLOCKS // max(tokens, 1))
+    chunks = max(1, min(out // max(width, MIN_CHUNK), per_token))
+    size = -(-out // chunks)
+    size = -(-size // 32) * 32  # whole warps' worth of outputs
+    return -(-out // size), size
+
+
+def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
+    """Each part's y plus each token's update scale[t] * (x[t] @ A[idx[t]]) @ B[idx[t]], in y's
+    dtype: one kernel for all parts. x [..., in] (tokens = its rows); scale float32 [tokens]."""
+    if not available():
+        return reference_fused_add(x, parts, scale)
+    width = x.shape[-1]
+    tokens = x.size // width
+    if tokens == 0:  # CUDA launches no empty grid
+        return [part.y for part in parts]
+    template: list[tuple[str, Any]] = [("TX", x.dtype), ("IN", width), ("WARPS", FUSED_WARPS)]
+    inputs = [x, scale]
+    first = 0
+    for p, part in enumerate(parts):
+        out = part.y.shape[-1]
+        chunks, size = chunking(tokens, width, out)
+        inputs += [part.y, part.a_t, part.b, part.idx]
+        template += [
+            (f"TY{p}", part.y.dtype),
+            (f"TA{p}", part.a_t.dtype),
+            (f"TB{p}", part.b.dtype),
+            (f"R{p}", part.a_t.shape[1]),
+            (f"OUT{p}", out),
+            (f"CHUNK{p}", size),
+            (f"CHUNKS{p}", chunks),
+            (f"FIRST{p}", first),
+        ]
+        first += chunks
+    template += [("BLOCKS", first), ("RMAX", max(part.a_t.shape[1] for part in parts))]
+    threads = FUSED_WARPS * 32
+    return list(
+        _fused(len(parts))(
+            inputs=inputs,
+            template=template,
+            grid=(tokens * first * threads, 1, 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[part.y.shape for part in parts],
+            output_dtypes=[part.y.dtype for part in parts],
+        )
+    )
+
+
 def reference_shrink(x: mx.array, a_t: mx.array, idx: mx.array) -> mx.array:
     """`shrink` from MLX ops: float32 products of each token with its own slot's A."""
     a = a_t[idx].swapaxes(1, 2).astype(mx.float32)  # [T, in, r]
@@ -143,3 +309,14 @@ def reference_expand_add(
     """`expand_add` from MLX ops."""
     d = (z[:, None, :] @ b[idx].astype(mx.float32))[:, 0]
     return y + (scale[:, None] * d).astype(y.dtype)
+
+
+def reference_fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
+    """`fused_add` from MLX ops: each part's `shrink` and `expand_add` references."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = []
+    for part in parts:
+        y = part.y.reshape(-1, part.y.shape[-1])
+        z = reference_shrink(flat, part.a_t, part.idx)
+        out.append(reference_expand_add(y, z, part.b, part.idx, scale).reshape(part.y.shape))
+    return out
