@@ -164,17 +164,14 @@ def test_the_fused_reference_is_each_parts_own_update() -> None:
         assert mx.array_equal(out.reshape(6, -1), flat[:6])
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64, 300, 4096])
 @pytest.mark.parametrize("width,out", [(4096, 14336), (14336, 4096), (4096, 1024), (576, 576)])
-def test_chunks_cover_every_output_once(tokens: int, width: int, out: int) -> None:
+def test_chunks_cover_every_output_once(width: int, out: int) -> None:
     """A module's chunks in `fused_add` tile its outputs, none empty, whole warps each; a chunk
     takes at least as many outputs as the module has inputs (or all of them)."""
-    chunks, size = lora_kernel.chunking(tokens, width, out)
+    chunks, size = lora_kernel.chunking(width, out)
     assert size % 32 == 0 and chunks >= 1
     assert (chunks - 1) * size < out <= chunks * size
     assert chunks == 1 or size >= max(width, lora_kernel.MIN_CHUNK)
-    if tokens >= lora_kernel.FILL_BLOCKS:
-        assert chunks == 1  # the tokens alone fill the GPU
 
 
 def assert_close_rounded(got: mx.array, want: mx.array, y: mx.array, dtype: mx.Dtype) -> None:

@@ -12,9 +12,10 @@ y + scale * z @ B[s] cast as mlx-lm casts it.
 
 Grid: a block per (token, module, chunk of outputs). A chunk holds at least as many outputs as
 the module has inputs (and at least MIN_CHUNK), so recomputing z in each chunk reads no more of
-A than the chunk reads of B; a module is split into chunks only while the tokens alone leave the
-GPU short of FILL_BLOCKS blocks (decode), and is one block per token otherwise (prefill). The
-chunking changes which block computes an output, never how.
+A than the chunk reads of B. The chunking depends on the module's shape only, not on the number
+of tokens: a template value that changed with the tokens would compile a kernel variant at the
+first step of each new size, a stall in the middle of serving. It changes which block computes
+an output, never how.
 
 Under tensor parallel a sharded-to-all layer sums z over the group between the two products, so
 it takes two kernels: `shrink` (z = x @ A[s], [tokens, r] float32) and `expand_add`.
@@ -148,7 +149,6 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
 
 FUSED_WARPS = 8  # warps per block in `fused_add`
 MIN_CHUNK = 1024  # the fewest outputs a block of `fused_add` takes (unless the module has fewer)
-FILL_BLOCKS = 512  # blocks that keep every SM of a large GPU busy: below it, modules are chunked
 
 _FUSED_HEADER = """
 // One block's share of a LoRA update: zs = x[t] @ A[s] (float32, shared memory), then outputs
@@ -247,10 +247,9 @@ def _fused(parts: int) -> Any:
     )
 
 
-def chunking(tokens: int, width: int, out: int) -> tuple[int, int]:
+def chunking(width: int, out: int) -> tuple[int, int]:
     """(chunks, outputs per chunk) of one module's outputs in `fused_add`."""
-    per_token = -(-FILL_BLOCKS // max(tokens, 1))
-    chunks = max(1, min(out // max(width, MIN_CHUNK), per_token))
+    chunks = max(1, out // max(width, MIN_CHUNK))
     size = -(-out // chunks)
     size = -(-size // 32) * 32  # whole warps' worth of outputs
     return -(-out // size), size
@@ -270,7 +269,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
     first = 0
     for p, part in enumerate(parts):
         out = part.y.shape[-1]
-        chunks, size = chunking(tokens, width, out)
+        chunks, size = chunking(width, out)
         inputs += [part.y, part.a_t, part.b, part.idx]
         template += [
             (f"TY{p}", part.y.dtype),
