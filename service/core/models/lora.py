@@ -756,6 +756,13 @@ class _Held:
     outs: dict[int, mx.array]  # member index -> its output
 
 
+class _HeldPerThread(threading.local):
+    """Each thread's forwards hold their own outputs."""
+
+    def __init__(self) -> None:
+        self.held: _Held | None = None
+
+
 class _Group:
     """Wrapped projections of one block that read the same input (`SHARED_INPUT`): their updates
     come from one `fused_add` kernel instead of one each.
@@ -777,7 +784,7 @@ class _Group:
         self.members = members
         self.enabled = True
         self.version = 0  # bumped when a member's stacks change (MultiLoRALinear._reindex)
-        self._local = threading.local()
+        self._local = _HeldPerThread()
 
     def disable(self) -> None:
         self.enabled = False
@@ -787,7 +794,7 @@ class _Group:
         """`member`'s output (base plus update) for x; None: the member computes it alone."""
         if not self.enabled:
             return None
-        held: _Held | None = getattr(self._local, "held", None)
+        held = self._local.held
         if held is not None:
             out = held.outs.pop(member._shared_index, None)
             if not held.outs:
