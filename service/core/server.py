@@ -33,7 +33,7 @@ from service.common import trace_ids
 from service.common.backend import mlx_error
 from service.common.config import CoreConfig
 from service.common.grammar import GrammarError, format_field
-from service.common.logging import configure_logging
+from service.common.logging import configure_logging, exit_now
 
 if TYPE_CHECKING:
     from service.core.runtime import Runtime
@@ -336,11 +336,11 @@ def run(
         sys.exit(2)
     configure_logging(config.observability.log_level, config.observability.log_format)
     if rank > 0:
-        sys.exit(_follow(config, Path(run_dir), rank))
+        exit_now(_follow(config, Path(run_dir), rank))
     core = CoreServer(config, Path(run_dir))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: core.stop())
-    sys.exit(core.serve())
+    exit_now(core.serve())  # serve's clean-up done; the loop thread released its streams
 
 
 def _follow(config: CoreConfig, run_dir: Path, rank: int) -> int:
