@@ -25,7 +25,10 @@ $(STAMP): pyproject.toml scripts/install.sh
 serve: install
 	env $(BLAS_ENV) $(PY) -m service --port $(PORT)
 
+# The project's bytecode is compiled first: where PYTHONDONTWRITEBYTECODE is set, each of the many
+# server processes the tests start would otherwise compile every module it imports again.
 test: install
+	$(PY) -m compileall -q service client mlxserve tests
 	env $(BLAS_ENV) $(PY) -m pytest -q
 
 # The tests not marked slow (no server or other process of ours, no real model; tests/conftest.py

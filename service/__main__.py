@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from service.common.blas import reexec_with_openblas
 from service.common.model_source import ModelLoadError
@@ -60,10 +61,16 @@ def _serve(argv: list[str], prog: str) -> int:
     return run(config)
 
 
-def console_main() -> int:
+def _exit(code: int) -> NoReturn:
+    from service.common.logging import exit_now  # not at the top: main may re-exec first
+
+    exit_now(code)
+
+
+def console_main() -> NoReturn:
     """The `mlxserve` console script."""
-    return main(prog="mlxserve")
+    _exit(main(prog="mlxserve"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

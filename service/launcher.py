@@ -43,7 +43,7 @@ from service.common.config import (
     ServerConfig,
     visible_gpus,
 )
-from service.common.logging import configure_logging
+from service.common.logging import configure_logging, exit_now
 
 log = structlog.get_logger(__name__)
 CORE_STOP_TIMEOUT_S = 15.0
@@ -190,7 +190,7 @@ def _worker(
         code = asyncio.run(serve_frontend(config, Path(run_dir), index, core_alive))
     except (LoadFailedError, ConfigError):
         code = 2  # front end 0 says why
-    sys.exit(code)
+    exit_now(code)
 
 
 def make_run_dir() -> Path:

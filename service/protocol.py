@@ -318,6 +318,13 @@ class Ready(msgspec.Struct, tag=True):
     prompt_cache: bool = True  # requests may adopt and leave cached prompt prefixes
 
 
+class TokenizerSaved(msgspec.Struct, tag=True):
+    """The model's tokenizer is saved (before Ready, while the weights load): the front ends
+    load it meanwhile. Ready names the same directory."""
+
+    tokenizer_dir: str
+
+
 class LoadFailed(msgspec.Struct, tag=True):
     message: str
 
@@ -358,7 +365,16 @@ class AdaptersChanged(msgspec.Struct, tag=True):
     adapters: list[AdapterDescription]
 
 
-FromCore = Ready | LoadFailed | Rejected | StatsReply | Health | AdapterReply | AdaptersChanged
+FromCore = (
+    Ready
+    | TokenizerSaved
+    | LoadFailed
+    | Rejected
+    | StatsReply
+    | Health
+    | AdapterReply
+    | AdaptersChanged
+)
 
 _to_core = msgspec.msgpack.Decoder(ToCore)
 _from_core = msgspec.msgpack.Decoder(FromCore)

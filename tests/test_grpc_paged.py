@@ -1,5 +1,6 @@
-"""Paged KV cache through gRPC on the real model: prefix sharing, parity with dense storage,
-and a tight budget under which every request still completes without leaking blocks."""
+"""Paged KV cache through gRPC: prefix sharing and parity with dense storage on the real model,
+and a tight budget (on the thin random model) under which every request still completes without
+leaking blocks."""
 
 from __future__ import annotations
 
@@ -12,9 +13,17 @@ import pytest
 from client.errors import error_details
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers.metrics import EMBEDDED_MODEL_ID, metric, scrape_metrics
+from tests.helpers.metrics import metric, scrape_metrics
 from tests.helpers.requests import chat_request, to_stream, with_id
-from tests.helpers.server import ServerProcess, free_port, running_server, wait_idle
+from tests.helpers.server import (
+    THIN_KV_BYTES_PER_TOKEN,
+    THIN_MODEL,
+    THIN_MODEL_ID,
+    ServerProcess,
+    free_port,
+    running_server,
+    wait_idle,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -135,17 +144,18 @@ def test_paged_output_equals_dense_output(
 
 # The tight budget: 16 blocks of 16 tokens of float32 K/V. Each of the 8 requests (~40 prompt
 # tokens, 48 generated) needs about 6 blocks, its first two shared: room for 3 at a time, while
-# the 8 rows of a batch all start at once.
+# the 8 rows of a batch all start at once. Blocks, not weights, decide what runs: the thin random
+# model (the embedded tokenizer's prompts).
 TIGHT_BLOCKS, TIGHT_REQUESTS, TIGHT_TOKENS = 16, 8, 48
 
 
 def test_tight_budget_completes_everything_without_leaks() -> None:
-    budget = str(TIGHT_BLOCKS * 16 * 2 * 30 * 3 * 64 * 4)
+    budget = str(TIGHT_BLOCKS * 16 * THIN_KV_BYTES_PER_TOKEN)
     metrics_port = free_port()
     with (
         running_server(
-            "--kv-cache-budget", budget, "--max-batch-size", "8", "--max-queue-depth", "16",
-            "--metrics-port", str(metrics_port),
+            *THIN_MODEL, "--kv-cache-budget", budget, "--max-batch-size", "8",
+            "--max-queue-depth", "16", "--metrics-port", str(metrics_port),
         ) as server,
         grpc.insecure_channel(server.target) as channel,
     ):  # fmt: skip
@@ -192,7 +202,7 @@ def test_tight_budget_completes_everything_without_leaks() -> None:
 
         # The metrics saw the same: the preemptions, the refusal, the pool's size, all free.
         samples = scrape_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
-        model = {"model": EMBEDDED_MODEL_ID}
+        model = {"model": THIN_MODEL_ID}
         assert metric(samples, "mlxserve_preemptions_total", **model) == idle.preemptions
         assert metric(samples, "mlxserve_rejections_total", **model, reason="kv_budget") == 1
         done = metric(samples, "mlxserve_requests_total", **model, finish_reason="length")

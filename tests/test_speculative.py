@@ -21,7 +21,7 @@ from service.core.models.layout import probe_layout
 from service.core.scheduler.prompt_lookup import MAX_PAUSE, DraftPacing, NgramIndex
 from service.protocol import SamplingParams
 from tests.helpers.metrics import EMBEDDED_MODEL_ID, metric, scrape_metrics
-from tests.helpers.requests import chat_request, to_stream
+from tests.helpers.requests import chat_request, to_stream, with_id
 from tests.helpers.server import free_port, running_server, wait_idle
 from tests.helpers.tiny import PROMPTS, DraftRow, StepRow, make_engine, paged, prompt, tiny_llama
 
@@ -174,14 +174,14 @@ SUMMARY = (
 
 @pytest.mark.slow
 @pytest.mark.model
-def test_greedy_output_is_unchanged_by_speculation(stub) -> None:
+def test_greedy_output_is_unchanged_by_speculation(reference) -> None:
     """The embedded model on a repetitive prompt, alone and two rows together: the same tokens
     as the shared server without speculation, with drafts accepted."""
     requests = [
         chat_request(SUMMARY, max_tokens=40, cache_prompt=False),
         chat_request("Repeat: one two three, one two three, one two three", max_tokens=30),
     ]
-    want = [stub.Generate(r, timeout=120) for r in requests]
+    want = [reference(r) for r in requests]
     metrics = f"http://127.0.0.1:{(port := free_port())}/metrics"
     flags = ("--draft-kind", "prompt-lookup", "--log-format", "json", "--metrics-port", str(port))
     with running_server(*flags) as server, grpc.insecure_channel(server.target) as channel:
@@ -230,12 +230,13 @@ def test_prompts_of_the_tiny_model_are_repetitive_enough() -> None:
 
 @pytest.mark.slow
 @pytest.mark.model
-def test_speculation_through_preemption_and_cancellation(stub, one_slot_server) -> None:
+def test_speculation_through_preemption_and_cancellation(reference, one_slot_server) -> None:
     """One slot, preemption on (conftest.one_slot_server): a speculating request is evicted by
     a higher-priority one and resumes with the same tokens as a plain server's; a cancelled
     speculating stream frees everything."""
-    low = chat_request(SUMMARY, max_tokens=40, cache_prompt=False, request_id="spec-low")
-    want = stub.Generate(low, timeout=120)
+    plain = chat_request(SUMMARY, max_tokens=40, cache_prompt=False)
+    want = reference(plain)  # the greedy test's first request: its run on the shared server
+    low = with_id(plain, "spec-low")
     with grpc.insecure_channel(one_slot_server.target) as channel:
         spec = pb_grpc.GenerationServiceStub(channel)
         before = wait_idle(spec, 10).preemptions  # the server is shared: count from here

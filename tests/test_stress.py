@@ -4,7 +4,7 @@ storm, a client process killed mid-stream, and a drain under load.
 Each test asserts that nothing hangs (every call ends within a bound), nothing leaks (CacheStats
 shows no active sequence, block or queued request once idle) and nothing admitted is lost
 (every admitted request gets its final message or a precise error status, and the core logs
-its end). The first three share one server of this module; the drain starts its own.
+its end). They share one server of this module; the drain, which ends it, comes last.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def stress_server() -> Iterator[ServerProcess]:
         "--max-batch-size", "8",
         "--max-queue-depth", "256",  # the storm's streams all wait in the queue: none is refused
         "--default-max-tokens", str(DEFAULT_MAX_TOKENS),
+        "--drain-timeout", str(DRAIN_TIMEOUT_S),  # for the last test, the drain under load
         "--log-format", "json",
     ) as server:  # fmt: skip
         yield server
@@ -709,17 +710,17 @@ class DrainStream:
         return sum(len(m.token_ids) for t, m in self.messages if t > moment)
 
 
-def test_a_drain_under_load_finishes_what_it_can_and_cancels_the_rest() -> None:
+def test_a_drain_under_load_finishes_what_it_can_and_cancels_the_rest(
+    stress_server: ServerProcess,
+) -> None:
     """SIGTERM while eight streams run, four short enough to finish within --drain-timeout and
     four far too long: the short ones end LENGTH with all their tokens, the long ones keep
     getting tokens until the timeout and then get a final FINISH_REASON_CANCELLED message;
     CacheStats during the drain shows only the long ones running; no stream hangs; the process
-    exits 0 with no traceback, and the core logs the end of every request."""
-    flags = ("--max-batch-size", "8", "--drain-timeout", str(DRAIN_TIMEOUT_S))
-    with (
-        running_server(*flags, "--log-format", "json") as server,
-        grpc.insecure_channel(server.target) as channel,
-    ):
+    exits 0 with no traceback, and the core logs the end of every request. The module's last
+    test: it stops the module's server."""
+    server = stress_server
+    with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         long = [DrainStream(rid, n) for rid, n in DRAIN_LONG.items()]
         short = [DrainStream(rid, n) for rid, n in DRAIN_SHORT.items()]

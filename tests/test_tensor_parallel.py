@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -26,7 +27,7 @@ from tests.helpers import adapters, model_zoo
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.processes import children
 from tests.helpers.requests import chat_request
-from tests.helpers.server import free_port, running_server, start_server, wait_idle
+from tests.helpers.server import ServerProcess, free_port, running_server, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -54,43 +55,74 @@ def tp_model(tmp_path_factory: pytest.TempPathFactory):
     return model_zoo.build(TP_LLAMA, tmp_path_factory.mktemp("tp"))
 
 
-def test_tp2_batched_greedy_equals_one_rank(tp_model) -> None:
+@pytest.fixture(scope="module")
+def tp2_server(tp_model) -> Iterator[ServerProcess]:
+    """The tiny llama at TP=2, up to 4 rows: the batched test's, then the killed rank's (which
+    ends it: the test right after)."""
+    with running_server(
+        "--model", str(tp_model), "--tensor-parallel", "2", "--parallel", "4",
+        "--log-format", "json",
+    ) as server:  # fmt: skip
+        yield server
+
+
+def test_tp2_batched_greedy_equals_one_rank(tp_model, tp2_server: ServerProcess) -> None:
     """Concurrent requests give one rank's tokens; then a prompt sharing prefix_a's first two
     blocks adopts them on every rank (rank 0's block tables travel with each step) and still
     gives one rank's tokens."""
     everything = model_zoo.prompts(TP_LLAMA)
     want = model_zoo.reference(tp_model, everything, max_tokens=12)
     prompts = {k: v for k, v in everything.items() if k != "prefix_b"}
-    with running_server(
-        "--model", str(tp_model), "--tensor-parallel", "2", "--parallel", "4",
-        "--log-format", "json",
-    ) as server:  # fmt: skip
-        sharded = [r for r in server.records() if r.get("event") == "model sharded"]
-        assert {r["rank"] for r in sharded} == {0, 1}
-        assert all(r["kv_heads_per_rank"] == 1 for r in sharded)
-        with grpc.insecure_channel(server.target) as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
-            futures = {
-                name: stub.Generate.future(model_zoo.request(ids, name, 12), timeout=120)
-                for name, ids in prompts.items()
-            }
-            margin = 0.0
-            for name, future in futures.items():
-                got = future.result()
-                assert list(got.token_ids) == want[name].token_ids, name
-                margin = max(
-                    margin,
-                    *(abs(a.logprob - b) for a, b in zip(got.logprobs, want[name].logprobs)),
-                )
-            print(f"TP=2 vs one rank: tokens equal, largest logprob difference {margin:.2e}")
-            assert margin < 1e-4
-            adopting = stub.Generate(
-                model_zoo.request(everything["prefix_b"], "prefix_b", 12), timeout=120
+    server = tp2_server
+    sharded = [r for r in server.records() if r.get("event") == "model sharded"]
+    assert {r["rank"] for r in sharded} == {0, 1}
+    assert all(r["kv_heads_per_rank"] == 1 for r in sharded)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        futures = {
+            name: stub.Generate.future(model_zoo.request(ids, name, 12), timeout=120)
+            for name, ids in prompts.items()
+        }
+        margin = 0.0
+        for name, future in futures.items():
+            got = future.result()
+            assert list(got.token_ids) == want[name].token_ids, name
+            margin = max(
+                margin,
+                *(abs(a.logprob - b) for a, b in zip(got.logprobs, want[name].logprobs)),
             )
-            assert adopting.usage.cached_tokens == 32
-            assert list(adopting.token_ids) == want["prefix_b"].token_ids
-            stats = stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
-            assert stats.active_sequences == 0 and stats.active_blocks == 0
+        print(f"TP=2 vs one rank: tokens equal, largest logprob difference {margin:.2e}")
+        assert margin < 1e-4
+        adopting = stub.Generate(
+            model_zoo.request(everything["prefix_b"], "prefix_b", 12), timeout=120
+        )
+        assert adopting.usage.cached_tokens == 32
+        assert list(adopting.token_ids) == want["prefix_b"].token_ids
+        stats = stub.CacheStats(pb.CacheStatsRequest(), timeout=10)
+        assert stats.active_sequences == 0 and stats.active_blocks == 0
+
+
+def test_a_killed_rank_ends_the_rpcs_and_the_server(tp2_server: ServerProcess) -> None:
+    """The last test on tp2_server: SIGKILL its follower rank mid-stream; the stream ends with
+    UNAVAILABLE at once and the server exits 3."""
+    server = tp2_server
+    ranks = [c for c in children(server.proc.pid) if "libmlx" in _maps(c)]
+    assert len(ranks) == 2
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        request = pb.StreamGenerateRequest.FromString(
+            model_zoo.request(list(range(300, 320)), "tp-kill", 2000).SerializeToString()
+        )
+        call = stub.StreamGenerate(request, timeout=60)
+        next(call)
+        follower = max(ranks)  # started after rank 0
+        os.kill(follower, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 15
+    assert server.wait(30) == 3
 
 
 def test_tp2_cancellation_and_preemption(tp_model) -> None:
@@ -197,32 +229,6 @@ def test_smollm2_tp3_gives_the_tokens_of_one_rank(stub) -> None:
         futures = [tp.Generate.future(r, timeout=300) for r in requests]
         for question, future, w in zip(questions, futures, want):
             assert list(future.result().token_ids) == list(w.token_ids), question
-
-
-def test_a_killed_rank_ends_the_rpcs_and_the_server(tp_model) -> None:
-    server = start_server(
-        "--model", str(tp_model), "--tensor-parallel", "2", "--log-format", "json"
-    )
-    try:
-        ranks = [c for c in children(server.proc.pid) if "libmlx" in _maps(c)]
-        assert len(ranks) == 2
-        with grpc.insecure_channel(server.target) as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
-            request = pb.StreamGenerateRequest.FromString(
-                model_zoo.request(list(range(300, 320)), "tp-kill", 2000).SerializeToString()
-            )
-            call = stub.StreamGenerate(request, timeout=60)
-            next(call)
-            follower = max(ranks)  # started after rank 0
-            os.kill(follower, signal.SIGKILL)
-            started = time.monotonic()
-            with pytest.raises(grpc.RpcError) as info:
-                list(call)
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - started < 15
-        assert server.wait(30) == 3
-    finally:
-        server.stop()
 
 
 def _maps(pid: int) -> str:

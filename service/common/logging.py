@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+from typing import NoReturn
 
 import structlog
 
@@ -47,3 +50,15 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     # Library chatter (e.g. transformers' missing-PyTorch notice) stays out of our logs.
     for noisy in ("transformers", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with `code` once the log and stdio are flushed, without the
+    interpreter's finalization: tearing down MLX, gRPC and every imported module takes longer
+    than a stop's own work, and by now nothing is left to do (the children are joined, the
+    telemetry exported, the run directory removed)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -6,6 +6,7 @@ import bisect
 import json
 import re
 import secrets
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,10 @@ class Tokenizer:
         }
         names = sorted(self._specials, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, names))) if names else None
-        self._encode_plain = _plain_encoder(hf)
+        # Built on first use (content that spells a special token is rare): copying the Rust
+        # tokenizer parses its whole definition, which every process start would pay.
+        self._plain: Callable[[str], list[int]] | None = None
+        self._plain_lock = threading.Lock()
         self._text_bytes: dict[int, bytes] = {}
         # A byte-level tokenizer whose decode is the byte map's UTF-8 (nothing cleaned up, every
         # added token decoding to its bytes): generated text from each token's bytes alone.
@@ -96,6 +100,16 @@ class Tokenizer:
             decode([i], skip_special_tokens=False).encode("utf-8") == self.token_bytes(i)
             for i in added
         )
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """`text` encoded with special-token text as plain text (_plain_encoder)."""
+        plain = self._plain
+        if plain is None:
+            with self._plain_lock:
+                if self._plain is None:
+                    self._plain = _plain_encoder(self._hf)
+                plain = self._plain
+        return plain(text)
 
     def _bytes_of(self, token_id: int) -> bytes:
         """A token's bytes under the byte-level map (special tokens: none), cached."""

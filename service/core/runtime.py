@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from service.common import grammar
 from service.common.config import GPU_PREFILL_TOKENS, ConfigError, CoreConfig
+from service.common.tokenizer import Tokenizer
 from service.core import warm_up
 from service.core.engine import paged_attention
 from service.core.engine.config import EngineConfig, resolve
@@ -123,6 +124,9 @@ class Runtime:
         # served, and when the served adapters changed.
         self.on_request_rejected: Callable[[Request, str], None] | None = None
         self.on_adapters_changed: Callable[[list[AdapterDescription]], None] | None = None
+        # Told (from the loop thread) of the model's tokenizer as soon as it is loaded, before
+        # the weights where the loader can: the front ends load it meanwhile.
+        self.on_tokenizer: Callable[[Tokenizer], object] | None = None
         # The adapters requests may use, as GetModelInfo lists them: replaced as a whole on the
         # loop thread, read from others.
         self.served_adapters: list[AdapterDescription] = []
@@ -229,7 +233,7 @@ class Runtime:
 
     def _load_model(self) -> LoadedModel:
         cfg = self.config
-        lm = load_model(cfg.model.path, cfg.model.dtype, cfg.model.load_format)
+        lm = load_model(cfg.model.path, cfg.model.dtype, cfg.model.load_format, self.on_tokenizer)
         if self.group is not None:
             self._shard(lm)
         try:

@@ -33,9 +33,10 @@ from service.common import trace_ids
 from service.common.backend import mlx_error
 from service.common.config import CoreConfig
 from service.common.grammar import GrammarError, format_field
-from service.common.logging import configure_logging
+from service.common.logging import configure_logging, exit_now
 
 if TYPE_CHECKING:
+    from service.common.tokenizer import Tokenizer
     from service.core.runtime import Runtime
     from service.core.scheduler.request import Request
 
@@ -95,6 +96,8 @@ class CoreServer:
         self.runtime.on_adapters_changed = lambda adapters: self._send_later(
             None, protocol.AdaptersChanged(adapters)
         )
+        self.runtime.on_tokenizer = self._save_tokenizer
+        self._tokenizer_saved = False  # set on the loop thread once its files are written
 
     def serve(self) -> int:
         router = self.context.socket(zmq.ROUTER)
@@ -168,6 +171,9 @@ class CoreServer:
             )
             if self._ready_sent:
                 router.send_multipart([peer, protocol.encode(self._ready())])
+            elif self._tokenizer_saved:
+                saved = protocol.TokenizerSaved(str(self._tokenizer_dir))
+                router.send_multipart([peer, protocol.encode(saved)])
 
     def _add(self, router: Any, peer: bytes, message: protocol.Add) -> None:
         from service.core.scheduler.request import Request
@@ -258,6 +264,17 @@ class CoreServer:
         if peer is not None:
             self._send_later(peer, protocol.Rejected(seq.rid, message, reason="adapter"))
 
+    @property
+    def _tokenizer_dir(self) -> Path:
+        return self.run_dir / "tokenizer"
+
+    def _save_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """On the loop thread, while the model loads: write the tokenizer for the front ends
+        and tell them, so that they load it while the weights are still being made."""
+        tokenizer.save(self._tokenizer_dir)
+        self._tokenizer_saved = True
+        self._send_later(None, protocol.TokenizerSaved(str(self._tokenizer_dir)))
+
     def _send_later(self, peer: bytes | None, message: Any) -> None:
         """Queue a message for a front end (None: every front end) and wake the main thread."""
         self._outgoing.put((peer, protocol.encode(message)))
@@ -302,12 +319,12 @@ class CoreServer:
     def _ready(self) -> protocol.Ready:
         rt = self.runtime
         assert rt.loaded is not None
-        tokenizer_dir = self.run_dir / "tokenizer"
-        if not tokenizer_dir.exists():
-            rt.loaded.tokenizer.save(tokenizer_dir)
+        if not self._tokenizer_saved:  # a load that never told of its tokenizer
+            rt.loaded.tokenizer.save(self._tokenizer_dir)
+            self._tokenizer_saved = True
         return protocol.Ready(
             model_info=rt.model_info(),
-            tokenizer_dir=str(tokenizer_dir),
+            tokenizer_dir=str(self._tokenizer_dir),
             eos_token_ids=sorted(rt.eos_token_ids),
             slot_context=rt.slot_context,
             capacity_tokens=rt.capacity_tokens,
@@ -336,11 +353,11 @@ def run(
         sys.exit(2)
     configure_logging(config.observability.log_level, config.observability.log_format)
     if rank > 0:
-        sys.exit(_follow(config, Path(run_dir), rank))
+        exit_now(_follow(config, Path(run_dir), rank))
     core = CoreServer(config, Path(run_dir))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: core.stop())
-    sys.exit(core.serve())
+    exit_now(core.serve())  # serve's clean-up done; the loop thread released its streams
 
 
 def _follow(config: CoreConfig, run_dir: Path, rank: int) -> int:

@@ -55,6 +55,8 @@ class CoreClient:
         self.on_health: Callable[[bool], None] | None = None
         # Told the adapters requests may use, whenever a load or unload changed them.
         self.on_adapters: Callable[[list[protocol.AdapterDescription]], None] | None = None
+        # Told where the core saved the model's tokenizer, before Ready (perhaps twice).
+        self.on_tokenizer_saved: Callable[[str], None] | None = None
 
     async def connect(self) -> protocol.Ready:
         """Register with the core and wait until its model is loaded; raises
@@ -182,6 +184,9 @@ class CoreClient:
             if isinstance(message, protocol.Ready):
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(message)
+            elif isinstance(message, protocol.TokenizerSaved):
+                if self.on_tokenizer_saved is not None:
+                    self.on_tokenizer_saved(message.tokenizer_dir)
             elif isinstance(message, protocol.LoadFailed):
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_exception(LoadFailedError(message.message))

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from service.common.config import ConfigError, FrontendProcessConfig
+from service.common.tokenizer import Tokenizer
 from service.frontend import transport
 from service.frontend.core_client import CoreClient, LoadFailedError
 from service.frontend.introspection import HealthServicer, enable_server_reflection
@@ -82,6 +83,8 @@ class Frontend:
         self.stop = asyncio.Event()
         self.stop_now = asyncio.Event()  # a second signal: no more waiting
         self.exit_code = 0
+        # The model's tokenizer, loading since the core saved it (while its weights load).
+        self._tokenizer: asyncio.Future[Tokenizer] | None = None
 
     def _grpc_server(self) -> grpc.aio.Server:
         config = self.config
@@ -113,6 +116,7 @@ class Frontend:
         self.client.on_health = lambda healthy: asyncio.ensure_future(
             self.set_health(healthy and self.servicer.serving)
         )
+        self.client.on_tokenizer_saved = self._load_tokenizer
         try:
             if await self._until_ready():
                 await self.stop.wait()
@@ -142,6 +146,11 @@ class Frontend:
         if self.on_stop is not None:
             self.on_stop()
         self.stop.set()
+
+    def _load_tokenizer(self, directory: str) -> None:
+        if self._tokenizer is None:
+            loop = asyncio.get_running_loop()
+            self._tokenizer = loop.run_in_executor(None, Tokenizer.load, Path(directory))
 
     def _on_core_exit(self) -> None:
         loop = asyncio.get_running_loop()
@@ -180,9 +189,10 @@ class Frontend:
             self.exit_code = self.exit_code or LOAD_FAILED_EXIT
             raise
         loop = asyncio.get_running_loop()
+        tokenizer = await self._tokenizer if self._tokenizer is not None else None
         self.servicer.set_model(
             await loop.run_in_executor(
-                None, served_model, ready, self.config.structured, self.telemetry
+                None, served_model, ready, self.config.structured, self.telemetry, tokenizer
             )
         )
         self.telemetry.model_ready(self.servicer.model.info.model_id)

@@ -554,12 +554,14 @@ def served_model(
     ready: protocol.Ready,
     structured: StructuredOutputConfig | None = None,
     observer: grammar.CompileObserver | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> ServedModel:
-    """The front end's view of the core's model (loads the tokenizer the core saved), with a
-    cache of compiled response formats when the core serves them."""
+    """The front end's view of the core's model (with the tokenizer the core saved, loaded here
+    unless given), with a cache of compiled response formats when the core serves them."""
     from pathlib import Path
 
-    tokenizer = Tokenizer.load(Path(ready.tokenizer_dir))
+    if tokenizer is None:
+        tokenizer = Tokenizer.load(Path(ready.tokenizer_dir))
     return ServedModel(
         tokenizer=tokenizer,
         eos_token_ids=frozenset(ready.eos_token_ids),

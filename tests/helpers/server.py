@@ -39,6 +39,13 @@ FAST_RECONNECT = [
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 200),
 ]
+# Random weights with the embedded SmolLM2's depth, vocabulary and tokenizer (its chat template
+# too) at a width whose steps cost next to nothing (the `thin-30` preset): for tests of serving
+# mechanics that hold whatever the weights (memory, KV budgets, preemption by blocks). Its K/V
+# per token: 30 layers of one 32-wide head for K and for V, in float32.
+THIN_MODEL = ("--load-format", "dummy:thin-30")
+THIN_MODEL_ID = "dummy:thin-30"
+THIN_KV_BYTES_PER_TOKEN = 30 * 2 * 1 * 32 * 4
 # Between two health checks while the server starts: each check costs the starting server (and
 # this process) CPU that its loading competes for.
 HEALTH_POLL_S = 0.05

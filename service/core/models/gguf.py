@@ -94,7 +94,17 @@ def read_gguf_metadata(path: Path) -> dict:
 
 
 def load_gguf_llama(path: Path, dtype: mx.Dtype) -> tuple[llama.Model, dict]:
-    tensors, metadata = mx.load(str(path), return_metadata=True)
+    tensors, metadata = read_gguf(path)
+    return llama_from_gguf(tensors, metadata, dtype), metadata
+
+
+def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
+    """The file's tensors (quantized ones as MLX triples) and its metadata."""
+    return mx.load(str(path), return_metadata=True)
+
+
+def llama_from_gguf(tensors: dict[str, mx.array], metadata: dict, dtype: mx.Dtype) -> llama.Model:
+    """mlx-lm's llama with the tensors renamed, dequantized to `dtype` and evaluated."""
     bases = {name.rsplit(".", 1)[0] for name in tensors}
     args = llama_args_from_gguf(metadata, set(tensors))
     weights: dict[str, mx.array] = {}
@@ -118,4 +128,4 @@ def load_gguf_llama(path: Path, dtype: mx.Dtype) -> tuple[llama.Model, dict]:
     model = llama.Model(args)
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
-    return model, metadata
+    return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from service.common.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_f
 from service.core.models import rope
 
 log = logging.getLogger(__name__)
+# Told of the model's tokenizer as soon as it exists, while the weights may still be loading.
+TokenizerHook = Callable[[Tokenizer], object]
 
 
 @dataclass(frozen=True)
@@ -152,14 +155,23 @@ def _describe(
     )
 
 
-def load_embedded(dtype: mx.Dtype) -> LoadedModel:
-    from service.core.models.gguf import load_gguf_llama
+def load_embedded(dtype: mx.Dtype, on_tokenizer: TokenizerHook | None = None) -> LoadedModel:
+    from service.core.models.gguf import llama_from_gguf, read_gguf
 
-    model, metadata = load_gguf_llama(embedded_gguf_path(), dtype)
-    return _describe(model, tokenizer_from_gguf(metadata), EMBEDDED_MODEL_ID)
+    tensors, metadata = read_gguf(embedded_gguf_path())
+    tokenizer = _announce(tokenizer_from_gguf(metadata), on_tokenizer)  # before dequantizing
+    return _describe(llama_from_gguf(tensors, metadata, dtype), tokenizer, EMBEDDED_MODEL_ID)
 
 
-def load_directory(path: Path, dtype: mx.Dtype | None) -> LoadedModel:
+def _announce(tokenizer: Tokenizer, on_tokenizer: TokenizerHook | None) -> Tokenizer:
+    if on_tokenizer is not None:
+        on_tokenizer(tokenizer)
+    return tokenizer
+
+
+def load_directory(
+    path: Path, dtype: mx.Dtype | None, on_tokenizer: TokenizerHook | None = None
+) -> LoadedModel:
     """A local mlx-lm / Hugging Face layout directory, through mlx-lm's architectures."""
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -173,33 +185,42 @@ def load_directory(path: Path, dtype: mx.Dtype | None) -> LoadedModel:
         model.set_dtype(dtype)  # float parameters only: packed weights stay as they are
     hf = wrapper._tokenizer
     eos = sorted(wrapper.eos_token_ids) if wrapper.eos_token_ids else [hf.eos_token_id]
-    return _describe(model, tokenizer_from_hf(hf, eos), path.name, config)
+    tokenizer = _announce(tokenizer_from_hf(hf, eos), on_tokenizer)
+    return _describe(model, tokenizer, path.name, config)
 
 
-def load_dummy(preset: str, dtype: mx.Dtype) -> LoadedModel:
+def load_dummy(
+    preset: str, dtype: mx.Dtype, on_tokenizer: TokenizerHook | None = None
+) -> LoadedModel:
     """Random weights of a preset's shape with the embedded tokenizer (EOS to be ignored)."""
     from service.core.models.gguf import read_gguf_metadata
     from service.core.models.presets import dummy_model
 
+    metadata = read_gguf_metadata(embedded_gguf_path())
+    tokenizer = _announce(tokenizer_from_gguf(metadata), on_tokenizer)
     try:
         model, config = dummy_model(preset, dtype)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    tokenizer = tokenizer_from_gguf(read_gguf_metadata(embedded_gguf_path()))
     return _describe(model, tokenizer, f"dummy:{preset}", config)
 
 
 def load_model(
-    model: str | None, dtype_name: str | None = None, load_format: str = "auto"
+    model: str | None,
+    dtype_name: str | None = None,
+    load_format: str = "auto",
+    on_tokenizer: TokenizerHook | None = None,
 ) -> LoadedModel:
+    """`on_tokenizer`: told of the tokenizer as soon as it exists (the embedded and dummy
+    models: before their weights are made, the longest part of their load)."""
     if load_format.startswith("dummy"):
         _, _, preset = load_format.partition(":")
-        return load_dummy(preset or "smollm2-135m", parse_dtype(dtype_name))
+        return load_dummy(preset or "smollm2-135m", parse_dtype(dtype_name), on_tokenizer)
     if load_format != "auto":
         raise ModelLoadError(f"--load-format {load_format!r}: use auto or dummy:PRESET")
     if model is None or model == "embedded":
-        return load_embedded(parse_dtype(dtype_name))
+        return load_embedded(parse_dtype(dtype_name), on_tokenizer)
     path = Path(model)
     if not path.is_dir():
         raise ModelLoadError(f"--model {model!r}: no such directory (nothing is downloaded)")
-    return load_directory(path, parse_dtype(dtype_name) if dtype_name else None)
+    return load_directory(path, parse_dtype(dtype_name) if dtype_name else None, on_tokenizer)
