@@ -322,3 +322,27 @@ def test_masks_allow_every_script_token(person, tok) -> None:
     assert out[:4] == wanted[:4]  # fine so far ...
     assert out[4] != wanted[4]  # ... but a number is not a string
     assert person.matcher().accept(out[:-1] if out[-1] == EOS else out)
+
+
+def test_constrained_steps_read_beside_the_dispatch_give_what_the_loop_thread_would(person, tok):
+    """With update_beside_dispatch, the step before a constrained one is read (its grammars
+    advanced, the next masks begun) on the loop's second thread while the next forward is
+    dispatched up to its logits; every row still gets what it gets read on the loop thread."""
+    runs = {}
+    for beside in (False, True):
+        script = Script()
+        h = harness(script, max_batch_size=4, beside=beside)
+        script.docs["json"] = tok.encode(DOC)
+        h.submit("free", max_tokens=12)
+        h.submit("json", max_tokens=64, grammar=person)
+        h.run()
+        runs[beside] = h
+    alone, beside = runs[False], runs[True]
+    for rid in ("free", "json"):
+        assert beside.tokens(rid) == alone.tokens(rid), rid
+        assert beside.final(rid).finish_reason is alone.final(rid).finish_reason, rid
+    assert beside.tokens("json") == tok.encode(DOC)
+    assert any(call[0] == "sample" for call in beside.engine.calls)
+    # Steps whose successors sampled under masks were read on the second thread.
+    assert alone.engine.beside_threads == []
+    assert len(beside.engine.beside_threads) >= 5

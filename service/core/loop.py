@@ -19,6 +19,9 @@ decode step with such rows stops at its logits when it is built; once the step b
 read and the rows' grammars have advanced over its tokens, their masks start filling on a
 thread of their own while this thread finishes the update, queues the forward and delivers the
 tick's outputs; then it joins the fill and the runner samples under them (`_sample_masked`).
+Read beside the dispatch, the step before is taken by the grammars and their fill begins on the
+second thread while this one is inside the forward's dispatch up to its logits, so neither
+waits for the other on a host-bound device.
 
 Everything per request lives on this thread: the table of running requests by front end and
 rid, the scheduler's rows, the outbox. Other threads only put messages into the inbox, LoRA
@@ -197,8 +200,12 @@ class CoreLoop:
         sched, runner = self.scheduler, self.runner
         if self._inflight is not None and sched.decode_only():
             plan = sched.schedule()
-            if plan is not None and self._beside is not None and not sched.masks_due(plan):
+            if plan is not None and self._beside is not None:
+                # Step N's update (its constrained rows' grammars take their tokens and begin
+                # filling N+1's masks) runs beside N+1's dispatch; N+1 then samples under them.
                 self._step_beside(plan)
+                assert self._inflight is not None
+                self._sample_masked(*self._inflight)
                 return
             pending = runner.submit(plan, dispatch=self._overlap) if plan is not None else None
             self._finish_inflight()
