@@ -9,7 +9,10 @@ tokens/s (median and range over the replicates), the constrained/unconstrained r
 replicate, the process's CPU time per token (steadier than wall time on a shared machine) and the
 engine loop thread's (the serial host work of a step: what a host-bound GPU step pays), and
 the mask time per step and per row-step (p50, p99 over all the constrained steps); writes JSON
-with the git commit and the machine's load.
+with the git commit and the machine's load. With --phases, also the wall time per loop turn
+spent in each part of the step (building, dispatching, joining the masks, sampling under them,
+the update beside the dispatch), free and constrained apart: where a constrained step's extra
+time goes on a host-bound device.
 
     env $(.venv/bin/python -m service.common.blas --env) .venv/bin/python \\
         bench/structured_output.py --concurrency 8 --max-tokens 128 --replicates 3 \\
@@ -60,6 +63,44 @@ PROMPTS = [
     "Describe the items sold by a hardware store, as a JSON list.",
     "Write the inventory of a toy shop in JSON.",
 ]
+
+
+class Phases:
+    """Wall time per loop turn in the step's parts, by run kind: the loop's, the runner's and
+    the scheduler's methods are wrapped on their instances (this bench's runtime only)."""
+
+    PARTS = (
+        ("loop", ("turn", "_update_beside", "_finish_inflight")),
+        ("runner", ("submit", "dispatch", "sample")),
+        ("scheduler", ("schedule", "decode_masks")),
+    )
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.kind = "warm-up"
+        self.seconds: dict[str, dict[str, list[float]]] = {}
+        for owner, names in self.PARTS:
+            obj = getattr(runtime, owner)
+            for name in names:
+                setattr(obj, name, self._timed(f"{owner}.{name}", getattr(obj, name)))
+
+    def _timed(self, label: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                bucket = self.seconds.setdefault(self.kind, {})
+                bucket.setdefault(label, []).append(time.perf_counter() - started)
+
+        return timed
+
+    def per_turn_ms(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for kind, parts in self.seconds.items():
+            turns = len(parts.get("loop.turn", [])) or 1
+            out[kind] = {label: 1000 * sum(v) / turns for label, v in sorted(parts.items())}
+            out[kind]["turns"] = turns
+        return out
 
 
 def git_commit() -> str:
@@ -132,6 +173,7 @@ def main() -> int:
         "--load-format", default="auto", help="auto (the embedded model) or dummy:PRESET"
     )
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--phases", action="store_true", help="time the parts of each loop turn")
     args = ap.parse_args()
 
     config = CoreConfig(
@@ -144,6 +186,7 @@ def main() -> int:
     assert runtime.scheduler is not None and runtime.scheduler.constraints is not None
     stats = runtime.scheduler.constraints.stats
     load = [os.getloadavg()[0]]
+    phases = Phases(runtime) if args.phases else None
     run(runtime, args, False, "warm-free")  # compiles, first shapes, the grammar tokenizer
     run(runtime, args, True, "warm-json")
     stats.recent.clear()
@@ -153,6 +196,8 @@ def main() -> int:
         result: dict[str, Any] = {}
         for constrained in order:
             name = "json_schema" if constrained else "free"
+            if phases is not None:
+                phases.kind = name
             result[name] = run(runtime, args, constrained, f"{name}-{r}")
             load.append(os.getloadavg()[0])
         result["ratio"] = result["json_schema"]["tok_s"] / result["free"]["tok_s"]
@@ -193,6 +238,8 @@ def main() -> int:
         "load_average_1m": load,
         "cpus": os.cpu_count(),
     }
+    if phases is not None:
+        out["phase_ms_per_turn"] = phases.per_turn_ms()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
 
@@ -215,6 +262,10 @@ def main() -> int:
         f"per row-step: p50 {mr['p50'] * 1e6:.0f} µs, p99 {mr['p99'] * 1e6:.0f} µs "
         f"({len(per_step)} steps)"
     )
+    for kind, parts in out.get("phase_ms_per_turn", {}).items():
+        if kind != "warm-up":
+            shown = ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if k != "turns")
+            print(f"{kind}, ms per loop turn ({parts['turns']:.0f} turns): {shown}")
     print(f"load average (1 min) during the runs: {', '.join(f'{x:.1f}' for x in load)}")
     print(f"wrote {args.out}")
     return 0
