@@ -467,6 +467,42 @@ def test_fused_projections_take_one_kernel_each(
     assert mx.abs(got[0] - ref(tokens[:1])[0]).max().item() < 1e-4
 
 
+def test_the_gathered_per_rank_products_are_each_rows_own(tmp_path: Path) -> None:
+    """The MLX-op path's prefill over a stack of several ranks (a product per rank, of the
+    stack's rank slices) adds each row's own update, as plain products of its slot's matrices
+    give it. On CUDA this is what the eager side of the compiled-decode test stands on: MLX's
+    CUDA gather_mm read a rank slice of B with the wrong batch stride and lost the update of
+    every adapter below the stack's largest rank."""
+    from bench.multi_lora import write_adapter
+    from tests.helpers.tiny import tiny_llama
+
+    model = tiny_llama()
+    aset = lora.AdapterSet(model)
+    modules = dict(model.layers[0].named_modules())
+    dims = {key: lora.linear_dims(modules[key]) for key in SEVEN}
+    specs = {"r4": (4, SEVEN), "r8": (8, SEVEN[:1]), "r16": (16, SEVEN[:1])}
+    for seed, (name, (rank, keys)) in enumerate(specs.items()):
+        write_adapter(tmp_path / name, len(model.layers), dims, keys, rank, seed)
+        aset.add(lora.load_adapter(name, tmp_path / name, model))
+    q = model.layers[0].self_attn.q_proj
+    stack = q._stack
+    assert stack is not None and len(stack.by_rank) == 3
+    slots = np.array([aset.slot("r4"), 0, aset.slot("r16"), aset.slot("r8"), aset.slot("r4")])
+    rows = aset.rows(slots.astype(np.int32))
+    assert rows is not None
+    x = mx.random.normal((len(slots), 6, q.linear.weight.shape[1]), key=mx.random.key(3))
+    with lora.use_adapters(rows):
+        got = q(x) - q.linear(x)
+    local = stack.local_of(rows.slots)
+    scales = rows.scales(q._scales, mx.float32)
+    for i in range(len(slots)):
+        s = local[i].item()
+        want = scales[i].item() * ((x[i] @ stack.a[s]) @ stack.b[s])
+        size = mx.abs(want).max().item()
+        assert (size > 0) == (slots[i] != 0)
+        assert mx.abs(got[i] - want).max().item() <= 1e-3 * max(size, 1e-6), i
+
+
 @cuda_only
 def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Path) -> None:
     """The CUDA decode path (steps replayed from a compiled graph with the rows' slots as an

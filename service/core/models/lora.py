@@ -704,8 +704,14 @@ class MultiLoRALinear(nn.Module):
         if self.kernel and self._dora is None:
             return self._kernel_update(x3, y, rows, stack)
         if stack.by_rank and x3.shape[1] > 1:
+            # B's rank slice is copied: MLX's CUDA gather_mm (0.32) reads a 3-D operand whose
+            # last two axes are row-contiguous with its implicit batch stride (r * out), not the
+            # slice's (R * out), so a slot's rows came from other slots' (zero padding: the
+            # update was lost). A's slice is copied by gather_mm itself; the copy changes no
+            # number (each slot's matrix keeps its layout).
             parts = [
-                (stack.a[:, :, :r], stack.b[:, :r, :], table[slots]) for r, table in stack.by_rank
+                (stack.a[:, :, :r], mx.contiguous(stack.b[:, :r, :]), table[slots])
+                for r, table in stack.by_rank
             ]
         else:
             local = stack.local_of(slots)
