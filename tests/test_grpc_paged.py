@@ -27,13 +27,18 @@ from tests.helpers.server import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
-# ~600 tokens of system prompt (over 35 full 16-token blocks) shared by the requests of the
-# sharing and adoption tests: it outweighs what each request adds to it many times over.
-SYSTEM = " ".join(
+RULES = [
     f"Rule {i}: answer politely, keep facts straight, and cite the section number {i}."
     for i in range(30)
-)
-SHARED_TOKENS = 550  # fewer than SYSTEM's full blocks: what an adopting request must reuse
+]
+# ~600 tokens of system prompt (over 35 full 16-token blocks) shared by the requests of the
+# sharing test: it outweighs what each request adds to it many times over.
+SYSTEM = " ".join(RULES)
+# The adoption test's shared system prompt, a third of SYSTEM (over a dozen full blocks): an
+# adopting request reuses whole blocks whatever their number, and each of its cold runs
+# prefills the whole prompt.
+ADOPT_SYSTEM = " ".join(RULES[:10])
+SHARED_TOKENS = 180  # fewer than ADOPT_SYSTEM's full blocks: what an adopting request must reuse
 QUESTIONS = [
     "What is the capital of France?",
     "Name a primary color.",
@@ -106,15 +111,17 @@ def test_adopting_requests_decode_like_cold_runs(stub: pb_grpc.GenerationService
     before = _stats(stub)
     cold = [
         stub.Generate(
-            chat_request(q, system=SYSTEM, max_tokens=12, cache_prompt=False), timeout=120
+            chat_request(q, system=ADOPT_SYSTEM, max_tokens=12, cache_prompt=False), timeout=120
         )
         for q in QUESTIONS[:2]
     ]
     assert all(r.usage.cached_tokens == 0 for r in cold)
-    warm_up = stub.Generate(chat_request(QUESTIONS[5], system=SYSTEM, max_tokens=2), timeout=120)
+    warm_up = stub.Generate(
+        chat_request(QUESTIONS[5], system=ADOPT_SYSTEM, max_tokens=2), timeout=120
+    )
     assert warm_up.usage.prompt_tokens > SHARED_TOKENS
     for q, expected in zip(QUESTIONS[:2], cold):
-        got = stub.Generate(chat_request(q, system=SYSTEM, max_tokens=12), timeout=120)
+        got = stub.Generate(chat_request(q, system=ADOPT_SYSTEM, max_tokens=12), timeout=120)
         assert got.usage.cached_tokens >= SHARED_TOKENS, got.usage
         assert list(got.token_ids) == list(expected.token_ids), q
     after = _stats(stub)

@@ -29,7 +29,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1103,15 +1103,51 @@ def _send(stub: pb_grpc.GenerationServiceStub, names: tuple[str, ...], ids, tag:
     return out
 
 
-def conformance(path: Path, family: Family) -> tuple[dict[str, Generation], Run]:
+class ServerPrefetch:
+    """Conformance servers started ahead of the run that takes them (each a subprocess, waited
+    on from a thread): the next family's server starts while this family's reference and
+    requests run. close() stops those never taken."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(2)
+        self._starting: dict[Path, concurrent.futures.Future] = {}
+
+    def start(self, path: Path) -> None:
+        if path not in self._starting:
+            self._starting[path] = self._pool.submit(start_server, *_server_flags(path))
+
+    def take(self, path: Path) -> concurrent.futures.Future:
+        """The server of `path`, started now unless it was already."""
+        self.start(path)
+        return self._starting.pop(path)
+
+    def close(self) -> None:
+        for future in self._starting.values():
+            with contextlib.suppress(Exception):
+                future.result().stop()
+        self._starting.clear()
+        self._pool.shutdown()
+
+
+def conformance(
+    path: Path,
+    family: Family,
+    starting: concurrent.futures.Future | None = None,
+    then: Callable[[], None] | None = None,
+) -> tuple[dict[str, Generation], Run]:
     """mlx-lm's reference for the family's prompts, and what a real server gives for them.
-    The server starts (a subprocess, waited on from a thread) while the reference runs."""
+    The server starts (a subprocess, waited on from a thread) while the reference runs;
+    `starting`: its start already under way (ServerPrefetch.take). `then` runs once the
+    reference is done, while the server may still be starting (a prefetch of the next)."""
     run = Run()
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(start_server, *_server_flags(path))
+        if starting is None:
+            starting = pool.submit(start_server, *_server_flags(path))
         try:
             expected = reference(path, prompts(family))
+            if then is not None:
+                then()
         finally:
             try:
                 server = starting.result()
