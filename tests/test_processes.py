@@ -96,10 +96,11 @@ def test_a_slow_consumer_gets_several_steps_per_message_and_slows_no_one(
     """A stream read slowly has its tokens coalesced (fewer messages than tokens, same text as
     read at full speed); a stream read normally beside it keeps one message per step and
     finishes long before the slow reader is done. On the session's server."""
-    request = to_stream(chat_request("Write a story about a cat.", max_tokens=40))
+    # Longer than the fast stream (20 tokens), which runs beside it while nobody reads it.
+    request = to_stream(chat_request("Write a story about a cat.", max_tokens=24))
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
-        want = stub.Generate(chat_request("Write a story about a cat.", max_tokens=40))
+        want = stub.Generate(chat_request("Write a story about a cat.", max_tokens=24))
         slow_messages: list[pb.StreamGenerateResponse] = []
         fast_done = threading.Event()
         fast_messages: list[pb.StreamGenerateResponse] = []

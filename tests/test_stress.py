@@ -1,5 +1,9 @@
-"""Stress through real gRPC on the embedded model: a fuzz of every request field, a cancel
-storm, a client process killed mid-stream, and a drain under load.
+"""Stress through real gRPC: a fuzz of every request field, a cancel storm, a client process
+killed mid-stream, and a drain under load.
+
+The server runs the thin random model (tests.helpers.server.THIN_MODEL: the embedded SmolLM2's
+depth, vocabulary and tokenizer, random weights): what these tests check (validation, cancels,
+deadlines, frees, draining) holds whatever the weights, and its steps cost next to nothing.
 
 Each test asserts that nothing hangs (every call ends within a bound), nothing leaks (CacheStats
 shows no active sequence, block or queued request once idle) and nothing admitted is lost
@@ -37,11 +41,11 @@ from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.requests import chat_request, to_stream
-from tests.helpers.server import ServerProcess, running_server, wait_idle
+from tests.helpers.server import THIN_MODEL, ServerProcess, running_server, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
-VOCAB = 49152  # the embedded SmolLM2's vocabulary (checked against GetModelInfo)
+VOCAB = 49152  # SmolLM2's vocabulary, the thin model's (checked against GetModelInfo)
 DEFAULT_MAX_TOKENS = 2  # the module server's --default-max-tokens: the fuzz leaves it unset too
 IDLE_TIMEOUT_S = 5.0  # a finished or cancelled request's slot and blocks are freed within this
 CALL_TIMEOUT_S = 60.0  # every call of these tests has a deadline: none can hang
@@ -56,6 +60,7 @@ def stress_server() -> Iterator[ServerProcess]:
         "--default-max-tokens", str(DEFAULT_MAX_TOKENS),
         "--drain-timeout", str(DRAIN_TIMEOUT_S),  # for the last test, the drain under load
         "--log-format", "json",
+        *THIN_MODEL,
     ) as server:  # fmt: skip
         yield server
 
@@ -675,7 +680,7 @@ def test_a_sigkilled_client_process_has_its_streams_freed(
 
 # -- 4. a drain under load -----------------------------------------------------------------------
 
-DRAIN_TIMEOUT_S = 8
+DRAIN_TIMEOUT_S = 5  # the short streams need a few thin-model steps: ample on a loaded machine
 DRAIN_SHORT = {f"drain-short-{n}": n for n in (3, 5, 7, 9)}  # finish within the drain
 DRAIN_LONG = {f"drain-long-{i}": 2000 for i in range(4)}  # cannot: cancelled at its end
 DRAIN_BOUND_S = DRAIN_TIMEOUT_S + 20  # every stream has ended by then, or it hung

@@ -212,10 +212,12 @@ def test_smollm2_tp3_gives_the_tokens_of_one_rank(stub) -> None:
     requests = [chat_request(q, max_tokens=6, cache_prompt=False) for q in questions]
     questions.append("Describe a person as JSON.")
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    # As long as the free rows: its first tokens (the document's forced opening) are where the
+    # masks decide the most, and where a rank that skipped or mistimed them would diverge.
     requests.append(
         chat_request(
             questions[-1],
-            max_tokens=10,
+            max_tokens=6,
             cache_prompt=False,
             response_format=pb.ResponseFormat(json_schema=json.dumps(schema)),
         )

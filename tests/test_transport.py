@@ -107,28 +107,32 @@ def _check_health(channel: grpc.Channel, **kwargs) -> health_pb2.HealthCheckResp
     return stub.Check(health_pb2.HealthCheckRequest(), timeout=10, **kwargs)
 
 
-@pytest.mark.slow
-@pytest.mark.model
-def test_a_client_pinging_at_the_policy_interval_keeps_its_connection(server) -> None:
-    """Before: gRPC's default policy (pings at most every 5 minutes, none without calls) sent a
-    10 s pinger GOAWAY too_many_pings after its third ping. The policy now accepts a ping
-    every MIN_CLIENT_PING_INTERVAL_MS (half of 10 s); a client five times faster is still cut
-    off, so the check is live."""
+@pytest.fixture(scope="module")
+def pingers(server: ServerProcess) -> Iterator[tuple[grpc.Channel, StateLog, StateLog]]:
+    """Two idle clients of the session's server, connected: one pinging every
+    MIN_CLIENT_PING_INTERVAL_MS, one every FASTEST_CLIENT_PING_MS. (steady channel, its states,
+    the fast one's states.)"""
     steady = _pinging_channel(server.target, MIN_CLIENT_PING_INTERVAL_MS)
     fast = _pinging_channel(server.target, FASTEST_CLIENT_PING_MS)
     with steady, fast:
         steady_log, fast_log = StateLog(steady), StateLog(fast)
         _check_health(steady)
         _check_health(fast)  # both connected; idle from here on
-        # The fast client's third ping too soon gets GOAWAY: the pings do reach the server.
-        assert fast_log.wait_left_ready(timeout=10 * FASTEST_CLIENT_PING_MS / 1000) is not None
-        # Enough pings for the steady client that, were each too soon, it would have been cut.
-        pings = MAX_PING_STRIKES + 2
-        remaining = pings * MIN_CLIENT_PING_INTERVAL_MS / 1000 + 1.5
-        remaining -= time.monotonic() - steady_log.started
-        assert steady_log.wait_left_ready(timeout=remaining) is None, steady_log.states
-        assert steady_log.states[-1][1] is grpc.ChannelConnectivity.READY
-        assert _check_health(steady).status == health_pb2.HealthCheckResponse.SERVING
+        yield steady, steady_log, fast_log
+
+
+@pytest.fixture(autouse=True)
+def _pingers_start_early(request: pytest.FixtureRequest) -> None:
+    """The ping test waits for several of the steady client's pings (seconds apart, by policy):
+    when it is to run, its clients start with the module's first slow test and ping while the
+    other tests run, and the test, the module's last, checks what they saw."""
+    ping_test = test_a_client_pinging_at_the_policy_interval_keeps_its_connection.__name__
+    if request.node.get_closest_marker("slow") is not None and any(
+        getattr(item, "originalname", item.name) == ping_test
+        and getattr(item, "module", None) is request.module
+        for item in request.session.items
+    ):
+        request.getfixturevalue("pingers")
 
 
 # -- max connection age -------------------------------------------------------------------------
@@ -447,3 +451,28 @@ def test_the_server_refuses_to_start_with_a_mismatched_key(pki) -> None:
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("error: --tls-cert")
+
+
+# -- keepalive, checked last (see _pingers_start_early) ----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_a_client_pinging_at_the_policy_interval_keeps_its_connection(
+    pingers: tuple[grpc.Channel, StateLog, StateLog],
+) -> None:
+    """Before: gRPC's default policy (pings at most every 5 minutes, none without calls) sent a
+    10 s pinger GOAWAY too_many_pings after its third ping. The policy now accepts a ping
+    every MIN_CLIENT_PING_INTERVAL_MS (half of 10 s); a client five times faster is still cut
+    off, so the check is live. The module's last test: its clients have been pinging since the
+    module's first slow test."""
+    steady, steady_log, fast_log = pingers
+    # The fast client's third ping too soon gets GOAWAY: the pings do reach the server.
+    assert fast_log.wait_left_ready(timeout=10 * FASTEST_CLIENT_PING_MS / 1000) is not None
+    # Enough pings for the steady client that, were each too soon, it would have been cut.
+    pings = MAX_PING_STRIKES + 2
+    remaining = pings * MIN_CLIENT_PING_INTERVAL_MS / 1000 + 1.5
+    remaining -= time.monotonic() - steady_log.started
+    assert steady_log.wait_left_ready(timeout=remaining) is None, steady_log.states
+    assert steady_log.states[-1][1] is grpc.ChannelConnectivity.READY
+    assert _check_health(steady).status == health_pb2.HealthCheckResponse.SERVING
