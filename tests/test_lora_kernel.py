@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from bench.multi_lora import ALL_PROJECTIONS
 from service.core.models import lora, lora_kernel
 
 cuda_only = pytest.mark.skipif(
@@ -230,15 +231,7 @@ def test_the_fused_kernel_takes_batched_inputs() -> None:
 
 # -- projections that read one input: one kernel ---------------------------------------------------
 
-SEVEN = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-]
+SEVEN = list(ALL_PROJECTIONS)  # the seven projections of a llama layer
 
 
 def adapted_llama(tmp_path: Path, specs: dict[str, tuple[int, list[str]]]):
