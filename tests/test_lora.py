@@ -13,7 +13,7 @@ import pytest
 
 from service.core.models import lora
 from tests.helpers import adapters as trained
-from tests.helpers.adapters import SPECS, TOLERANT, mlx_lm_generate, prompts
+from tests.helpers.adapters import SPECS, TOLERANT, ULPS, mlx_lm_generate, prompts
 
 pytestmark = pytest.mark.slow  # builds checkpoints and trains adapters
 
@@ -63,8 +63,9 @@ def generate(model, batch: list[list[int]], rows: lora.RowAdapters | None):
 
 @pytest.mark.parametrize("base", ["f", "q", "b"])
 def test_each_adapter_alone_is_mlx_lm(work: Path, base: str) -> None:
-    """Greedy tokens and every logprob as mlx-lm computes them with the adapter loaded:
-    bit-identical for LoRA (float, quantized, biased bases) and DoRA on a float base."""
+    """Greedy tokens and every logprob as mlx-lm computes them with the adapter loaded: the
+    tokens exactly, the logprobs to a few ulps for LoRA (float, quantized, biased bases) and DoRA
+    on a float base (bit-identical where the CPU's BLAS rounds alike across shapes)."""
     model, aset = served(work, base)
     prompt = prompts(1, seed=7)
     base_ref = mlx_lm_generate(work / base, None, prompt[0], STEPS)
@@ -74,7 +75,7 @@ def test_each_adapter_alone_is_mlx_lm(work: Path, base: str) -> None:
         tokens, lp = generate(model, prompt, slots_of(aset, [name]))
         assert tokens[0] == ref.tokens, name
         diff = mx.abs(lp[0] - ref.logprobs).max().item()
-        assert diff < 1e-4 if name in TOLERANT else diff == 0.0, (name, diff)
+        assert diff < (1e-4 if name in TOLERANT else ULPS), (name, diff)
     # Base rows through the installed wrappers: plain mlx-lm, bit for bit.
     tokens, lp = generate(model, prompt, None)
     assert tokens[0] == base_ref.tokens and mx.array_equal(lp[0], base_ref.logprobs)
@@ -121,14 +122,16 @@ def test_the_kernel_path_gives_mlx_lm_numbers_in_a_mixed_batch(work: Path, base:
 
 def test_adapters_of_several_ranks_share_layers_exactly(work: Path) -> None:
     """Ranks 4, 8 and 16 stacked in the same layers (padded to 16): each adapter's rows are
-    still mlx-lm's, bit for bit, in prefill (per-rank products) and decode (padded)."""
+    still mlx-lm's in prefill (per-rank products) and decode (padded): its tokens, and its
+    logprobs to a few ulps."""
     model, aset = served(work, "f", ("all7", "qv_head", "dora_mlp"))
     assert any(w._stack is not None and w._stack.by_rank for w in aset.wrappers.values())
     prompt = prompts(1, seed=7)
     for name in aset.names:
         ref = mlx_lm_generate(work / "f", work / "adapters" / name, prompt[0], STEPS)
         tokens, lp = generate(model, prompt, slots_of(aset, [name]))
-        assert tokens[0] == ref.tokens and mx.abs(lp[0] - ref.logprobs).max().item() == 0.0
+        assert tokens[0] == ref.tokens, name
+        assert mx.abs(lp[0] - ref.logprobs).max().item() < ULPS, name
 
 
 def test_bfloat16_base_with_float32_adapters_is_mlx_lm(work: Path, tmp_path: Path) -> None:
@@ -200,7 +203,8 @@ def test_remove_frees_the_slot_for_the_next_adapter(work: Path) -> None:
     assert mx.array_equal(generate(model, prompt, freed)[1], generate(model, prompt, None)[1])
     assert aset.add(lora.load_adapter("qv_head", work / "adapters" / "qv_head", model)) == slot
     after = generate(model, prompt, slots_of(aset, ["qv_head"]))
-    assert before[0] == after[0] and mx.array_equal(before[1], after[1])
+    # The stack was rebuilt in between, its shapes with it: the same tokens, a few ulps at most.
+    assert before[0] == after[0] and mx.abs(before[1] - after[1]).max().item() < ULPS
     aset.uninstall()
     assert not any(isinstance(m, lora.MultiLoRALinear) for _, m in model.named_modules())
 

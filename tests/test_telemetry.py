@@ -377,13 +377,26 @@ def test_metrics_move_as_requests_run(traced: Any) -> None:
         with pytest.raises(grpc.RpcError):
             client.generate(pb.GenerateRequest(), timeout=30)  # no input: INVALID_ARGUMENT
     # An aborted call's status reaches the client a moment before its handler returns and the
-    # RPC observer counts it: scrape until the third call is counted, as Prometheus would later.
+    # RPC observer counts it, and a scrape can fall between the observer's increments of one call
+    # (it reads one metric, then the next): scrape until each of them has counted the third call,
+    # as Prometheus would later.
     rpc = {"grpc_service": SERVICE, "grpc_method": "Generate", "grpc_type": "unary"}
-    handled = ("grpc_server_handling_seconds_count", tuple(sorted(rpc.items())))
+    expected = {
+        ("grpc_server_handled_total", (("grpc_code", "OK"),)): 2,
+        ("grpc_server_handled_total", (("grpc_code", "INVALID_ARGUMENT"),)): 1,
+        ("grpc_server_handling_seconds_count", ()): 3,
+        ("grpc_server_msg_received_total", ()): 3,
+        ("grpc_server_msg_sent_total", ()): 2,
+    }
+    keys = {
+        (name, tuple(sorted({**rpc, **dict(extra)}.items()))): count
+        for (name, extra), count in expected.items()
+    }
 
     def all_counted() -> MetricSamples | None:
         samples = scrape_metrics(url)
-        return samples if samples.get(handled, 0) - before.get(handled, 0) >= 3 else None
+        done = all(samples.get(k, 0) - before.get(k, 0) >= n for k, n in keys.items())
+        return samples if done else None
 
     after = wait_until(all_counted, "the third Generate call to be counted", 10)
 
