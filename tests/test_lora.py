@@ -87,7 +87,8 @@ def test_each_adapter_alone_is_mlx_lm(work: Path, base: str) -> None:
 def test_a_mixed_batch_gives_each_row_what_it_gets_alone(work: Path, base: str) -> None:
     """Every adapter and the base model, twice, in one batch: each row's tokens are its own
     alone; and a row's numbers do not depend on the other rows' adapters (the same batch with
-    every row on this row's adapter gives it bit for bit)."""
+    every row on this row's adapter gives it to a few ulps: bit for bit where the CPU's BLAS
+    rounds alike across the shapes of the adapters' row groups)."""
     model, aset = served(work, base)
     names: list[str | None] = [*aset.names, None] * 2
     batch = prompts(len(names), seed=11)
@@ -98,7 +99,7 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(work: Path, base: str) 
         # The base product's rounding depends on the batch's rows (as without adapters).
         assert mx.abs(lp[i] - alone_lp[0]).max().item() < 1e-4
         _, same = generate(model, batch, slots_of(aset, [name] * len(names)))
-        assert mx.array_equal(lp[i], same[i]), (i, name)
+        assert mx.abs(lp[i] - same[i]).max().item() < ULPS, (i, name)
 
 
 @pytest.mark.parametrize("base", ["f", "q", "b"])
