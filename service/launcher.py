@@ -47,6 +47,7 @@ from service.common.logging import configure_logging, exit_now
 
 log = structlog.get_logger(__name__)
 CORE_STOP_TIMEOUT_S = 15.0
+RANK_LOST_STOP_TIMEOUT_S = 1.0
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client reads it when first imported
 
 
@@ -109,8 +110,11 @@ def run(config: ServerConfig) -> int:
         stop_workers()
         for w in workers:
             w.join(CORE_STOP_TIMEOUT_S)
+        # A tensor-parallel group that lost a rank cannot finish a step, and the ranks left may
+        # be blocked in a collective that waits for it, where a stop signal is never handled.
+        lost = len(ranks) > 1 and any(p.exitcode is not None for p in ranks)
         for process in ranks:
-            _stop(process)
+            _stop(process, RANK_LOST_STOP_TIMEOUT_S if lost else CORE_STOP_TIMEOUT_S)
         shutil.rmtree(run_dir, ignore_errors=True)
     if error is not None:  # after the children are gone: the last line of stderr
         print(f"error: {error}", file=sys.stderr)
@@ -155,11 +159,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(engine: mp.process.BaseProcess) -> None:
+def _stop(engine: mp.process.BaseProcess, timeout: float = CORE_STOP_TIMEOUT_S) -> None:
     """Stop the core (it ends what still runs and exits), or kill it if it hangs."""
     if engine.is_alive() and engine.pid is not None:
         os.kill(engine.pid, signal.SIGTERM)
-    engine.join(CORE_STOP_TIMEOUT_S)
+    engine.join(timeout)
     if engine.is_alive():
         engine.kill()
         engine.join()
