@@ -23,8 +23,10 @@ commit, the server command, the per-process figures and every window.
     PYTHONPATH=. .venv/bin/python -m bench.serving_overhead [--api-workers 2] [--channels 8]
         [--unary] [--client-procs 2] [--rounds 3] [--out FILE.json]
 
-(The server preloads OpenBLAS for MLX by itself; this process imports neither MLX nor the
-server.)
+The server runs with one OpenBLAS thread (--blas-threads): this model's matmuls gain nothing
+from a second, and OpenBLAS's idle worker would spin on a core between them, billed to the core
+as if it were serving work. (The server preloads OpenBLAS for MLX by itself; this process
+imports neither MLX nor the server.)
 """
 
 from __future__ import annotations
@@ -466,10 +468,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "temperature": args.temperature,
                 "warmup_seconds": args.warmup,
                 "window_seconds": args.window,
+                "blas_threads": args.blas_threads or None,
             },
         }
     }
     server = ServerProcess(server_flags(args), log_path=log_path, ready_timeout=300.0)
+    if args.blas_threads:
+        server.env["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)
     print(f"starting: {shlex.join(server.command)} (log {log_path})", file=sys.stderr)
     server.start()
     ctx = mp.get_context("spawn")
@@ -567,6 +572,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--unary", action="store_true", help="Generate instead of StreamGenerate")
     a("--api-workers", type=int, default=1, help="the server's front-end processes")
     a("--server-args", default="", help="more server flags, one shell-quoted string")
+    a(
+        "--blas-threads",
+        type=int,
+        default=1,
+        help="the server's OPENBLAS_NUM_THREADS (0: OpenBLAS's default, a thread per core). "
+        "One by default: this model's matmuls are too small to split, and OpenBLAS's idle "
+        "workers spin on a core between them",
+    )
     a("--warmup", type=float, default=10.0, help="seconds of load before the first window")
     a("--window", type=float, default=20.0, help="seconds per measured window")
     a("--rounds", type=int, default=3, help="measured windows, back to back")
