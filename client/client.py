@@ -393,7 +393,8 @@ class GenerationClient:
         metadata: Metadata = None,
         **params: Any,
     ) -> Iterator[pb.StreamGenerateResponse]:
-        """Yields one message per decode step; leaving the loop early cancels the RPC."""
+        """Yields one message per decode step (several steps a message under load); leaving the
+        loop early cancels the RPC."""
         call = self._stub.StreamGenerate(
             _stream_request(request, params), timeout=timeout, metadata=self._metadata(metadata)
         )
@@ -525,7 +526,8 @@ class AsyncGenerationClient:
         metadata: Metadata = None,
         **params: Any,
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
-        """Yields one message per decode step; closing the iterator early cancels the RPC."""
+        """Yields one message per decode step (several steps a message under load); closing the
+        iterator early cancels the RPC."""
         call = self._stub.StreamGenerate(
             _stream_request(request, params), timeout=timeout, metadata=self._metadata(metadata)
         )

@@ -3,11 +3,12 @@
 Real servers on the embedded model: the front end has no MLX mapped; several front ends share
 the port; a slow stream gets several steps per message without slowing the others; a core
 that dies ends every open RPC with UNAVAILABLE, turns health NOT_SERVING and makes the server
-exit non-zero, never leaving an RPC hanging.
+exit non-zero, never leaving an RPC hanging; under load, each message carries several steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.frontend.core_client import ROWS_PER_TICK
 from tests.helpers.metrics import EMBEDDED_MODEL_ID, metric, scrape_metrics
 from tests.helpers.processes import children, core_of, maps_mlx
 from tests.helpers.requests import chat_request, to_stream
@@ -164,3 +166,42 @@ def test_a_dead_engine_core_ends_every_rpc_and_the_server() -> None:
         assert server.wait(30) == 3
     finally:
         server.stop()
+
+
+async def test_under_load_each_message_carries_several_steps() -> None:
+    """Above ROWS_PER_TICK streams in a tick, a stream is woken every few ticks: its messages
+    carry several tokens (its first one alone, at once), and nothing is lost or reordered: each
+    stream gets what the same request gets alone."""
+    n, tokens = 3 * ROWS_PER_TICK, 24
+    flags = ("--load-format", "dummy:tiny-vocab", "--max-batch-size", str(n))
+    stopping = pb.StoppingCriteria(max_tokens=tokens, ignore_eos=True)
+    requests = [
+        pb.StreamGenerateRequest(
+            token_ids=pb.TokenIdsInput(ids=[1 + (i * 7 + j) % 500 for j in range(8)]),
+            sampling=pb.SamplingParams(temperature=0.0),
+            stopping=stopping,
+        )
+        for i in range(n)
+    ]
+    with running_server(*flags, "--max-queue-depth", str(n)) as server:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+
+            async def stream(request: pb.StreamGenerateRequest) -> list[list[int]]:
+                return [list(m.token_ids) async for m in stub.StreamGenerate(request, timeout=120)]
+
+            streamed = await asyncio.gather(*(stream(r) for r in requests))
+            alone = [
+                await stub.Generate(pb.GenerateRequest.FromString(r.SerializeToString()))
+                for r in requests[:4]
+            ]
+    for messages, want in zip(streamed, alone):
+        assert [t for m in messages for t in m] == list(want.token_ids)
+    assert all(sum(map(len, messages)) == tokens for messages in streamed)
+    # The first tokens are never held back: most streams' first message is their first token.
+    assert sum(len(messages[0]) == 1 for messages in streamed) > n / 2
+    sent = sum(len(messages) for messages in streamed)
+    # Admission ramps the batch up and finishing rows shrink it: not every tick is past the
+    # threshold, but many are (one message a token and the finals' would be above n * tokens).
+    assert sent < 0.8 * n * tokens, sent
+    assert max(len(m) for messages in streamed for m in messages) > 1

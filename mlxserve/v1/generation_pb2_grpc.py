@@ -86,8 +86,9 @@ class GenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamGenerate(self, request, context):
-        """StreamGenerate returns one message per decode step; the last message
-        carries finish_reason, usage and timing.
+        """StreamGenerate returns one message per decode step (under load, or to a
+        reader that falls behind, one message carries several steps' tokens); the
+        last message carries finish_reason, usage and timing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,10 +10,11 @@ decides how the request ended, whoever ends it:
 - a full queue, the core's refusal of its response format, or the core's death fails it
   (`fail`): the RPC answers with a status.
 
-The core client pushes each tick's outputs into the streams and wakes each stream once; the
-RPC takes everything that piled up since it last sent (`take`), so a consumer that falls behind
-gets several tokens per message. `python -m service generate` turns in-process outputs into
-text through the same class, so both paths agree token for token.
+The core client pushes each tick's outputs into the streams and wakes each stream once (under
+load, every few ticks: service.frontend.core_client); the RPC takes everything that piled up
+since it last sent (`take`), so a consumer that falls behind gets several tokens per message.
+`python -m service generate` turns in-process outputs into text through the same class, so both
+paths agree token for token.
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ class RequestStream:
 
     def wake(self) -> None:
         self._wake.set()
+
+    @property
+    def urgent(self) -> bool:
+        """Its next message must not wait for a turn (service.frontend.core_client): it ended,
+        or nothing of it was sent yet (its first tokens)."""
+        return self.ended or len(self._pending.token_ids) == len(self.token_ids)
 
     # -- what the RPC sends ------------------------------------------------------------
     async def next_delta(self) -> Delta:
