@@ -304,3 +304,42 @@ def test_logprobs_and_top_logprobs(stub, reference) -> None:
     step_lps = [lp for m in streamed for lp in m.logprobs]
     assert [lp.token_id for lp in step_lps] == [t for m in streamed for t in m.token_ids]
     assert all(len(lp.top_logprobs) == 2 for lp in step_lps)
+
+
+def test_penalties_count_the_tokens_generated_so_far(stub) -> None:
+    """Repetition, presence and frequency penalties, greedy, beside a plain row in the batch:
+    each token is the argmax of the model's logits less the penalties of the prompt's tokens and
+    of every token generated before it, by the proto's definitions (computed here on the
+    embedded model's own forward, in this process)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from service.core.models.loader import load_embedded
+
+    prompt, steps = [1, 504, 3186, 314, 260, 3575, 282, 4649, 47, 2], 12
+    sampling = pb.SamplingParams(
+        temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=1.5
+    )
+    stopping = pb.StoppingCriteria(max_tokens=steps, ignore_eos=True)
+    penalized = pb.GenerateRequest(
+        token_ids=pb.TokenIdsInput(ids=prompt), sampling=sampling, stopping=stopping
+    )
+    plain = pb.GenerateRequest(
+        token_ids=pb.TokenIdsInput(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=stopping,
+    )
+    futures = [stub.Generate.future(r, timeout=120) for r in (penalized, plain)]
+    got, free = (list(f.result().token_ids) for f in futures)
+
+    model = load_embedded(mx.float32).model
+    tokens: list[int] = []
+    for _ in range(steps):
+        logits = np.array(model(mx.array([prompt + tokens]))[0, -1], dtype=np.float64)
+        seen = sorted(set(prompt) | set(tokens))
+        logits[seen] = np.where(logits[seen] > 0, logits[seen] / 1.3, logits[seen] * 1.3)
+        for token in set(tokens):
+            logits[token] -= 0.5 + 1.5 * tokens.count(token)
+        tokens.append(int(np.argmax(logits)))
+    assert got == tokens
+    assert got != free  # the penalties changed the answer

@@ -206,6 +206,8 @@ class ModelRunner:
         self.table_lengths = np.zeros(max_rows, np.int32)
         self.plain = np.zeros(max_rows, bool)  # Row.plain, per slot
         self.argmax = np.zeros(max_rows, bool)  # Row.argmax, per slot
+        # Rows whose penalties count their tokens (sampled outside the compiled graph).
+        self.penalized = np.zeros(max_rows, bool)
         self.constrained = np.zeros(max_rows, bool)  # Row.constrained, per slot
         self.adapters = adapters
         self.adapter_slots = np.zeros(max_rows, np.int32)  # each row's adapter (0: none)
@@ -358,6 +360,7 @@ class ModelRunner:
         self.table_lengths[join.slot] = 0
         self.plain[join.slot] = row.plain
         self.argmax[join.slot] = row.argmax
+        self.penalized[join.slot] = not row.plain and sampler.params.has_penalties
         self.constrained[join.slot] = join.constrained
         self.adapter_slots[join.slot] = join.adapter
         self._source_step[join.slot] = -1
@@ -376,6 +379,7 @@ class ModelRunner:
         self.rows[slot] = None
         self.positions[slot] = 0
         self.constrained[slot] = False
+        self.penalized[slot] = False
         self.adapter_slots[slot] = 0
         self._source_step[slot] = -1
 
@@ -748,13 +752,11 @@ class ModelRunner:
         self._record(forward, tokens)
         return result
 
-    @staticmethod
-    def _record(forward: _Forward, tokens: np.ndarray) -> None:
-        """Token counts for the rows whose penalties read them."""
-        for j, i in enumerate(forward.sampled.tolist()):
-            row = forward.rows[i]
-            if not row.plain and row.sampler.params.has_penalties:
-                row.sampler.record(int(tokens[j]))
+    def _record(self, forward: _Forward, tokens: np.ndarray) -> None:
+        """Token counts for the rows whose penalties read them (no walk over the others)."""
+        penalized = self.penalized[forward.slots[forward.sampled]]
+        for j in np.flatnonzero(penalized).tolist():
+            forward.rows[int(forward.sampled[j])].sampler.record(int(tokens[j]))
 
     # -- failures ----------------------------------------------------------------------
     def _rows_alone(
