@@ -82,3 +82,28 @@ def test_a_closed_stream_is_not_held(tmp_path: Path) -> None:
     stream.ended = True  # type: ignore[attr-defined]
     client.close(stream)  # type: ignore[arg-type]
     assert not client._held
+
+
+async def test_held_tokens_go_out_when_no_tick_comes(tmp_path: Path) -> None:
+    """The output reader, with streams held and no tick arriving (a paused core): they are
+    woken after MAX_HOLD_S, not left waiting for the next tick."""
+    import asyncio
+    import time
+
+    import zmq
+
+    client = CoreClient(tmp_path, 0)
+    client._pull = client._context.socket(zmq.PULL)
+    client._pull.bind(f"ipc://{tmp_path / 'outputs'}")
+    held = FakeStream(3)
+    client._held[3] = held  # type: ignore[assignment]
+    started = time.monotonic()
+    reader = asyncio.ensure_future(client._read_outputs())
+    try:
+        while not held.wakes and time.monotonic() - started < 5:
+            await asyncio.sleep(0.01)
+        assert held.wakes == 1 and not client._held
+        assert time.monotonic() - started >= core_client.MAX_HOLD_S * 0.9
+    finally:
+        reader.cancel()
+        await client.close_sockets()
