@@ -23,6 +23,7 @@ from tests.helpers import adapters as trained
 from tests.helpers.adapters import Reference, mlx_lm_generate
 from tests.helpers.metrics import metric, scrape_metrics
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.requests import to_stream
 from tests.helpers.server import ServerProcess, free_port, running_server, wait_idle, wait_until
 
 pytestmark = [pytest.mark.slow]
@@ -111,7 +112,7 @@ def test_requests_of_several_adapters_share_decode_steps(work: Path, stub) -> No
 
 def test_streaming_with_an_adapter(work: Path, stub) -> None:
     prompt = trained.prompts(1, seed=7)[0]
-    message = pb.StreamGenerateRequest.FromString(request(prompt, "dora_mlp").SerializeToString())
+    message = to_stream(request(prompt, "dora_mlp"))
     tokens = [t for m in stub.StreamGenerate(message, timeout=60) for t in m.token_ids]
     assert tokens == reference(work, "dora_mlp", prompt).tokens
 
@@ -226,9 +227,7 @@ def test_an_adapter_loaded_at_run_time_serves_and_unloads_after_its_requests(
     assert exists.value.code() == grpc.StatusCode.ALREADY_EXISTS
     prompt = trained.prompts(1, seed=90)[0]
     stream = stub.StreamGenerate(
-        pb.StreamGenerateRequest.FromString(
-            request(prompt, "extra", max_tokens=30).SerializeToString()
-        ),
+        to_stream(request(prompt, "extra", max_tokens=30)),
         timeout=120,
     )
     tokens = list(next(stream).token_ids)
@@ -243,9 +242,7 @@ def test_an_adapter_loaded_at_run_time_serves_and_unloads_after_its_requests(
     # Loaded again (into the freed slot), cancelled mid-stream: nothing left to wait for.
     stub.LoadAdapter(pb.LoadAdapterRequest(name="extra", path=path), timeout=60)
     stream = stub.StreamGenerate(
-        pb.StreamGenerateRequest.FromString(
-            request(prompt, "extra", max_tokens=200).SerializeToString()
-        ),
+        to_stream(request(prompt, "extra", max_tokens=200)),
         timeout=120,
     )
     next(stream)

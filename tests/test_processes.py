@@ -176,7 +176,7 @@ async def test_under_load_each_message_carries_several_steps() -> None:
     flags = ("--load-format", "dummy:tiny-vocab", "--max-batch-size", str(n))
     stopping = pb.StoppingCriteria(max_tokens=tokens, ignore_eos=True)
     requests = [
-        pb.StreamGenerateRequest(
+        pb.GenerateRequest(
             token_ids=pb.TokenIdsInput(ids=[1 + (i * 7 + j) % 500 for j in range(8)]),
             sampling=pb.SamplingParams(temperature=0.0),
             stopping=stopping,
@@ -187,14 +187,12 @@ async def test_under_load_each_message_carries_several_steps() -> None:
         async with grpc.aio.insecure_channel(server.target) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
 
-            async def stream(request: pb.StreamGenerateRequest) -> list[list[int]]:
-                return [list(m.token_ids) async for m in stub.StreamGenerate(request, timeout=120)]
+            async def stream(request: pb.GenerateRequest) -> list[list[int]]:
+                call = stub.StreamGenerate(to_stream(request), timeout=120)
+                return [list(m.token_ids) async for m in call]
 
             streamed = await asyncio.gather(*(stream(r) for r in requests))
-            alone = [
-                await stub.Generate(pb.GenerateRequest.FromString(r.SerializeToString()))
-                for r in requests[:4]
-            ]
+            alone = [await stub.Generate(r, timeout=120) for r in requests[:4]]
     for messages, want in zip(streamed, alone):
         assert [t for m in messages for t in m] == list(want.token_ids)
     assert all(sum(map(len, messages)) == tokens for messages in streamed)

@@ -26,7 +26,7 @@ from mlxserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import adapters, model_zoo
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.processes import children
-from tests.helpers.requests import chat_request
+from tests.helpers.requests import chat_request, to_stream
 from tests.helpers.server import ServerProcess, free_port, running_server, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
@@ -110,9 +110,7 @@ def test_a_killed_rank_ends_the_rpcs_and_the_server(tp2_server: ServerProcess) -
     assert len(ranks) == 2
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
-        request = pb.StreamGenerateRequest.FromString(
-            model_zoo.request(list(range(300, 320)), "tp-kill", 2000).SerializeToString()
-        )
+        request = to_stream(model_zoo.request(list(range(300, 320)), "tp-kill", 2000))
         call = stub.StreamGenerate(request, timeout=60)
         next(call)
         follower = max(ranks)  # started after rank 0
@@ -138,17 +136,13 @@ def test_tp2_cancellation_and_preemption(tp_model) -> None:
         grpc.insecure_channel(server.target) as channel,
     ):  # fmt: skip
         stub = pb_grpc.GenerationServiceStub(channel)
-        stream_request = pb.StreamGenerateRequest.FromString(
-            model_zoo.request(prompts["short"], "tp-cancel", 200).SerializeToString()
-        )
+        stream_request = to_stream(model_zoo.request(prompts["short"], "tp-cancel", 200))
         call = stub.StreamGenerate(stream_request, timeout=60)
         next(call)
         call.cancel()
         wait_idle(stub, 10)  # the cancelled row has left
         low = stub.StreamGenerate(
-            pb.StreamGenerateRequest.FromString(
-                model_zoo.request(prompts["long"], "tp-low", 150).SerializeToString()
-            ),
+            to_stream(model_zoo.request(prompts["long"], "tp-low", 150)),
             timeout=120,
         )
         first = next(low)  # running

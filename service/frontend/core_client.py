@@ -250,9 +250,7 @@ class CoreClient:
         self._ticks += 1
         every = min(MAX_TICKS_PER_WAKE, -(-len(touched) // ROWS_PER_TICK))
         if every <= 1:
-            if self._held:
-                touched.update(self._held)
-                self._held.clear()
+            self._wake_held()
             for stream in touched.values():
                 stream.wake()
             return

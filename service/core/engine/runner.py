@@ -360,7 +360,7 @@ class ModelRunner:
         self.table_lengths[join.slot] = 0
         self.plain[join.slot] = row.plain
         self.argmax[join.slot] = row.argmax
-        self.penalized[join.slot] = not row.plain and sampler.params.has_penalties
+        self.penalized[join.slot] = not self.plain[join.slot] and sampler.params.has_penalties
         self.constrained[join.slot] = join.constrained
         self.adapter_slots[join.slot] = join.adapter
         self._source_step[join.slot] = -1
