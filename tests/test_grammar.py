@@ -293,6 +293,29 @@ def test_batch_masks_equal_one_row_masks_and_leave_other_rows(cache, tok) -> Non
     assert np.isfinite(masked[3]).sum() < 10  # the choice row: "alpha" after "al"
 
 
+def test_rows_copy_several_lexers_that_mask_alike(tok) -> None:
+    """The core's cache builds more originals of a format after its compile, each with a lexer
+    of its own, and rows copy them in turn; every copy steps and masks as the first does."""
+    cache = engine_cache(lexers=3)
+    fmt = schema_format(PERSON)
+    compiled = cache.compile(fmt)
+    deadline = time.monotonic() + 30
+    while compiled.lexers < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert compiled.lexers == 3
+    assert len({id(p) for p in compiled._protos}) == 3
+    assert cache.compile(fmt) is compiled  # one entry, however many lexers
+    ids = tok.encode('{"name": "Ada", "age": 36, "tags": ["x", "long tag"]}')
+    rows = [compiled.matcher() for _ in range(6)]  # two copies of each original
+    batch = allocate_bitmask(len(rows), VOCAB)
+    for t in ids:
+        grammar.fill_masks(rows, range(len(rows)), batch)
+        assert (batch == batch[0]).all() and allowed(batch[0], t)
+        assert all(grammar.consume_many(rows, [t] * len(rows)))
+    assert all(m.is_accepting() for m in rows)
+    cache.close()
+
+
 def test_draft_masks_equal_stepping(cache, tok) -> None:
     ids = tok.encode(dump({"name": "Cy", "age": 5}))
     m = cache.compile(schema_format(PERSON)).matcher()

@@ -14,7 +14,9 @@ unconstrained rows' logits bit for bit as they were.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import os
 import re
 import threading
 import time
@@ -22,17 +24,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import llguidance as llg
 import numpy as np
+import structlog
 
 from service.protocol import FORMAT_KINDS, ResponseFormat
 
 if TYPE_CHECKING:
     from service.common.config import StructuredOutputConfig
     from service.common.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
 
 ENGINE = "llguidance"
 ENGINE_VERSION: str = llg.__version__
@@ -178,16 +183,29 @@ def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
 
 @dataclass
 class Compiled:
-    """One compiled format: a matcher that never advances, which rows copy."""
+    """One compiled format: matchers that never advance, which rows copy.
+
+    A copy shares its original's lexer, and llguidance locks a lexer while it computes a mask
+    or takes a token; so the rows of a batch filled in parallel wait on each other when they
+    all copy one matcher. The engine core's cache therefore builds more originals in the
+    background (`GrammarCache(lexers=...)`), each with a lexer of its own, and rows copy them
+    in turn."""
 
     format: ResponseFormat
     key: str
     compile_seconds: float  # wall, the first (warming) mask included
     warnings: list[str]
-    _proto: llg.LLMatcher
+    _protos: list[llg.LLMatcher]
+    grammar: str = ""  # what the engine compiled (llguidance's grammar text)
+    _turn: Any = field(default_factory=itertools.count)
+
+    @property
+    def lexers(self) -> int:
+        return len(self._protos)
 
     def matcher(self) -> Matcher:
-        return Matcher(self._proto.deep_copy())
+        protos = self._protos
+        return Matcher(protos[next(self._turn) % len(protos)].deep_copy())
 
     def replay(self, tokens: Sequence[int]) -> Matcher:
         """A matcher advanced over these generated tokens (its state rebuilt)."""
@@ -255,12 +273,18 @@ _executor_lock = threading.Lock()
 _executor: llg.LLExecutor | None = None
 
 
+def mask_threads() -> int:
+    """The threads of llguidance's pool for batch masks: its own default (80% of the CPUs this
+    process may run on, up to 32)."""
+    return max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
+
+
 def mask_executor() -> llg.LLExecutor:
-    """llguidance's thread pool for batch masks (one per process; its default size)."""
+    """llguidance's thread pool for batch masks (one per process)."""
     global _executor
     with _executor_lock:
         if _executor is None:
-            _executor = llg.LLExecutor()
+            _executor = llg.LLExecutor(mask_threads())
         return _executor
 
 
@@ -374,9 +398,12 @@ class GrammarCache:
         compile_threads: int = 1,
         json_options: dict[str, Any] | None = None,
         observer: CompileObserver | None = None,
+        lexers: int = 1,
     ) -> None:
         """`tokenizer`: makes the engine's tokenizer, on the first compile (a compile thread
-        pays for it, outside the time budget)."""
+        pays for it, outside the time budget). `lexers`: originals per compiled format that
+        rows copy in turn (see `Compiled`); past the first, built after the compile on a
+        thread of their own, so they add nothing to its time."""
         self._tokenizer_source = tokenizer
         self._tokenizer: llg.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
@@ -387,6 +414,8 @@ class GrammarCache:
         fuel = max(_MIN_INITIAL_FUEL, int(_FUEL_PER_MS * self.max_compile_ms))
         self._limits = llg.LLParserLimits(initial_lexer_fuel=fuel, verbose_errors=False)
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
+        self.lexers = max(1, int(lexers))
+        self._lexer_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-lexers")
         self._lock = threading.Lock()
         self._done: OrderedDict[str, Compiled | GrammarError] = OrderedDict()
         self._pending: dict[str, Future] = {}
@@ -442,6 +471,7 @@ class GrammarCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lexer_pool.shutdown(wait=False, cancel_futures=True)
 
     def _watch(
         self,
@@ -487,6 +517,23 @@ class GrammarCache:
             outer.set_exception(result)
         else:
             outer.set_result(result)
+            if self.lexers > 1:
+                self._lexer_pool.submit(self._add_lexers, result)
+
+    def _add_lexers(self, compiled: Compiled) -> None:
+        """More originals of a compiled format, each with its own lexer, warmed by a first mask
+        as the first was (the constructor runs with the GIL released)."""
+        tokenizer = self.tokenizer()
+        scratch = np.empty(mask_words(tokenizer.vocab_size), dtype=np.int32)
+        while compiled.lexers < self.lexers:
+            proto = llg.LLMatcher(tokenizer, compiled.grammar, log_level=0, limits=self._limits)
+            proto.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+            if proto.is_error():  # the first compiled and masked alike: not expected
+                log.warning(
+                    "an extra lexer failed", kind=compiled.format.kind, error=proto.get_error()
+                )
+                return
+            compiled._protos.append(proto)
 
     def _build(self, fmt: ResponseFormat, key: str, started: threading.Event) -> Compiled:
         tokenizer = self.tokenizer()  # outside the budget: once per process
@@ -519,7 +566,7 @@ class GrammarCache:
                 TIMEOUT,
             )
         warnings = list(proto.get_grammar_warnings())
-        return Compiled(fmt, key, seconds, warnings, proto)
+        return Compiled(fmt, key, seconds, warnings, [proto], grammar)
 
 
 def cache_for(
@@ -529,11 +576,13 @@ def cache_for(
     *,
     compile_threads: int = 1,
     observer: CompileObserver | None = None,
+    lexers: int = 1,
 ) -> GrammarCache | None:
     """The compile cache of response formats over this tokenizer (the engine's view of it is
     built on the first compile), or None when the tokenizer cannot drive the engine: no
     `tokenizer.json`, or no EOS (a grammar needs one to end). The core and the front ends build
-    theirs alike, so a format compiles in one exactly when it compiles in the other."""
+    theirs alike, so a format compiles in one exactly when it compiles in the other. `lexers`:
+    see `GrammarCache` (the core, which fills masks in parallel, wants one per mask thread)."""
     text = tokenizer.tokenizer_json()
     eos = sorted(tokenizer.eos_token_ids)
     if text is None or not eos:
@@ -544,4 +593,5 @@ def cache_for(
         max_entries=config.grammar_cache_size,
         compile_threads=compile_threads,
         observer=observer,
+        lexers=lexers,
     )

@@ -345,7 +345,9 @@ class Runtime:
     def _grammar_cache(self, lm: LoadedModel) -> grammar.GrammarCache | None:
         """The compile cache of response formats. EOS: the tokenizer's (a dummy model's are
         ignored by the scheduler, but a grammar still needs them to end)."""
-        cache = grammar.cache_for(lm.tokenizer, lm.vocab_size, self.config.structured)
+        cache = grammar.cache_for(
+            lm.tokenizer, lm.vocab_size, self.config.structured, lexers=grammar.mask_threads()
+        )
         if cache is None:
             log.warning("structured output is off: the tokenizer cannot drive the grammar engine")
         return cache
