@@ -174,6 +174,13 @@ def main() -> int:
     )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--phases", action="store_true", help="time the parts of each loop turn")
+    ap.add_argument(
+        "--lexers",
+        type=int,
+        default=0,
+        help="originals of the format the rows copy, each with its own lexer (default: the "
+        "core's own choice, one per mask thread; 1: every row shares one lexer)",
+    )
     args = ap.parse_args()
 
     config = CoreConfig(
@@ -184,6 +191,9 @@ def main() -> int:
     runtime.start()
     runtime.wait_ready(300)
     assert runtime.scheduler is not None and runtime.scheduler.constraints is not None
+    assert runtime.grammar is not None
+    if args.lexers:
+        runtime.grammar.lexers = args.lexers  # before the format's first compile
     stats = runtime.scheduler.constraints.stats
     load = [os.getloadavg()[0]]
     phases = Phases(runtime) if args.phases else None
@@ -237,6 +247,7 @@ def main() -> int:
         "masked_steps": len(per_step),
         "load_average_1m": load,
         "cpus": os.cpu_count(),
+        "lexers": runtime.grammar.lexers,
     }
     if phases is not None:
         out["phase_ms_per_turn"] = phases.per_turn_ms()
