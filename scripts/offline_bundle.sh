@@ -31,7 +31,7 @@ pins += project["optional-dependencies"]["cuda"]
 print(" ".join(p.replace("mlx[cuda13]", "mlx-cuda-13") for p in pins))
 PY
 )
-platforms=(--platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64
+platforms=(--platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
 # shellcheck disable=SC2086  # one word per requirement
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
