@@ -121,10 +121,7 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
     assert runtime.loop is not None and runtime.loaded is not None
     engine_clock = engine_cpu_clock()
     tok = runtime.loaded.tokenizer
-    compiled = None
-    if constrained:
-        assert runtime.grammar is not None
-        compiled = runtime.grammar.compile(ResponseFormat("json_schema", json.dumps(SCHEMA)))
+    fmt = ResponseFormat("json_schema", json.dumps(SCHEMA))
     sink = Collect(args.concurrency)
     started, cpu_started = time.perf_counter(), time.process_time()
     engine_started = time.clock_gettime(engine_clock)
@@ -139,7 +136,9 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
             cache_prompt=False,
         )
         seq = Request(request, sink, rid=i)
-        seq.grammar = compiled
+        if constrained:  # per request, as the server's core asks its cache
+            assert runtime.grammar is not None
+            seq.grammar = runtime.grammar.compile(fmt)
         runtime.loop.submit(seq)
     if not sink.wait(600):
         raise TimeoutError(f"{tag}: {len(sink.finals)} of {args.concurrency} finished")

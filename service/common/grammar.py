@@ -13,6 +13,7 @@ unconstrained rows' logits bit for bit as they were.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -188,8 +189,8 @@ class Compiled:
     A copy shares its original's lexer, and llguidance locks a lexer while it computes a mask
     or takes a token; so the rows of a batch filled in parallel wait on each other when they
     all copy one matcher. The engine core's cache therefore builds more originals in the
-    background (`GrammarCache(lexers=...)`), each with a lexer of its own, and rows copy them
-    in turn."""
+    background (`GrammarCache(lexers=...)`) for a format asked for again, each with a lexer of
+    its own, and rows copy them in turn."""
 
     format: ResponseFormat
     key: str
@@ -198,6 +199,7 @@ class Compiled:
     _protos: list[llg.LLMatcher]
     grammar: str = ""  # what the engine compiled (llguidance's grammar text)
     _turn: Any = field(default_factory=itertools.count)
+    _growing: bool = False  # more originals are being built (or have been)
 
     @property
     def lexers(self) -> int:
@@ -402,8 +404,9 @@ class GrammarCache:
     ) -> None:
         """`tokenizer`: makes the engine's tokenizer, on the first compile (a compile thread
         pays for it, outside the time budget). `lexers`: originals per compiled format that
-        rows copy in turn (see `Compiled`); past the first, built after the compile on a
-        thread of their own, so they add nothing to its time."""
+        rows copy in turn (see `Compiled`). Past the first, they are built once the format is
+        asked for again (a format used once costs one compile, as it would without them), on a
+        thread of their own, so they add nothing to a compile's time."""
         self._tokenizer_source = tokenizer
         self._tokenizer: llg.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
@@ -419,6 +422,7 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._done: OrderedDict[str, Compiled | GrammarError] = OrderedDict()
         self._pending: dict[str, Future] = {}
+        self._asked_again: set[str] = set()  # compiling, and asked for meanwhile
         self.stats = CacheStats()
 
     def __len__(self) -> int:
@@ -439,9 +443,11 @@ class GrammarCache:
                     future.set_exception(hit)
                 else:
                     future.set_result(hit)
+                    self._grow(hit)
             elif key in self._pending:
                 self.stats.hits += 1
                 future = self._pending[key]
+                self._asked_again.add(key)
             else:
                 self.stats.misses += 1
                 future = self._pending[key] = Future()
@@ -502,6 +508,9 @@ class GrammarCache:
         )
         with self._lock:
             self._pending.pop(key, None)
+            if key in self._asked_again and isinstance(result, Compiled):
+                self._grow(result)
+            self._asked_again.discard(key)
             self._done[key] = result
             self._done.move_to_end(key)
             while len(self._done) > self.max_entries:
@@ -517,8 +526,13 @@ class GrammarCache:
             outer.set_exception(result)
         else:
             outer.set_result(result)
-            if self.lexers > 1:
-                self._lexer_pool.submit(self._add_lexers, result)
+
+    def _grow(self, compiled: Compiled) -> None:
+        """Start building a format's other originals (once; under the lock)."""
+        if self.lexers > 1 and not compiled._growing:
+            compiled._growing = True
+            with contextlib.suppress(RuntimeError):  # closed: copies share the first original
+                self._lexer_pool.submit(self._add_lexers, compiled)
 
     def _add_lexers(self, compiled: Compiled) -> None:
         """More originals of a compiled format, each with its own lexer, warmed by a first mask
