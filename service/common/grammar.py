@@ -278,7 +278,11 @@ _executor: llg.LLExecutor | None = None
 def mask_threads() -> int:
     """The threads of llguidance's pool for batch masks: its own default (80% of the CPUs this
     process may run on, up to 32)."""
-    return max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (macOS)
+        cpus = os.cpu_count() or 1
+    return max(1, min(32, int(0.8 * cpus)))
 
 
 def mask_executor() -> llg.LLExecutor:
