@@ -6,9 +6,10 @@
 #
 # DIR (default .bundle) gets every wheel the server needs on Linux x86-64 with CPython 3.12 (MLX
 # with its CUDA 13 backend, mlx-lm, the pinned runtime dependencies of pyproject.toml, and py-spy
-# for profiling, and pytest with the plugins the suite uses, for the CUDA tests). With --split MB,
-# wheels larger than MB are cut into MB-sized parts (NAME.part.aa, .ab, ...) for transfers with a
-# size limit; `cat NAME.part.* > NAME` rejoins one.
+# for profiling, and pytest with the plugins and libraries the suite imports (the test helpers
+# make TLS certificates with cryptography), for the CUDA tests). With --split MB, wheels larger
+# than MB are cut into MB-sized parts (NAME.part.aa, .ab, ...) for transfers with a size limit;
+# `cat NAME.part.* > NAME` rejoins one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=.bundle
@@ -35,7 +36,8 @@ platforms=(--platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 --p
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
 # shellcheck disable=SC2086  # one word per requirement
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d "$dir" $deps py-spy pytest pytest-asyncio pytest-timeout hypothesis
+  "${platforms[@]}" -d "$dir" $deps py-spy pytest pytest-asyncio pytest-timeout hypothesis \
+  "cryptography>=44" jsonschema==4.26.0
 if [ -n "$split_mb" ]; then
   for whl in "$dir"/*.whl; do
     if [ "$(stat -c %s "$whl")" -gt $((split_mb * 1024 * 1024)) ]; then
