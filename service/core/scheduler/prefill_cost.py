@@ -105,39 +105,39 @@ def _fit(xs: list[tuple[float, ...]], ts: list[float]) -> tuple[float, float, fl
 
     With four unknowns the exact solution is found by trying every subset of the features:
     the unconstrained fit on each subset, kept if no coefficient is negative; the best of those
-    is the non-negative optimum. Columns are scaled to 1 first, so their units do not matter."""
+    is the non-negative optimum. Columns are scaled to 1 first, so their units do not matter.
+    Every subset's normal equations and residual come from one Gram matrix of the rows (the
+    fit runs after every prefill pass measured: one pass over the rows, not one per subset)."""
     k = len(xs[0])
+    n = len(xs)
     rows = [[x / t for x in xv] for xv, t in zip(xs, ts)]  # target: 1 for every row
     scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
     rows = [[r[j] / scale[j] for j in range(k)] for r in rows]
+    gram = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    ones = [sum(r[i] for r in rows) for i in range(k)]  # rows' columns against the target
     best: tuple[float, list[float]] | None = None
     # Largest subsets first, and a smaller one only if it fits clearly better: where the window
     # cannot tell the terms apart (one shape seen), the cost is spread over all of them.
     for size in range(k, 0, -1):
         for subset in itertools.combinations(range(k), size):
-            w = _least_squares([[r[j] for j in subset] for r in rows])
+            ata = [[gram[i][j] for j in subset] for i in subset]
+            for d in range(size):
+                ata[d][d] += _RIDGE * n
+            w = _solve(ata, [ones[i] for i in subset])
             if w is None or min(w) < 0:
                 continue
             full = [0.0] * k
             for j, value in zip(subset, w):
                 full[j] = value
-            residual = sum((sum(a * b for a, b in zip(r, full)) - 1.0) ** 2 for r in rows)
-            if best is None or residual < best[0] - 1e-9 * len(rows):
+            # |rows.w - 1|^2 = w'Gw - 2 w'(rows'1) + n
+            fitted = sum(full[i] * gram[i][j] * full[j] for i in range(k) for j in range(k))
+            residual = fitted - 2 * sum(full[i] * ones[i] for i in range(k)) + n
+            if best is None or residual < best[0] - 1e-9 * n:
                 best = (residual, full)
     if best is None:
         return (0.0,) * 4  # type: ignore[return-value]
     w = best[1]
     return tuple(w[j] / scale[j] for j in range(k))  # type: ignore[return-value]
-
-
-def _least_squares(a: list[list[float]]) -> list[float] | None:
-    """argmin |a.w - 1|^2 (+ a small ridge) through the normal equations; None if singular."""
-    m = len(a[0])
-    ata = [[sum(r[i] * r[j] for r in a) for j in range(m)] for i in range(m)]
-    atb = [sum(r[i] for r in a) for i in range(m)]
-    for i in range(m):
-        ata[i][i] += _RIDGE * len(a)
-    return _solve(ata, atb)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
