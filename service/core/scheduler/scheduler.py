@@ -196,6 +196,8 @@ class Scheduler:
         self.outbox = Outbox(n)
         # Per slot, what the decode path reads each step.
         self._decoding = np.zeros(n, bool)
+        self._occupied = np.zeros(n, bool)  # a request holds the slot (_owner is not None)
+        self._awaiting_first = np.zeros(n, bool)  # its request has had no token yet
         self._fed = np.zeros(n, np.int64)  # positions submitted to the runner
         self._generated = np.zeros(n, np.int64)  # tokens read back
         self._prompt_len = np.zeros(n, np.int64)
@@ -366,6 +368,8 @@ class Scheduler:
         slot = self._free_slots.pop()
         seq.slot, seq.blocks = slot, blocks
         self._owner[slot] = seq
+        self._occupied[slot] = True
+        self._awaiting_first[slot] = seq.first_token_at is None
         self.outbox.bind(slot, seq.sink, seq.rid)
         self._fed[slot] = cached
         self._generated[slot] = seq.num_generated
@@ -742,13 +746,12 @@ class Scheduler:
         follow (the masks of the step planned after it can start filling)."""
         if not len(slots):
             return
-        owners = [self._owner[s] for s in slots.tolist()]
-        live = np.asarray([s is not None and not s.is_finished for s in owners], bool)
+        live = self._occupied[slots]  # a finished request has left its slot
         if not live.all():  # rows that ended while their step ran: drop their tokens
             slots, tokens, result = slots[live], tokens[live], _subset(result, live, live)
-            owners = [s for s, ok in zip(owners, live.tolist()) if ok]
             if not len(slots):
                 return
+        owners = [self._owner[s] for s in slots.tolist()]
         self.outbox.tokens(slots, tokens, None)
         if result.logprobs is not None:
             self._logprobs(owners, result, None)
@@ -756,7 +759,9 @@ class Scheduler:
             seq.output_token_ids.append(token)
             if seq.lookup is not None:
                 seq.lookup.extend((token,))
-        self._first_tokens(owners)
+        firsts = np.flatnonzero(self._awaiting_first[slots])
+        if len(firsts):
+            self._first_tokens([owners[i] for i in firsts.tolist()])
         stop = np.isin(tokens, self._eos) & ~self._ignore_eos[slots]
         for i in np.flatnonzero(self._stop_ids[slots]).tolist():
             stop[i] |= int(tokens[i]) in owners[i].request.stop_token_ids
@@ -843,6 +848,8 @@ class Scheduler:
                 now = time.monotonic()
                 seq.first_token_at = now
                 self._event(seq, "first_token", ttft_seconds=now - seq.arrival)
+            if seq.slot >= 0:
+                self._awaiting_first[seq.slot] = False
 
     def _logprobs(
         self, owners: list[Request], result: StepResult, counts: np.ndarray | None
@@ -965,6 +972,7 @@ class Scheduler:
                 self.constraints.leave(slot)  # a preempted request keeps its matcher
             self._leaves.append(RowLeave(slot, final))
             self._owner[slot] = None
+            self._occupied[slot] = False
             self._decoding[slot] = False
             self._dirty.discard(slot)
             self._free_slots.append(slot)
