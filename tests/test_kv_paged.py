@@ -374,3 +374,24 @@ def test_physical_pool_grows_on_demand_and_keeps_data(model):
     reference = make_engine(model, dense())
     _, expected = generate(reference, PROMPTS, steps=6)
     assert tokens == expected
+
+
+def test_the_slot_table_maps_each_position_through_its_rows_blocks():
+    """Row i's position p reads slot table[p // size] * size + p % size up to its end, and the
+    scratch slot past it, also where the span is padded beyond every row's blocks."""
+    size = 8
+    storage = paged(num_blocks=64, block_size=size)
+    rng = np.random.default_rng(3)
+    totals = [1, 8, 9, 23, 40]
+    tables = [rng.choice(64, -(-t // size), replace=False).tolist() for t in totals]
+    for pad_span in (0, 64):  # 64: five blocks' worth past the widest table
+        step = step_layout([None] * len(totals), [t - 1 for t in totals], [1] * 5, tables)
+        step.pad_span = pad_span
+        read = storage.slot_table(step)
+        assert read.shape == (len(totals), max(pad_span, max(totals)))
+        for i, (total, blocks) in enumerate(zip(totals, tables)):
+            for p in range(read.shape[1]):
+                want = blocks[p // size] * size + p % size if p < total else storage.scratch_slot
+                assert read[i, p] == want, (i, p)
+    with pytest.raises(SlotsNotReservedError):
+        storage.slot_table(step_layout([None], [8], [1], [tables[0]]))  # 9 positions, one block

@@ -366,11 +366,16 @@ class PagedKVStorage:
                 " apply the KV manager's update before the forward"
             )
         span = batch.span
-        positions = np.arange(span, dtype=np.int32)
-        blocks = table[:, np.minimum(positions // size, max(0, table.shape[1] - 1))]
-        read = blocks * size + positions % size
-        read[positions[None, :] >= totals[:, None]] = self.scratch_slot
-        return read.astype(np.int32, copy=False)
+        b, cols = table.shape
+        nb = -(-span // size)  # blocks the span touches (the last column repeats past them)
+        blocks = table[:, :nb] if nb <= cols else table[:, np.minimum(np.arange(nb), cols - 1)]
+        # Each block's slots in one broadcast [B, nb, size], then cut to the span.
+        read = np.empty((b, nb, size), np.int32)
+        np.multiply(blocks[:, :, None], size, out=read)
+        read += np.arange(size, dtype=np.int32)
+        read = read.reshape(b, nb * size)[:, :span]
+        np.putmask(read, np.arange(span)[None, :] >= totals[:, None], self.scratch_slot)
+        return read
 
     def _grow(self, capacity_blocks: int) -> None:
         """Reallocate the per-layer arrays for `capacity_blocks` (+ scratch), keeping data.
