@@ -122,6 +122,8 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
     engine_clock = engine_cpu_clock()
     tok = runtime.loaded.tokenizer
     fmt = ResponseFormat("json_schema", json.dumps(SCHEMA))
+    cache = runtime.grammar
+    assert cache is not None
     sink = Collect(args.concurrency)
     started, cpu_started = time.perf_counter(), time.process_time()
     engine_started = time.clock_gettime(engine_clock)
@@ -137,8 +139,7 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
         )
         seq = Request(request, sink, rid=i)
         if constrained:  # per request, as the server's core asks its cache
-            assert runtime.grammar is not None
-            seq.grammar = runtime.grammar.compile(fmt)
+            seq.grammar = cache.compile(fmt)
         runtime.loop.submit(seq)
     if not sink.wait(600):
         raise TimeoutError(f"{tag}: {len(sink.finals)} of {args.concurrency} finished")

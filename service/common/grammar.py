@@ -544,14 +544,25 @@ class GrammarCache:
         tokenizer = self.tokenizer()
         scratch = np.empty(mask_words(tokenizer.vocab_size), dtype=np.int32)
         while compiled.lexers < self.lexers:
-            proto = llg.LLMatcher(tokenizer, compiled.grammar, log_level=0, limits=self._limits)
-            proto.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+            proto = self._original(tokenizer, compiled.grammar, scratch)
             if proto.is_error():  # the first compiled and masked alike: not expected
                 log.warning(
                     "an extra lexer failed", kind=compiled.format.kind, error=proto.get_error()
                 )
                 return
             compiled._protos.append(proto)
+
+    def _original(
+        self, tokenizer: llg.LLTokenizer, grammar: str, scratch: np.ndarray
+    ) -> llg.LLMatcher:
+        """A matcher of this grammar that rows copy. The constructor compiles the grammar and
+        builds its lexer with the GIL released (an error leaves the matcher in an error state
+        rather than raising); its first mask, into `scratch`, warms the lexer its copies
+        share."""
+        proto = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
+        if not proto.is_error():
+            proto.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+        return proto
 
     def _build(self, fmt: ResponseFormat, key: str, started: threading.Event) -> Compiled:
         tokenizer = self.tokenizer()  # outside the budget: once per process
@@ -563,17 +574,11 @@ class GrammarCache:
                 f"the format is {size} bytes; the limit is {MAX_FORMAT_BYTES}", TOO_COMPLEX
             )
         grammar = to_llguidance_grammar(fmt, self.json_options)
-        # The constructor compiles the grammar and builds its lexer with the GIL released; an
-        # error leaves the matcher in an error state rather than raising.
-        proto = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
-        if proto.is_error():
-            raise engine_refusal(fmt, proto.get_error())
-        # The first mask warms the lexer every copy shares, and catches a grammar that allows
-        # no first token.
         scratch = np.empty(mask_words(tokenizer.vocab_size), dtype=np.int32)
-        proto.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+        proto = self._original(tokenizer, grammar, scratch)
         if proto.is_error():
             raise engine_refusal(fmt, proto.get_error())
+        # The first mask also catches a grammar that allows no first token.
         if not scratch.any():
             raise GrammarError(f"{fmt.kind}: no token can start an output", UNSUPPORTED)
         seconds = time.perf_counter() - begun
