@@ -4,7 +4,11 @@ at once, and nothing held once the ticks stop."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+
+import zmq
 
 from service.frontend import core_client
 from service.frontend.core_client import CoreClient
@@ -87,11 +91,6 @@ def test_a_closed_stream_is_not_held(tmp_path: Path) -> None:
 async def test_held_tokens_go_out_when_no_tick_comes(tmp_path: Path) -> None:
     """The output reader, with streams held and no tick arriving (a paused core): they are
     woken after MAX_HOLD_S, not left waiting for the next tick."""
-    import asyncio
-    import time
-
-    import zmq
-
     client = CoreClient(tmp_path, 0)
     client._pull = client._context.socket(zmq.PULL)
     client._pull.bind(f"ipc://{tmp_path / 'outputs'}")
