@@ -187,3 +187,43 @@ def test_a_tiny_repetition_penalty_keeps_logprobs_finite() -> None:
     logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
     assert mx.all(mx.isfinite(processed)).item() and mx.all(~mx.isnan(logprobs)).item()
     assert processed[0, 0].item() == 5.0  # unseen: untouched
+
+
+def _mask_cases(vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Logits and token bitmasks whose masked argmax has every edge: ties (the lower id wins),
+    a row with every token forbidden, one allowing a single token, one without a mask, and
+    bits past the vocabulary."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 3, (6, vocab)).astype(np.float32)
+    logits[0, [5, 700, 900]] = 50.0  # a three-way tie, all allowed
+    width = -(-vocab // 32)
+    words = rng.integers(0, 2**32, (6, width), dtype=np.uint64).astype(np.uint32)
+    for token in (5, 700, 900):
+        words[0, token // 32] |= np.uint32(1 << (token % 32))
+    words[1] = 0  # nothing allowed: the first id, as mx.argmax of all -inf
+    words[2] = 0
+    words[2, 17] = 1 << 3  # only token 17 * 32 + 3
+    words[3] = 0xFFFFFFFF  # no mask
+    words[4, -1] = 0xFFFFFFFF  # the last word's bits past the vocabulary
+    return logits, words.view(np.int32)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_masked_argmax_is_the_argmax_of_the_masked_logits(dtype: mx.Dtype) -> None:
+    from service.core.engine.sampler import apply_token_masks, masked_argmax
+
+    vocab = 1000  # not a multiple of 32
+    logits, words = _mask_cases(vocab)
+    x = mx.array(logits).astype(dtype)
+    expected = mx.argmax(apply_token_masks(x, words), axis=-1).tolist()
+    got = masked_argmax(x, words).tolist()
+    assert got == expected
+    assert got[0] == 5 and got[1] == 0 and got[2] == 17 * 32 + 3
+    assert got[3] == int(np.argmax(np.asarray(x.astype(mx.float32))[3]))
+    # Fewer words than the vocabulary needs: the ids past them are forbidden.
+    narrow = words[:, :20]
+    assert (
+        masked_argmax(x, narrow).tolist()
+        == mx.argmax(apply_token_masks(x, narrow), axis=-1).tolist()
+    )
+    assert max(masked_argmax(x, narrow).tolist()[3:]) < 20 * 32

@@ -177,6 +177,30 @@ def test_a_growing_context_gets_smaller_chunks_within_the_stall_bound() -> None:
     assert worst_stream_gap(off, sent, first) > 5 * bound
 
 
+def test_a_burst_beside_fewer_streams_is_not_held_to_the_stall_bound() -> None:
+    """More prompts prefill than rows decode (a burst, the first of it already decoding): the
+    bound would keep more requests from their first token than it spares streams a longer gap,
+    so one pass takes them all. With fewer prompts than streams, the budget sizes the pass."""
+    h = Harness(cost=cpu_like, max_batch_size=16, max_batch_prefill=16)
+    start_decoding(h, "s0", max_tokens=10_000)
+    for _ in range(3):
+        h.tick()
+    burst = [f"p{i}" for i in range(8)]
+    for request_id in burst:
+        h.submit(request_id, prompt=[5] * 300, max_tokens=1)
+    passes = prefill_forwards(tick(h))
+    assert len(passes) == 1
+    assert sorted(passes[0].ids) == burst
+    assert all(h.prefill_chunks(r) == [300] for r in burst)
+    assert h.sched.costs.passes[-1].budget_s is None
+    # 4 streams, 2 prompts: each pass within the budget, in chunks.
+    few = Harness(cost=cpu_like, max_batch_size=16, max_batch_prefill=16)
+    sent, first = admit_long_while_streams_decode(few, 300, "q0", "q1")
+    assert len(few.prefill_chunks("q0")) > 1
+    assert all(p.budget_s is not None for p in list(few.sched.costs.passes)[-3:])
+    assert worst_stream_gap(few, sent, first) <= 1.2 * few.sched.stall_bound()
+
+
 def test_an_explicit_stall_bound_in_ms_sizes_the_chunks() -> None:
     h = Harness(cost=cpu_like, max_batch_size=5, max_prefill_stall_ms=1000)
     sent, first = admit_long_while_streams_decode(h, 3000)
@@ -253,8 +277,8 @@ def test_prompts_prefilled_together_share_the_pass_budget() -> None:
 
 
 def test_on_the_per_row_path_the_rows_of_a_pass_share_its_budget_as_separate_forwards() -> None:
-    h = Harness(cost=cpu_like, batched=False, max_batch_size=3)  # each row its own forward
-    start_decoding(h, "s0", max_tokens=100_000)
+    h = Harness(cost=cpu_like, batched=False, max_batch_size=4)  # each row its own forward
+    start_decoding(h, "s0", "s1", max_tokens=100_000)
     for _ in range(3):
         h.tick()
     for long in ("a", "b"):

@@ -47,7 +47,13 @@ from service.core.engine.compiled_decode import DecodeGraph
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import SlotsNotReservedError
 from service.core.engine.memory import release_freed_memory
-from service.core.engine.sampler import RowSamplerState, apply_token_masks, sample, verify_draft
+from service.core.engine.sampler import (
+    RowSamplerState,
+    apply_token_masks,
+    masked_argmax,
+    sample,
+    verify_draft,
+)
 from service.core.engine.state_store import SequenceState, StateStore, StateUndo
 from service.core.engine.storage import KVStorage
 from service.core.models import lora, rope
@@ -544,9 +550,8 @@ class ModelRunner:
         if masks is None and self.constrained[slots[sampled]].any():
             forward = _Forward(slots, rows, lengths, sampled, None, logits=last_logits)
         else:
-            forward = self._sample(
-                slots, sampled, rows, self._masked(last_logits, slots[sampled], masks)
-            )
+            words = self._mask_words(slots[sampled], masks)
+            forward = self._sample(slots, sampled, rows, last_logits, words)
             forward.masks = masks
         forward.lengths, forward.undo, forward.inputs = lengths, undo, inputs
         return forward
@@ -572,16 +577,24 @@ class ModelRunner:
         masks: Masks | None,
         positions: np.ndarray | None = None,
     ) -> mx.array:
-        """The logits with the constrained rows' masks applied (one op for the batch): one
-        row of logits per slot, or `positions[i]` consecutive rows for slots[i] (a
-        verification); unchanged when none of the slots is constrained."""
+        """The logits with the constrained rows' masks applied (one op for the batch);
+        unchanged when none of the slots is constrained."""
+        words = self._mask_words(slots, masks, positions)
+        return logits if words is None else apply_token_masks(logits, words)
+
+    def _mask_words(
+        self, slots: np.ndarray, masks: Masks | None, positions: np.ndarray | None = None
+    ) -> np.ndarray | None:
+        """The batch's token bitmask: one row per slot, or `positions[i]` consecutive rows for
+        slots[i] (a verification); all ones for a row without a mask. None when none of the
+        slots is constrained."""
         if not masks or not self.constrained[slots].any():
-            return logits
+            return None
         width = next(iter(masks.values())).shape[1]
         if positions is None:
             given = [masks.get(slot) for slot in slots.tolist()]
             if all(rows is not None for rows in given):
-                return apply_token_masks(logits, np.concatenate([rows[:1] for rows in given]))
+                return np.concatenate([rows[:1] for rows in given])
         counts = np.ones(len(slots), np.int64) if positions is None else positions
         words = np.full((int(counts.sum()), width), -1, np.int32)
         offset = 0
@@ -590,14 +603,13 @@ class ModelRunner:
             if rows is not None:
                 words[offset : offset + n] = rows[:n]
             offset += n
-        return apply_token_masks(logits, words)
+        return words
 
     def _sample_masked(self, forward: _Forward, masks: Masks) -> None:
         """Sample a forward whose constrained rows waited for their masks."""
         assert forward.logits is not None
-        sampled_slots = forward.slots[forward.sampled]
-        logits = self._masked(forward.logits, sampled_slots, masks)
-        done = self._sample(forward.slots, forward.sampled, forward.rows, logits)
+        words = self._mask_words(forward.slots[forward.sampled], masks)
+        done = self._sample(forward.slots, forward.sampled, forward.rows, forward.logits, words)
         forward.tokens, forward.logprobs, forward.top = done.tokens, done.logprobs, done.top
         forward.readout = done.readout
         forward.sources, forward.logits, forward.masks = done.sources, None, masks
@@ -605,13 +617,25 @@ class ModelRunner:
             self._dispatch(forward)
 
     def _sample(
-        self, slots: np.ndarray, sampled: np.ndarray, rows: list[Row], logits: mx.array
+        self,
+        slots: np.ndarray,
+        sampled: np.ndarray,
+        rows: list[Row],
+        logits: mx.array,
+        words: np.ndarray | None = None,
     ) -> _Forward:
+        """Draw the sampled rows' tokens from their logits, under the token masks `words` (one
+        row per sampled row) where given."""
         sampled_slots = slots[sampled]
-        if self.argmax[sampled_slots].all():  # masked already where a row has a mask
-            drawn = mx.argmax(logits, axis=-1).astype(mx.int32)
+        if self.argmax[sampled_slots].all():
+            if words is None:
+                drawn = mx.argmax(logits, axis=-1).astype(mx.int32)
+            else:
+                drawn = masked_argmax(logits, words)
             logprobs = top = None
         else:
+            if words is not None:
+                logits = apply_token_masks(logits, words)
             picked = [rows[i] for i in sampled]
             drawn, processed = sample(logits, [r.sampler for r in picked])
             logprobs = top = None

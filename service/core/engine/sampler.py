@@ -14,10 +14,13 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from service.core.engine.paged_attention import kernel_available
 from service.protocol import SamplingParams
 
 
@@ -100,6 +103,119 @@ class _PerThread(threading.local):
 
 
 _compiled = _PerThread()
+
+# Greedy rows under token masks (structured output): the masked argmax as one kernel, where MLX
+# would run the unpacking, the mask and the reduction as separate primitives, each with its host
+# work, in an evaluation of its own (the masks come after the forward is queued).
+_MASKED_ARGMAX_HEADER = """
+// (v, i, nan) beats (bv, bi, bnan) in mx.argmax's order: NaN first, then the larger value,
+// then the lower index.
+__device__ inline bool mlxserve_beats(float v, int i, bool nan, float bv, int bi, bool bnan) {
+    if (nan != bnan) {
+        return nan;
+    }
+    if (!nan && v != bv) {
+        return v > bv;
+    }
+    return i < bi;
+}
+"""
+
+_MASKED_ARGMAX = """
+    // One block per row: each thread walks every BLOCK-th word of the row's mask and reads the
+    // logits of the tokens it allows, in increasing order; then the block reduces.
+    const int row = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int words_used = (V + 31) / 32 < W ? (V + 31) / 32 : W;
+    const T* lr = logits + (size_t)row * V;
+    const uint32_t* wr = words + (size_t)row * W;
+    float best = -INFINITY;
+    int best_i = 0x7fffffff;
+    bool best_nan = false;
+    for (int w = tid; w < words_used; w += BLOCK) {
+        uint32_t m = wr[w];
+        while (m != 0u) {
+            const int t = w * 32 + (__ffs(m) - 1);
+            m &= m - 1u;
+            if (t >= V) {
+                break;
+            }
+            const float v = static_cast<float>(lr[t]);
+            const bool nan = isnan(v);
+            if (mlxserve_beats(v, t, nan, best, best_i, best_nan)) {
+                best = v;
+                best_i = t;
+                best_nan = nan;
+            }
+        }
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float v = __shfl_down_sync(0xffffffff, best, offset);
+        const int i = __shfl_down_sync(0xffffffff, best_i, offset);
+        const bool nan = __shfl_down_sync(0xffffffff, (int)best_nan, offset) != 0;
+        if (mlxserve_beats(v, i, nan, best, best_i, best_nan)) {
+            best = v;
+            best_i = i;
+            best_nan = nan;
+        }
+    }
+    __shared__ float s_best[BLOCK / 32];
+    __shared__ int s_i[BLOCK / 32];
+    __shared__ int s_nan[BLOCK / 32];
+    if (tid % 32 == 0) {
+        s_best[tid / 32] = best;
+        s_i[tid / 32] = best_i;
+        s_nan[tid / 32] = best_nan;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        for (int k = 1; k < BLOCK / 32; ++k) {
+            if (mlxserve_beats(s_best[k], s_i[k], s_nan[k] != 0, best, best_i, best_nan)) {
+                best = s_best[k];
+                best_i = s_i[k];
+                best_nan = s_nan[k] != 0;
+            }
+        }
+        // Every masked logit -inf: mx.argmax's first index.
+        out[row] = (!best_nan && best == -INFINITY) ? 0 : best_i;
+    }
+"""
+
+MASKED_ARGMAX_BLOCK = 256
+
+
+@cache
+def _masked_argmax_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_masked_argmax",
+        input_names=["logits", "words"],
+        output_names=["out"],
+        source=_MASKED_ARGMAX,
+        header=_MASKED_ARGMAX_HEADER,
+    )
+
+
+def masked_argmax(logits: mx.array, words: np.ndarray) -> mx.array:
+    """int32 [rows]: `mx.argmax(apply_token_masks(logits, words), axis=-1)`, the greedy tokens
+    of rows under token masks (a row of all ones is a row without one). One kernel on CUDA."""
+    if not kernel_available():
+        return mx.argmax(apply_token_masks(logits, words), axis=-1).astype(mx.int32)
+    rows, vocab = logits.shape
+    packed = mx.array(np.ascontiguousarray(words).view(np.uint32))
+    (out,) = _masked_argmax_kernel()(
+        inputs=[logits, packed],
+        template=[
+            ("T", logits.dtype),
+            ("V", vocab),
+            ("W", words.shape[1]),
+            ("BLOCK", MASKED_ARGMAX_BLOCK),
+        ],
+        grid=(rows * MASKED_ARGMAX_BLOCK, 1, 1),
+        threadgroup=(MASKED_ARGMAX_BLOCK, 1, 1),
+        output_shapes=[(rows,)],
+        output_dtypes=[mx.int32],
+    )
+    return out
 
 
 def apply_token_masks(logits: mx.array, words: np.ndarray) -> mx.array:

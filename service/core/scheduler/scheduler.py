@@ -434,9 +434,12 @@ class Scheduler:
 
     def prefill_budget(self) -> float | None:
         """Seconds this plan's prefill pass may take; None = not limited by the stall bound:
-        it is off, nothing decodes, or no decode step has been measured yet. A stream waits a
-        decode step plus the pass, so the pass gets the bound less a decode step."""
-        if not self._decoding.any():
+        it is off, nothing decodes, no decode step has been measured yet, or more prompts
+        prefill than rows decode (a burst: the bound would keep more requests from their first
+        token than it spares streams a longer gap). A stream waits a decode step plus the pass,
+        so the pass gets the bound less a decode step."""
+        decoding = int(np.count_nonzero(self._decoding))
+        if not decoding or np.count_nonzero(self._occupied) - decoding > decoding:
             return None
         bound, step = self.stall_bound(), self.costs.decode_step.value
         if bound is None or step is None:
