@@ -346,3 +346,10 @@ def test_constrained_steps_read_beside_the_dispatch_give_what_the_loop_thread_wo
     # Steps whose successors sampled under masks were read on the second thread.
     assert alone.engine.beside_threads == []
     assert len(beside.engine.beside_threads) >= 5
+    # There the masks of the step being dispatched were taken and made ready for its sample.
+    assert alone.engine.staged_threads == []
+    staged = [c for c in beside.engine.calls if c[0] == "stage"]
+    sampled = [c for c in beside.engine.calls if c[0] == "sample"]
+    assert len(staged) >= 5
+    assert all(("sample", *c[1:]) in sampled for c in staged)
+    assert set(beside.engine.staged_threads) == set(beside.engine.beside_threads)

@@ -395,3 +395,29 @@ def test_the_slot_table_maps_each_position_through_its_rows_blocks():
                 assert read[i, p] == want, (i, p)
     with pytest.raises(SlotsNotReservedError):
         storage.slot_table(step_layout([None], [8], [1], [tables[0]]))  # 9 positions, one block
+
+
+def test_decode_inputs_pack_each_rows_block_table():
+    """The compiled decode step's packed plan: offset, length, the new token's slot and the
+    block table, which maps each position as the slot table does; padding rows and columns
+    past the tables hold the scratch block; the width is a whole number of `bucket` positions."""
+    size = 8
+    storage = paged(num_blocks=64, block_size=size)
+    rng = np.random.default_rng(5)
+    totals = [1, 8, 9, 23, 40]
+    tables = [rng.choice(64, -(-t // size), replace=False).tolist() for t in totals]
+    step = step_layout([None] * len(totals), [t - 1 for t in totals], [1] * 5, tables)
+    packed = np.asarray(storage.decode_inputs(step, 32, 8))
+    assert packed.shape == (8, 3 + 64 // size)  # 40 positions -> 64, the next 32 bucket
+    read = storage.slot_table(step)
+    scratch_block = storage.scratch_slot // size
+    for i, total in enumerate(totals):
+        assert packed[i, 0] == total - 1 and packed[i, 1] == total
+        assert packed[i, 2] == read[i, total - 1]
+        for p in range(total):
+            assert packed[i, 3 + p // size] * size + p % size == read[i, p]
+    assert (packed[:, 3 + 5 :] == scratch_block).all()  # past the widest table (5 blocks)
+    assert (packed[5:, :3] == [0, 1, storage.scratch_slot]).all()
+    assert (packed[5:, 3:] == scratch_block).all()
+    with pytest.raises(SlotsNotReservedError):
+        storage.decode_inputs(step_layout([None], [8], [1], [tables[0]]), 32, 1)

@@ -64,6 +64,35 @@ def test_cuda_kernel_matches_reference(dtype, head_dim, heads, kv_heads, window)
     assert mx.abs(got - want).max().item() < tolerance
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_block_table_reads_the_slots_it_maps(window):
+    """With `block`, each row's table holds block ids and position t reads slot
+    table[t // block] * block + t % block (the kernel on CUDA, the reference elsewhere)."""
+    block, heads, kv_heads, head_dim = 16, 8, 2, 64
+    lengths = [1, 16, 17, 100, 45]
+    num_blocks = 40
+    mx.random.seed(4)
+    k_pool = mx.random.normal((num_blocks * block, kv_heads, head_dim))
+    v_pool = mx.random.normal((num_blocks * block, kv_heads, head_dim))
+    queries = mx.random.normal((len(lengths), heads, 1, head_dim))
+    width = -(-max(lengths) // block)
+    perm = mx.random.permutation(num_blocks).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        own = -(-n // block)
+        tables.append(perm[used : used + own] + [num_blocks - 1] * (width - own))
+        used += own
+    table = mx.array(tables, dtype=mx.int32)
+    slots = (table[:, :, None] * block + mx.arange(block)).reshape(len(lengths), -1)
+    lens = mx.array(lengths, dtype=mx.int32)
+    scale = 1 / math.sqrt(head_dim)
+    got = paged_decode_attention(
+        queries, k_pool, v_pool, table, lens, scale, window=window, block=block
+    )
+    want = naive(queries, k_pool, v_pool, slots, lens, scale, window)
+    assert mx.abs(got - want).max().item() < 1e-4
+
+
 def test_direct_decode_gives_the_same_tokens_as_gathering(model):
     outs = {}
     for direct in (False, True):

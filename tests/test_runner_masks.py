@@ -111,6 +111,31 @@ def test_a_decode_step_with_constrained_rows_waits_for_their_masks(model) -> Non
         e.finish_rows(pending)
 
 
+def test_masks_staged_while_the_step_dispatches_sample_as_masks_given_after(model) -> None:
+    """`stage_masks` (the loop's second thread, while the step is dispatched) makes a step's
+    masks ready; `sample` with the same masks then draws what it draws given them after."""
+    runs = {}
+    for staged in (False, True):
+        e = engine(model)
+        forced = e.add_sequence("forced", SamplingParams(), PROMPTS[0], constrained=True)
+        free = e.add_sequence("free", SamplingParams(), PROMPTS[1])
+        rows = [StepRow(forced, PROMPTS[0]), StepRow(free, PROMPTS[1])]
+        out = [r.token_id for r in e.finish_rows(e.submit(rows, masks=masks([(0, None)])))]
+        for step in range(4):
+            given = masks([(forced.slot, [3, 5] if step % 2 else [7])])
+            pending = e.submit([StepRow(forced), StepRow(free)], dispatch=False)
+            if staged:
+                e.engine.stage_masks(pending, given)
+                assert pending.decode is not None and pending.decode.staged is not None
+            e.engine.dispatch(pending)
+            e.sample(pending, given)
+            assert pending.decode is not None and pending.decode.staged is None
+            out += [r.token_id for r in e.finish_rows(pending)]
+        runs[staged] = out
+    assert runs[True] == runs[False]
+    assert runs[True][2::4] == [7, 7] and set(runs[True][4::4]) <= {3, 5}
+
+
 def test_a_prefill_forward_beside_a_chunk_that_does_not_sample(model) -> None:
     """Only the sampling rows' logits are masked, each with its own row's mask."""
     e = engine(model)

@@ -20,8 +20,9 @@ read and the rows' grammars have advanced over its tokens, their masks start fil
 thread of their own while this thread finishes the update, queues the forward and delivers the
 tick's outputs; then it joins the fill and the runner samples under them (`_sample_masked`).
 Read beside the dispatch, the step before is taken by the grammars and their fill begins on the
-second thread while this one is inside the forward's dispatch up to its logits, so neither
-waits for the other on a host-bound device.
+second thread while this one is inside the forward's dispatch up to its logits; that thread then
+waits for the fill and copies the masks to the device (`stage_masks`), so neither waits for the
+other on a host-bound device.
 
 Everything per request lives on this thread: the table of running requests by front end and
 rid, the scheduler's rows, the outbox. Other threads only put messages into the inbox, LoRA
@@ -57,6 +58,7 @@ class Runner(Protocol):
     def submit(self, plan: StepPlan, dispatch: bool = True) -> Any: ...
     def dispatch(self, pending: Any) -> Any: ...
     def sample(self, pending: Any, masks: RowMasks) -> Any: ...
+    def stage_masks(self, pending: Any, masks: RowMasks) -> None: ...
     def take_prefill(self, pending: Any) -> StepResult: ...
     def collect(self, pending: Any) -> StepResult: ...
     def read_beside(self, pending: Any) -> StepResult | None: ...
@@ -137,6 +139,8 @@ class CoreLoop:
         self._undrained = 0  # submitted, not yet handed to the scheduler
         self._requests: dict[tuple[Hashable, int], Request] = {}
         self._inflight: tuple[StepPlan, Any] | None = None
+        # A decode step's masks, taken (and made ready) beside its dispatch: (step, masks).
+        self._staged: tuple[int, RowMasks | None] | None = None
 
     # -- called from other threads ------------------------------------------------------
     def submit(self, seq: Request) -> None:
@@ -237,7 +241,7 @@ class CoreLoop:
         `mx.async_eval`)."""
         assert self._beside is not None and self._inflight is not None
         pending = self.runner.submit(plan, dispatch=False)
-        update = self._beside.submit(self._update_beside)
+        update = self._beside.submit(self._update_beside, plan, pending)
         try:
             self.runner.dispatch(pending)
         finally:
@@ -246,9 +250,10 @@ class CoreLoop:
             self._finish_inflight()
         self._inflight = (plan, pending)
 
-    def _update_beside(self) -> bool:
-        """On the other thread: step N's tokens to the scheduler and out; False when N must be
-        read on the loop thread (see ModelRunner.read_beside)."""
+    def _update_beside(self, following: StepPlan, queued: Any) -> bool:
+        """On the other thread: step N's tokens to the scheduler and out, then step N+1's
+        (`following`) masks once filled, made ready for its sample; False when N must be read
+        on the loop thread (see ModelRunner.read_beside)."""
         assert self._inflight is not None
         plan, pending = self._inflight
         result = self.runner.read_beside(pending)
@@ -257,16 +262,25 @@ class CoreLoop:
         self._inflight = None
         self.scheduler.update(plan, result)
         self._deliver()
+        if self.scheduler.masks_due(following):
+            masks = self.scheduler.decode_masks(following)
+            self._staged = (following.step, masks)
+            if masks is not None:
+                self.runner.stage_masks(queued, masks)
         return True
 
     def _sample_masked(self, plan: StepPlan, pending: Any) -> None:
         """A decode step's constrained rows: their masks now (the tokens they depend on are
         read), filled while the step's forward runs, then sampled. They started filling when
         those tokens were taken: the tick's outputs go out meanwhile."""
-        if not self.scheduler.masks_due(plan):
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == plan.step:
+            masks = staged[1]
+        elif not self.scheduler.masks_due(plan):
             return
-        self._deliver()
-        masks = self.scheduler.decode_masks(plan)
+        else:
+            self._deliver()
+            masks = self.scheduler.decode_masks(plan)
         if masks is not None:
             self.runner.sample(pending, masks)
 

@@ -184,6 +184,10 @@ class ReplicatedRunner:
         self._send(Sample(pending.plan.step, masks))
         return self._runner.sample(pending, masks)
 
+    def stage_masks(self, pending: Any, masks: RowMasks) -> None:
+        """Local only: the masks still go to every rank with `sample`."""
+        self._runner.stage_masks(pending, masks)
+
     def collect(self, pending: Any) -> StepResult:
         self._send(Collect(pending.plan.step))
         return self._runner.collect(pending)  # a failure raises (no containment here)

@@ -118,6 +118,7 @@ class FakeRunner:
     adapters: dict[int, str] = field(default_factory=dict)  # loaded: slot -> name
     # The threads that read steps beside a dispatch (read_beside), one entry per step read.
     beside_threads: list[str] = field(default_factory=list)
+    staged_threads: list[str] = field(default_factory=list)  # where stage_masks ran
 
     @property
     def live(self) -> set[str]:
@@ -174,6 +175,11 @@ class FakeRunner:
             decode = _result(inputs)
         waiting = any(self.rows[s].constrained for s in plan.decode)
         return _Pending(plan, prefill, decode, seconds, waiting)
+
+    def stage_masks(self, pending: _Pending, masks: RowMasks) -> None:
+        assert pending.waiting and pending.decode is not None, "nothing waits for masks"
+        self.calls.append(("stage", pending.plan.step, list(masks.slots)))
+        self.staged_threads.append(threading.current_thread().name)
 
     def sample(self, pending: _Pending, masks: RowMasks) -> _Pending:
         assert pending.waiting and pending.decode is not None, "nothing waits for masks"

@@ -4,10 +4,10 @@ A small model's decode step is host-bound on a GPU: building the step's graph (s
 per layer, each a Python call) takes longer than the device takes to run it. `DecodeGraph`
 traces the model's decode forward once per input shape and replays it: each step costs one
 call. Everything that changes from step to step is an input array (the step's tokens, and one
-packed array of the rows' RoPE offsets, lengths, write slots and slot tables) and the pool
+packed array of the rows' RoPE offsets, lengths, write slots and block tables) and the pool
 arrays are inputs too, so a replay reads the pool as it is now. Shapes are kept few, so that
 the traced graph and MLX's CUDA graphs are replayed rather than rebuilt: the rows are padded to
-a bucket (`row_bucket`: padding rows attend to and write only the scratch slot) and the slot
+a bucket (`row_bucket`: padding rows attend to and write only the scratch slot) and the block
 table to a multiple of `SLOT_BUCKET` positions (padding reads are never made: the kernel stops
 at each row's length). A batch recompiles only when its bucket changes or its longest row
 crosses a slot bucket; the runtime traces every row bucket at start. (MLX's shapeless compile
@@ -38,7 +38,7 @@ from service.core.engine.paged_attention import kernel_meta, paged_decode_attent
 from service.core.models import lora
 from service.core.models.layout import AttentionEntry, CacheLayout
 
-SLOT_BUCKET = 256  # slot-table width granularity: one compiled shape per 256 positions
+SLOT_BUCKET = 256  # block-table width granularity: one compiled shape per 256 positions
 ROW_STEP = 32  # rows: powers of two up to this, then multiples of it
 
 
@@ -79,17 +79,18 @@ class _GraphView:
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
         step = self._step
-        meta = kernel_meta(step.slots.shape[1], self._window)  # a constant of the trace
+        meta = kernel_meta(step.blocks.shape[1], self._window)  # a constant of the trace
         return paged_decode_attention(
             queries,
             keys,
             values,
-            step.slots,
+            step.blocks,
             step.lengths,
             scale,
             meta,
             after=self._after,
             window=self._window,
+            block=step.block_size,
         )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
@@ -100,10 +101,13 @@ class _GraphView:
 
 
 class _StepArrays:
-    def __init__(self, packed: mx.array, pools: list[mx.array], num_layers: int) -> None:
+    def __init__(
+        self, packed: mx.array, pools: list[mx.array], num_layers: int, block_size: int
+    ) -> None:
         # kv_paged.PagedKVStorage.decode_inputs: [rows, 3 + width] int32.
         self.offsets, self.lengths, self.write = packed[:, 0], packed[:, 1], packed[:, 2]
-        self.slots = packed[:, 3:]
+        self.blocks = packed[:, 3:]
+        self.block_size = block_size
         self.pools = pools  # K of every layer, then V of every layer
         self.num_layers = num_layers
 
@@ -162,7 +166,7 @@ class DecodeGraph:
         tokens, packed = inputs[:2]
         rows = lora.RowAdapters(inputs[2]) if adapted else None
         pools = list(inputs[3:] if adapted else inputs[2:])
-        step = _StepArrays(packed, pools, self._num_layers)
+        step = _StepArrays(packed, pools, self._num_layers, self._storage.block_size)
         views = [_GraphView(step, entry) for entry in self._entries]
         hidden = self._head.hidden(tokens, views, rows)  # [B, 1, H]
         logits = self._head.logits(hidden[:, 0], rows)

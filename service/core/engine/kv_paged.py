@@ -296,18 +296,28 @@ class PagedKVStorage:
 
     def decode_inputs(self, batch: StepLayout, bucket: int, rows: int) -> mx.array:
         """A direct decode step's plan as one array, for a compiled forward (compiled_decode):
-        [rows, 3 + T'] int32 holding each row's RoPE offset, length, write slot and slot table
-        (T' = the span rounded up to `bucket`, padded with the scratch slot). Rows past the
-        batch's are padding: they attend to and write only the scratch slot."""
-        plan = self._step_plan(0, batch)
-        b, t = plan.slot_table.shape
-        width = -(-t // bucket) * bucket
-        packed = np.full((rows, 3 + width), self.scratch_slot, dtype=np.int32)
+        [rows, 3 + W] int32 holding each row's RoPE offset, length, write slot and block table
+        (W = the span's blocks, rounded up to `bucket` positions, padded with the scratch
+        block). Rows past the batch's are padding: they attend to and write only the scratch
+        slot. Block ids, not slots: the array is copied to the device every step, and a slot
+        table is `block_size` times as large."""
+        self._check_covered(batch)
+        size, scratch = self.block_size, self._capacity_blocks
+        b = batch.batch_size
+        blocks = -(-batch.span // size)
+        width = -(-blocks * size // bucket) * bucket // size
+        packed = np.full((rows, 3 + width), scratch, dtype=np.int32)
         packed[:b, 0] = batch.starts
-        packed[:b, 1] = plan.totals
+        packed[:b, 1] = batch.total_lengths
         packed[b:, :2] = (0, 1)
-        packed[:b, 2] = plan.write_slots
-        packed[:b, 3 : 3 + t] = plan.slot_table
+        table = batch.block_table
+        cols = min(blocks, table.shape[1])
+        packed[:b, 3 : 3 + cols] = table[:, :cols]
+        own = table[np.arange(b), batch.starts // size]  # the block of each row's new token
+        packed[:b, 2] = own * size + batch.starts % size
+        packed[b:, 2] = scratch * size
+        if batch.padding_rows:
+            packed[b - batch.padding_rows : b, 2] = scratch * size
         return mx.array(packed)
 
     def pool_arrays(self) -> list[mx.array]:
@@ -350,9 +360,26 @@ class PagedKVStorage:
     def slot_table(self, batch: StepLayout) -> np.ndarray:
         """[B, span] slot of each row's positions 0..end-1 under its block table; the scratch
         slot past each row's end. Refuses positions the tables do not cover."""
+        self._check_covered(batch)
         totals = batch.total_lengths
         size = self.block_size
-        covered = batch.table_lengths * size
+        table = batch.block_table
+        span = batch.span
+        b, cols = table.shape
+        nb = -(-span // size)  # blocks the span touches (the last column repeats past them)
+        blocks = table[:, :nb] if nb <= cols else table[:, np.minimum(np.arange(nb), cols - 1)]
+        # Each block's slots in one broadcast [B, nb, size], then cut to the span.
+        read = np.empty((b, nb, size), np.int32)
+        np.multiply(blocks[:, :, None], size, out=read)
+        read += np.arange(size, dtype=np.int32)
+        read = read.reshape(b, nb * size)[:, :span]
+        np.putmask(read, np.arange(span)[None, :] >= totals[:, None], self.scratch_slot)
+        return read
+
+    def _check_covered(self, batch: StepLayout) -> None:
+        """Refuse positions the rows' block tables do not cover, and blocks past the arrays."""
+        totals = batch.total_lengths
+        covered = batch.table_lengths * self.block_size
         if (totals > covered).any():
             i = int(np.argmax(totals > covered))
             raise SlotsNotReservedError(
@@ -365,17 +392,6 @@ class PagedKVStorage:
                 f"block {int(table.max())} is past the arrays' {self._capacity_blocks} blocks:"
                 " apply the KV manager's update before the forward"
             )
-        span = batch.span
-        b, cols = table.shape
-        nb = -(-span // size)  # blocks the span touches (the last column repeats past them)
-        blocks = table[:, :nb] if nb <= cols else table[:, np.minimum(np.arange(nb), cols - 1)]
-        # Each block's slots in one broadcast [B, nb, size], then cut to the span.
-        read = np.empty((b, nb, size), np.int32)
-        np.multiply(blocks[:, :, None], size, out=read)
-        read += np.arange(size, dtype=np.int32)
-        read = read.reshape(b, nb * size)[:, :span]
-        np.putmask(read, np.arange(span)[None, :] >= totals[:, None], self.scratch_slot)
-        return read
 
     def _grow(self, capacity_blocks: int) -> None:
         """Reallocate the per-layer arrays for `capacity_blocks` (+ scratch), keeping data.

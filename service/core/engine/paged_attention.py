@@ -60,7 +60,8 @@ _SOURCE = """
     float m = NEG_INF;
     float s = 0.0f;
     for (int t = first + warp; t < length; t += WARPS) {
-        const size_t slot = slots[(size_t)b * width + t];
+        const size_t slot =
+            (size_t)slots[(size_t)b * width + t / BLOCK] * BLOCK + t % BLOCK;
         const size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
         float dot = 0.0f;
         for (int i = 0; i < PER; ++i) {
@@ -146,12 +147,15 @@ def paged_decode_attention(
     meta: mx.array | None = None,
     after: mx.array | None = None,
     window: int | None = None,
+    block: int = 1,
 ) -> mx.array:
     """Attention of one new token per row over that row's first `lengths[b]` positions, or
     its last `window` of them.
 
     queries [B, heads, 1, head_dim]; k_pool/v_pool [slots, kv_heads, head_dim]; slots [B, T]
-    int32, the pool slot of each position (entries past a row's length are ignored); lengths
+    int32, the pool slot of each position (entries past a row's length are ignored), or with
+    `block` > 1 [B, T / block] the block of each `block` positions (position t is slot
+    slots[b, t // block] * block + t % block); lengths
     [B] int32; meta: `kernel_meta(T, window)`, made once per step by the caller (else here);
     after: `store_decode_kv`'s result when the step wrote the pool in place (the kernel then
     runs after the write). Returns [B, heads, 1, head_dim]."""
@@ -160,6 +164,9 @@ def paged_decode_attention(
     if n != 1:
         raise ValueError(f"paged decode attention takes one query per row, got {n}")
     if not (kernel_available() and kernel_supports(head_dim)):
+        if block > 1:
+            offsets = mx.arange(block, dtype=slots.dtype)
+            slots = (slots[:, :, None] * block + offsets).reshape(b, -1)
         return _reference(queries, k_pool, v_pool, slots, lengths, scale, window)
     if meta is None:
         meta = kernel_meta(slots.shape[1], window)
@@ -180,6 +187,7 @@ def paged_decode_attention(
             ("HEADS", heads),
             ("KV_HEADS", kv_heads),
             ("WARPS", WARPS),
+            ("BLOCK", block),
         ],
         grid=(b * heads * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
@@ -248,7 +256,8 @@ def kernel_supports(head_dim: int) -> bool:
 
 
 def kernel_meta(width: int | mx.array, window: int | None) -> mx.array:
-    """The kernel's [2] int32 `meta`: the slot table's width and the window (0 = none)."""
+    """The kernel's [2] int32 `meta`: the slot (or block) table's width and the window (0 =
+    none)."""
     if isinstance(width, int):
         return mx.array([width, window or 0], dtype=mx.int32)
     return mx.concatenate([width.astype(mx.int32), mx.array([window or 0], dtype=mx.int32)])

@@ -52,6 +52,7 @@ from service.core.engine.sampler import (
     apply_token_masks,
     masked_argmax,
     sample,
+    upload_words,
     verify_draft,
 )
 from service.core.engine.state_store import SequenceState, StateStore, StateUndo
@@ -133,6 +134,8 @@ class _Forward:
     # Constrained rows waiting for their masks: the logits to sample ([S, V]) once given.
     logits: mx.array | None = None
     masks: Masks | None = None  # the masks it sampled under (a redo applies them again)
+    # Masks made ready for `sample` while the forward was dispatched: (masks, words, upload).
+    staged: tuple[RowMasks, np.ndarray, mx.array] | None = None
     parts: list[_Forward] | None = None  # rows run one by one, some waiting for masks
     dispatched: bool = False
     # `tokens` as the host reads them, when steps are read beside the next one's dispatch: the
@@ -265,11 +268,27 @@ class ModelRunner:
         queued at once if its forward was."""
         forward = pending.decode
         assert forward is not None, "only a decode step's masks come after its plan"
+        staged = forward.staged
+        if staged is not None and staged[0] is masks and forward.logits is not None:
+            self._sample_masked(forward, None, staged)
+            return pending
         by_slot = masks_by_slot(masks)
         for part in forward.parts or [forward]:
             if part.logits is not None:
                 self._sample_masked(part, by_slot)
         return pending
+
+    def stage_masks(self, pending: Pending, masks: RowMasks) -> None:
+        """Make the decode step's token masks ready for `sample(pending, masks)` ahead of it:
+        their words in the step's row order, copied to the device. Called from the thread that
+        reads the step before while this step is dispatched (the copy is host work that need
+        not wait for the dispatch); touches nothing the dispatch reads."""
+        forward = pending.decode
+        if forward is None or forward.parts is not None or forward.logits is None:
+            return
+        words = self._mask_words(forward.slots[forward.sampled], masks_by_slot(masks))
+        if words is not None and self.argmax[forward.slots[forward.sampled]].all():
+            forward.staged = (masks, words, upload_words(words))
 
     def take_prefill(self, pending: Pending) -> StepResult:
         """The step's prefill forwards' results (read already at submit), handed out once: the
@@ -605,11 +624,23 @@ class ModelRunner:
             offset += n
         return words
 
-    def _sample_masked(self, forward: _Forward, masks: Masks) -> None:
-        """Sample a forward whose constrained rows waited for their masks."""
+    def _sample_masked(
+        self,
+        forward: _Forward,
+        masks: Masks | None,
+        staged: tuple[RowMasks, np.ndarray, mx.array] | None = None,
+    ) -> None:
+        """Sample a forward whose constrained rows waited for their masks (or `staged`)."""
         assert forward.logits is not None
-        words = self._mask_words(forward.slots[forward.sampled], masks)
-        done = self._sample(forward.slots, forward.sampled, forward.rows, forward.logits, words)
+        uploaded = None
+        if staged is not None:
+            masks, words, uploaded = masks_by_slot(staged[0]), staged[1], staged[2]
+        else:
+            words = self._mask_words(forward.slots[forward.sampled], masks)
+        done = self._sample(
+            forward.slots, forward.sampled, forward.rows, forward.logits, words, uploaded
+        )
+        forward.staged = None
         forward.tokens, forward.logprobs, forward.top = done.tokens, done.logprobs, done.top
         forward.readout = done.readout
         forward.sources, forward.logits, forward.masks = done.sources, None, masks
@@ -623,15 +654,16 @@ class ModelRunner:
         rows: list[Row],
         logits: mx.array,
         words: np.ndarray | None = None,
+        uploaded: mx.array | None = None,
     ) -> _Forward:
         """Draw the sampled rows' tokens from their logits, under the token masks `words` (one
-        row per sampled row) where given."""
+        row per sampled row; `uploaded`: on the device already) where given."""
         sampled_slots = slots[sampled]
         if self.argmax[sampled_slots].all():
             if words is None:
                 drawn = mx.argmax(logits, axis=-1).astype(mx.int32)
             else:
-                drawn = masked_argmax(logits, words)
+                drawn = masked_argmax(logits, words, uploaded)
             logprobs = top = None
         else:
             if words is not None:

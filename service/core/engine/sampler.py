@@ -195,13 +195,23 @@ def _masked_argmax_kernel() -> Any:
     )
 
 
-def masked_argmax(logits: mx.array, words: np.ndarray) -> mx.array:
+def upload_words(words: np.ndarray) -> mx.array:
+    """Token bitmasks as the device reads them (uint32). Copying host data into an MLX array
+    on CUDA is slow host work (unified memory the device touched last), so a caller with time
+    to spare makes this early, off the thread that dispatches."""
+    return mx.array(np.ascontiguousarray(words).view(np.uint32))
+
+
+def masked_argmax(
+    logits: mx.array, words: np.ndarray, uploaded: mx.array | None = None
+) -> mx.array:
     """int32 [rows]: `mx.argmax(apply_token_masks(logits, words), axis=-1)`, the greedy tokens
-    of rows under token masks (a row of all ones is a row without one). One kernel on CUDA."""
+    of rows under token masks (a row of all ones is a row without one). One kernel on CUDA;
+    `uploaded`: `upload_words(words)`, made already."""
     if not kernel_available():
         return mx.argmax(apply_token_masks(logits, words), axis=-1).astype(mx.int32)
     rows, vocab = logits.shape
-    packed = mx.array(np.ascontiguousarray(words).view(np.uint32))
+    packed = uploaded if uploaded is not None else upload_words(words)
     (out,) = _masked_argmax_kernel()(
         inputs=[logits, packed],
         template=[
