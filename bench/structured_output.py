@@ -8,7 +8,8 @@ schema asks for more items than that many tokens can hold, so no document ends e
 tokens/s (median and range over the replicates), the constrained/unconstrained ratio per
 replicate, the process's CPU time per token (steadier than wall time on a shared machine) and the
 engine loop thread's (the serial host work of a step: what a host-bound GPU step pays), and
-the mask time per step and per row-step (p50, p99 over all the constrained steps); writes JSON
+the mask time per step and per row-step (p50, p99 over all the constrained steps), and checks
+every constrained completion against the schema token by token (exit 1 if one left it); writes JSON
 with the git commit and the machine's load. With --phases, also the wall time per loop turn
 spent in each part of the step (building, dispatching, joining the masks, sampling under them,
 the update beside the dispatch), free and constrained apart: where a constrained step's extra
@@ -125,6 +126,7 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
     cache = runtime.grammar
     assert cache is not None
     sink = Collect(args.concurrency)
+    seqs = []
     started, cpu_started = time.perf_counter(), time.process_time()
     engine_started = time.clock_gettime(engine_clock)
     for i in range(args.concurrency):
@@ -140,6 +142,7 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
         seq = Request(request, sink, rid=i)
         if constrained:  # per request, as the server's core asks its cache
             seq.grammar = cache.compile(fmt)
+        seqs.append(seq)
         runtime.loop.submit(seq)
     if not sink.wait(600):
         raise TimeoutError(f"{tag}: {len(sink.finals)} of {args.concurrency} finished")
@@ -147,7 +150,14 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
     cpu = time.process_time() - cpu_started
     engine_cpu = time.clock_gettime(engine_clock) - engine_started
     reasons = sorted(set(sink.finals.values()))
+    # Every constrained completion must be a prefix the schema allows, token for token.
+    violations = 0
+    for seq in seqs if constrained else []:
+        tokens = seq.output_token_ids
+        if cache.compile(fmt).matcher().validate(tokens) != len(tokens):
+            violations += 1
     return {
+        "grammar_violations": violations,
         "tok_s": sink.tokens / seconds,
         "tokens": sink.tokens,
         "cpu_ms_per_token": 1000 * cpu / sink.tokens,
@@ -221,13 +231,15 @@ def main() -> int:
         replicates.append(result)
         print(
             f"replicate {r + 1}: free {result['free']['tok_s']:.1f} tok/s, json_schema "
-            f"{result['json_schema']['tok_s']:.1f} tok/s, ratio {result['ratio']:.3f}",
+            f"{result['json_schema']['tok_s']:.1f} tok/s, ratio {result['ratio']:.3f}, "
+            f"completions off the schema {result['json_schema']['grammar_violations']}",
             flush=True,
         )
     steps = list(stats.recent)
     per_step = [s for s, _ in steps]
     per_row = [s / n for s, n in steps for _ in range(n)]
     runtime.shutdown()
+    violations = sum(r["json_schema"]["grammar_violations"] for r in replicates)
 
     def summary(values: list[float]) -> dict[str, float]:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -279,6 +291,9 @@ def main() -> int:
             print(f"{kind}, ms per loop turn ({parts['turns']:.0f} turns): {shown}")
     print(f"load average (1 min) during the runs: {', '.join(f'{x:.1f}' for x in load)}")
     print(f"wrote {args.out}")
+    if violations:
+        print(f"{violations} constrained completions left the schema", file=sys.stderr)
+        return 1
     return 0
 
 
