@@ -471,8 +471,8 @@ GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
                 "max_prefill_stall_ms",
                 "while rows decode, size each prefill chunk by its measured cost so that their "
                 "inter-token gap stays within this many ms (default auto: a few running median "
-                "decode steps); 0 = token-count chunks (512 while decoding); not with "
-                "--prefill-chunk-size",
+                "decode steps), unless more prompts prefill than rows decode; 0 = token-count "
+                "chunks (512 while decoding); not with --prefill-chunk-size",
                 parse=_stall_ms,
             ),
             Flag(
