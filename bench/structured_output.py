@@ -72,7 +72,7 @@ class Phases:
 
     PARTS = (
         ("loop", ("turn", "_update_beside", "_finish_inflight")),
-        ("runner", ("submit", "dispatch", "sample")),
+        ("runner", ("submit", "dispatch", "stage_masks", "sample")),
         ("scheduler", ("schedule", "decode_masks")),
     )
 
