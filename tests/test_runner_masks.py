@@ -111,13 +111,17 @@ def test_a_decode_step_with_constrained_rows_waits_for_their_masks(model) -> Non
         e.finish_rows(pending)
 
 
-def test_masks_staged_while_the_step_dispatches_sample_as_masks_given_after(model) -> None:
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(temperature=0.9, seed=11)], ids=["greedy", "seeded"]
+)
+def test_masks_staged_while_the_step_dispatches_sample_as_masks_given_after(model, params) -> None:
     """`stage_masks` (the loop's second thread, while the step is dispatched) makes a step's
-    masks ready; `sample` with the same masks then draws what it draws given them after."""
+    masks ready; `sample` with the same masks then draws what it draws given them after, greedy
+    (the masked argmax) or seeded (the general sampler)."""
     runs = {}
     for staged in (False, True):
         e = engine(model)
-        forced = e.add_sequence("forced", SamplingParams(), PROMPTS[0], constrained=True)
+        forced = e.add_sequence("forced", params, PROMPTS[0], constrained=True)
         free = e.add_sequence("free", SamplingParams(), PROMPTS[1])
         rows = [StepRow(forced, PROMPTS[0]), StepRow(free, PROMPTS[1])]
         out = [r.token_id for r in e.finish_rows(e.submit(rows, masks=masks([(0, None)])))]

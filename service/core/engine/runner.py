@@ -287,7 +287,7 @@ class ModelRunner:
         if forward is None or forward.parts is not None or forward.logits is None:
             return
         words = self._mask_words(forward.slots[forward.sampled], masks_by_slot(masks))
-        if words is not None and self.argmax[forward.slots[forward.sampled]].all():
+        if words is not None:
             forward.staged = (masks, words, upload_words(words))
 
     def take_prefill(self, pending: Pending) -> StepResult:
@@ -667,7 +667,7 @@ class ModelRunner:
             logprobs = top = None
         else:
             if words is not None:
-                logits = apply_token_masks(logits, words)
+                logits = apply_token_masks(logits, words, uploaded)
             picked = [rows[i] for i in sampled]
             drawn, processed = sample(logits, [r.sampler for r in picked])
             logprobs = top = None

@@ -228,23 +228,27 @@ def masked_argmax(
     return out
 
 
-def apply_token_masks(logits: mx.array, words: np.ndarray) -> mx.array:
+def apply_token_masks(
+    logits: mx.array, words: np.ndarray, uploaded: mx.array | None = None
+) -> mx.array:
     """Structured output: -inf wherever a row's token bitmask forbids the token, in one fused
     op for the batch. `words`: int32 [rows, W], llguidance's layout (bit t % 32 of word t // 32
     allows token t). A row of all ones (-1) keeps its logits bit for bit; ids past 32 * W (a
-    vocabulary padded beyond the mask) are forbidden."""
+    vocabulary padded beyond the mask) are forbidden. `uploaded`: `upload_words(words)`, made
+    already."""
     rows, vocab = logits.shape
     width = -(-vocab // 32)
     if words.shape[1] != width:  # cut to the logits' words, or padded with forbidding zeros
         fitted = np.zeros((rows, width), np.int32)
         n = min(width, words.shape[1])
         fitted[:, :n] = words[:, :n]
-        words = fitted
+        words, uploaded = fitted, None
     padded = logits
     if width * 32 != vocab:  # the last word's spare bits face -inf padding
         fill = mx.full((rows, width * 32 - vocab), -mx.inf, logits.dtype)
         padded = mx.concatenate([logits, fill], axis=1)
-    out = _compiled.mask(mx.array(words.view(np.uint32)), padded.reshape(rows, width, 32))
+    packed = uploaded if uploaded is not None else upload_words(words)
+    out = _compiled.mask(packed, padded.reshape(rows, width, 32))
     out = out.reshape(rows, width * 32)
     return out if width * 32 == vocab else out[:, :vocab]
 
