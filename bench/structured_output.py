@@ -153,8 +153,9 @@ def run(runtime: Runtime, args: argparse.Namespace, constrained: bool, tag: str)
     # Every constrained completion must be a prefix the schema allows, token for token.
     violations = 0
     for seq in seqs if constrained else []:
+        assert seq.grammar is not None
         tokens = seq.output_token_ids
-        if cache.compile(fmt).matcher().validate(tokens) != len(tokens):
+        if seq.grammar.matcher().validate(tokens) != len(tokens):
             violations += 1
     return {
         "grammar_violations": violations,

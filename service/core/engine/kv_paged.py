@@ -302,11 +302,11 @@ class PagedKVStorage:
         slot. Block ids, not slots: the array is copied to the device every step, and a slot
         table is `block_size` times as large."""
         self._check_covered(batch)
-        size, scratch = self.block_size, self._capacity_blocks
+        size = self.block_size
         b = batch.batch_size
         blocks = -(-batch.span // size)
         width = -(-blocks * size // bucket) * bucket // size
-        packed = np.full((rows, 3 + width), scratch, dtype=np.int32)
+        packed = np.full((rows, 3 + width), self._capacity_blocks, dtype=np.int32)  # scratch
         packed[:b, 0] = batch.starts
         packed[:b, 1] = batch.total_lengths
         packed[b:, :2] = (0, 1)
@@ -315,9 +315,9 @@ class PagedKVStorage:
         packed[:b, 3 : 3 + cols] = table[:, :cols]
         own = table[np.arange(b), batch.starts // size]  # the block of each row's new token
         packed[:b, 2] = own * size + batch.starts % size
-        packed[b:, 2] = scratch * size
+        packed[b:, 2] = self.scratch_slot
         if batch.padding_rows:
-            packed[b - batch.padding_rows : b, 2] = scratch * size
+            packed[b - batch.padding_rows : b, 2] = self.scratch_slot
         return mx.array(packed)
 
     def pool_arrays(self) -> list[mx.array]:

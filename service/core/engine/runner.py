@@ -114,6 +114,16 @@ def masks_by_slot(masks: RowMasks | None) -> Masks:
 
 
 @dataclass
+class _Staged:
+    """A decode step's masks, made ready for its sample by `stage_masks`."""
+
+    given: RowMasks  # what `sample` will be called with
+    by_slot: Masks
+    words: np.ndarray  # one row per sampled row
+    uploaded: mx.array  # `words` on the device
+
+
+@dataclass
 class _Forward:
     """One built forward: its rows, what it sampled (device arrays) and how to undo it."""
 
@@ -134,8 +144,7 @@ class _Forward:
     # Constrained rows waiting for their masks: the logits to sample ([S, V]) once given.
     logits: mx.array | None = None
     masks: Masks | None = None  # the masks it sampled under (a redo applies them again)
-    # Masks made ready for `sample` while the forward was dispatched: (masks, words, upload).
-    staged: tuple[RowMasks, np.ndarray, mx.array] | None = None
+    staged: _Staged | None = None  # masks made ready for `sample` while it was dispatched
     parts: list[_Forward] | None = None  # rows run one by one, some waiting for masks
     dispatched: bool = False
     # `tokens` as the host reads them, when steps are read beside the next one's dispatch: the
@@ -269,8 +278,8 @@ class ModelRunner:
         forward = pending.decode
         assert forward is not None, "only a decode step's masks come after its plan"
         staged = forward.staged
-        if staged is not None and staged[0] is masks and forward.logits is not None:
-            self._sample_masked(forward, None, staged)
+        if staged is not None and staged.given is masks and forward.logits is not None:
+            self._sample_masked(forward, staged.by_slot, staged)
             return pending
         by_slot = masks_by_slot(masks)
         for part in forward.parts or [forward]:
@@ -286,9 +295,10 @@ class ModelRunner:
         forward = pending.decode
         if forward is None or forward.parts is not None or forward.logits is None:
             return
-        words = self._mask_words(forward.slots[forward.sampled], masks_by_slot(masks))
+        by_slot = masks_by_slot(masks)
+        words = self._mask_words(forward.slots[forward.sampled], by_slot)
         if words is not None:
-            forward.staged = (masks, words, upload_words(words))
+            forward.staged = _Staged(masks, by_slot, words, upload_words(words))
 
     def take_prefill(self, pending: Pending) -> StepResult:
         """The step's prefill forwards' results (read already at submit), handed out once: the
@@ -627,14 +637,15 @@ class ModelRunner:
     def _sample_masked(
         self,
         forward: _Forward,
-        masks: Masks | None,
-        staged: tuple[RowMasks, np.ndarray, mx.array] | None = None,
+        masks: Masks,
+        staged: _Staged | None = None,
     ) -> None:
-        """Sample a forward whose constrained rows waited for their masks (or `staged`)."""
+        """Sample a forward whose constrained rows waited for their masks (made ready already
+        where `staged`)."""
         assert forward.logits is not None
         uploaded = None
         if staged is not None:
-            masks, words, uploaded = masks_by_slot(staged[0]), staged[1], staged[2]
+            words, uploaded = staged.words, staged.uploaded
         else:
             words = self._mask_words(forward.slots[forward.sampled], masks)
         done = self._sample(
