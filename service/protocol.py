@@ -376,7 +376,7 @@ FromCore = (
     | AdaptersChanged
 )
 
-_to_core = msgspec.msgpack.Decoder(ToCore)
+_to_core = msgspec.msgpack.Decoder(list[ToCore])
 _from_core = msgspec.msgpack.Decoder(FromCore)
 _outputs = msgspec.msgpack.Decoder(Outputs)
 _encoder = msgspec.msgpack.Encoder()
@@ -386,7 +386,12 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_to_core(data: bytes) -> ToCore:
+def encode_to_core(messages: list[ToCore]) -> bytes:
+    """A front end's messages of one event-loop iteration, in order: one ZeroMQ message."""
+    return _encoder.encode(messages)
+
+
+def decode_to_core(data: bytes) -> list[ToCore]:
     return _to_core.decode(data)
 
 

@@ -1,6 +1,6 @@
-"""The core client's wake-ups (service.frontend.core_client): one message per step while few
+"""The core client (service.frontend.core_client): its wake-ups (one message per step while few
 streams run; under load, each stream in its turn every few ticks, its first tokens and its end
-at once, and nothing held once the ticks stop."""
+at once, and nothing held once the ticks stop) and its sends (one message per loop iteration)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from pathlib import Path
 
 import zmq
 
+from service import protocol
 from service.frontend import core_client
 from service.frontend.core_client import CoreClient
+from service.protocol import GenerationRequest
 
 
 class FakeStream:
@@ -105,4 +107,39 @@ async def test_held_tokens_go_out_when_no_tick_comes(tmp_path: Path) -> None:
         assert time.monotonic() - started >= core_client.MAX_HOLD_S * 0.9
     finally:
         reader.cancel()
+        await client.close_sockets()
+
+
+async def test_what_one_loop_iteration_queues_reaches_the_core_as_one_message(
+    tmp_path: Path,
+) -> None:
+    """A burst's requests and aborts, queued in one event-loop iteration, leave as one ZeroMQ
+    message that the core decodes into the same messages in the same order; the next
+    iteration's go in the next message."""
+    client = CoreClient(tmp_path, 0)
+    router = client._context.socket(zmq.ROUTER)
+    router.bind(f"ipc://{tmp_path / 'core'}")
+    client._dealer = client._context.socket(zmq.DEALER)
+    client._dealer.connect(f"ipc://{tmp_path / 'core'}")
+    try:
+        requests = [GenerationRequest(f"r{i}", (1, 2, i)) for i in range(3)]
+        for i, request in enumerate(requests):
+            client._send_now(protocol.Add(i, request))
+        client._send_now(protocol.Abort(1))
+        await asyncio.sleep(0)  # the iteration ends: the queued messages go out
+        client._send_now(protocol.Abort(2))
+        await asyncio.sleep(0)
+        batches = []
+        for _ in range(2):
+            assert await router.poll(5000)
+            _peer, data = await router.recv_multipart()
+            batches.append(protocol.decode_to_core(data))
+        assert batches[0] == [
+            *(protocol.Add(i, r) for i, r in enumerate(requests)),
+            protocol.Abort(1),
+        ]
+        assert batches[1] == [protocol.Abort(2)]
+        assert not client._outbox
+    finally:
+        router.close(linger=0)
         await client.close_sockets()

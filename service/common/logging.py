@@ -6,14 +6,26 @@ import contextlib
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import NoReturn, TextIO
 
 import structlog
 
 from service.common.trace_ids import add_trace_ids
 
 
+class _NamedWriteLogger(structlog.WriteLogger):
+    """Writes each rendered line to a file; `name` is the module's, for the `logger` field."""
+
+    def __init__(self, file: TextIO, name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    """Our own loggers (structlog's) render and write their lines directly, and a level they
+    are below costs a no-op call: a request logs on the event loop and the engine thread, where
+    the standard library's record, caller lookup and handler chain cost more than the line.
+    Other libraries' logging goes through the root handler, rendered the same way."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
     renderer = (
         structlog.processors.JSONRenderer()
@@ -26,22 +38,22 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
-        structlog.stdlib.PositionalArgumentsFormatter(),
         structlog.processors.StackInfoRenderer(),
     ]
     if use_json:
         shared.append(structlog.processors.format_exc_info)
+    out = sys.stdout
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
+        processors=[*shared, renderer],
+        logger_factory=lambda name="", *_: _NamedWriteLogger(out, name),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         cache_logger_on_first_use=True,
     )
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(out)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processor=renderer,
-            foreign_pre_chain=shared,
+            foreign_pre_chain=[*shared[:-1], structlog.stdlib.PositionalArgumentsFormatter()],
         )
     )
     root = logging.getLogger()

@@ -145,7 +145,8 @@ class CoreServer:
                 peer, data = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(router, peer, protocol.decode_to_core(data))
+            for message in protocol.decode_to_core(data):
+                self._handle(router, peer, message)
 
     def _handle(self, router: Any, peer: bytes, message: protocol.ToCore) -> None:
         loop = self.runtime.loop

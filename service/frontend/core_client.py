@@ -40,6 +40,7 @@ log = structlog.get_logger(__name__)
 ROWS_PER_TICK = 64  # streams woken every tick before their messages start to carry more
 MAX_TICKS_PER_WAKE = 4
 MAX_HOLD_S = 0.05  # held tokens go out after this when no tick comes (a paused core)
+RESEND_S = 0.005  # retry of a send the core's full queue refused
 
 
 class LoadFailedError(RuntimeError):
@@ -59,6 +60,7 @@ class CoreClient:
         self._stats: dict[int, asyncio.Future[protocol.CacheCounters]] = {}
         self._adapter_replies: dict[int, asyncio.Future[protocol.AdapterReply]] = {}
         self._ids = itertools.count()
+        self._outbox: list[protocol.ToCore] = []  # sent when the loop iteration ends (_flush)
         self._ticks = 0  # reads of the output socket, for the staggered wakes
         self._held: dict[int, RequestStream] = {}  # streams with tokens not woken for yet
         self._ready: asyncio.Future[protocol.Ready] | None = None
@@ -174,6 +176,7 @@ class CoreClient:
             self._ready.set_exception(LoadFailedError("the engine core exited while loading"))
 
     async def close_sockets(self) -> None:
+        self._flush()
         for task in self._tasks:
             task.cancel()
         for socket in (self._dealer, self._pull):
@@ -187,11 +190,26 @@ class CoreClient:
             self._send_now(protocol.Abort(rid))
 
     async def _send(self, message: Any) -> None:
-        await self._dealer.send(protocol.encode(message))
+        self._send_now(message)
 
     def _send_now(self, message: Any) -> None:
-        # A DEALER queues the message at once (the core reads it within one poll).
-        self._dealer.send(protocol.encode(message), zmq.NOBLOCK)
+        """Queue a message for the core. What a loop iteration queues (a burst's requests,
+        their aborts) goes out as one ZeroMQ message when the iteration ends: a send, and the
+        core's receive, cost more than encoding one more request."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(message)
+
+    def _flush(self) -> None:
+        if not self._outbox or self._dealer is None or self._dealer.closed:
+            return
+        try:
+            # A DEALER queues the message at once (the core reads it within one poll).
+            self._dealer.send(protocol.encode_to_core(self._outbox), zmq.NOBLOCK)
+        except zmq.Again:  # the core is behind by a queue's worth: nothing is dropped
+            asyncio.get_running_loop().call_later(RESEND_S, self._flush)
+            return
+        self._outbox = []
 
     async def _read_replies(self) -> None:
         while True:

@@ -1,0 +1,57 @@
+"""Log set-up (service.common.logging): our loggers and other libraries' write the same JSON
+lines, below the level costs nothing, and an exception carries its traceback."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from service.common.logging import configure_logging
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.reset_defaults()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_our_lines_and_foreign_lines_are_json_with_level_and_logger(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging("info", "json")
+    log = structlog.get_logger("service.frontend.servicer").bind(request_id="r1")
+    log.info("request queued", prompt_tokens=38)
+    log.debug("not shown")
+    logging.getLogger("service.core.models.loader").info("loaded %s", "weights")
+    logging.getLogger("service.core.models.loader").debug("not shown either")
+    try:
+        raise ZeroDivisionError("boom")
+    except ZeroDivisionError:
+        log.exception("step failed")
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["event"] for line in lines] == ["request queued", "loaded weights", "step failed"]
+    queued, foreign, failed = lines
+    assert queued["level"] == "info" and queued["logger"] == "service.frontend.servicer"
+    assert queued["request_id"] == "r1" and queued["prompt_tokens"] == 38
+    assert queued["timestamp"].endswith("Z")
+    assert foreign["level"] == "info" and foreign["logger"] == "service.core.models.loader"
+    assert failed["level"] == "error" and "ZeroDivisionError: boom" in failed["exception"]
+
+
+def test_the_level_filters_our_loggers(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging("warning", "json")
+    log = structlog.get_logger("service.core.loop")
+    log.info("quiet")
+    log.warning("loud", rows=3)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["event"], line["level"]) for line in lines] == [("loud", "warning")]
