@@ -57,6 +57,8 @@ def test_defaults_leave_device_dependent_choices_to_the_runtime():
         (("--max-prefill-stall-ms", "inf"), "--max-prefill-stall-ms"),
         (("--max-prefill-stall-ms", "200", "--prefill-chunk-size", "512"), "--prefill-chunk-size"),
         (("--max-prefill-stall-ms", "200", "--deterministic"), "--deterministic"),
+        (("--log-level", "verbose"), "--log-level 'verbose': use debug"),
+        (("--log-format", "xml"), "--log-format 'xml': use auto"),
     ],
 )
 def test_bad_values_name_their_flag(argv, flag):

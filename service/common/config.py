@@ -249,11 +249,21 @@ class StructuredOutputConfig:
             raise ConfigError("--grammar-cache-size must be at least 1")
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "console")
+
+
 @dataclass
 class ObservabilityConfig:
     log_level: str = "info"
     log_format: str = "auto"
     metrics_port: int | None = None
+
+    def validate(self) -> None:
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level {self.log_level!r}: use {' | '.join(LOG_LEVELS)}")
+        if self.log_format.lower() not in LOG_FORMATS:
+            raise ConfigError(f"--log-format {self.log_format!r}: use {' | '.join(LOG_FORMATS)}")
 
 
 @dataclass
@@ -307,6 +317,7 @@ class ServerConfig:
         self.kv.validate(self.scheduling.batch_size)
         self.model.validate()
         self.structured.validate()
+        self.observability.validate()
 
 
 def visible_gpus() -> int:

@@ -26,6 +26,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     are below costs a no-op call: a request logs on the event loop and the engine thread, where
     the standard library's record, caller lookup and handler chain cost more than the line.
     Other libraries' logging goes through the root handler, rendered the same way."""
+    fmt = fmt.lower()
     use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
     renderer = (
         structlog.processors.JSONRenderer()
