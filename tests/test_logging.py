@@ -1,5 +1,6 @@
 """Log set-up (service.common.logging): our loggers and other libraries' write the same JSON
-lines, below the level costs nothing, and an exception carries its traceback."""
+lines, below the level costs nothing, an exception carries its traceback, and gRPC's per-call
+debug chatter stays out."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from service.common.logging import configure_logging
 
 @pytest.fixture
 def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    root, grpc_logger = logging.getLogger(), logging.getLogger("grpc")
+    handlers, level, grpc_level = root.handlers[:], root.level, grpc_logger.level
     yield
     structlog.reset_defaults()
     root.handlers[:] = handlers
     root.setLevel(level)
+    grpc_logger.setLevel(grpc_level)
 
 
 def test_our_lines_and_foreign_lines_are_json_with_level_and_logger(
@@ -44,6 +46,17 @@ def test_our_lines_and_foreign_lines_are_json_with_level_and_logger(
     assert queued["timestamp"].endswith("Z")
     assert foreign["level"] == "info" and foreign["logger"] == "service.core.models.loader"
     assert failed["level"] == "error" and "ZeroDivisionError: boom" in failed["exception"]
+
+
+def test_grpcs_per_call_debug_lines_stay_out_at_debug(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging("debug", "json")
+    logging.getLogger("grpc._cython.cygrpc").debug("[_cygrpc] Loaded running loop: id(loop)=1")
+    logging.getLogger("grpc._cython.cygrpc").warning("a grpc warning")
+    structlog.get_logger("service.core.scheduler").debug("prefill pass", rows=3)
+    events = [json.loads(line)["event"] for line in capsys.readouterr().out.splitlines()]
+    assert events == ["a grpc warning", "prefill pass"]
 
 
 def test_the_level_filters_our_loggers(

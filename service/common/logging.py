@@ -63,6 +63,9 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     # Library chatter (e.g. transformers' missing-PyTorch notice) stays out of our logs.
     for noisy in ("transformers", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    # gRPC's own debug lines come once per call ("Loaded running loop"): at --log-level debug
+    # they would outnumber ours and slow every RPC; its warnings and errors still show.
+    logging.getLogger("grpc").setLevel(max(root.level, logging.INFO))
 
 
 def exit_now(code: int) -> NoReturn:
