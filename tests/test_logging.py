@@ -48,6 +48,19 @@ def test_our_lines_and_foreign_lines_are_json_with_level_and_logger(
     assert failed["level"] == "error" and "ZeroDivisionError: boom" in failed["exception"]
 
 
+def test_a_foreign_exception_carries_its_traceback(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging("info", "json")
+    try:
+        raise ZeroDivisionError("boom")
+    except ZeroDivisionError:
+        logging.getLogger("service.core.models.loader").exception("load %s failed", "weights")
+    (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert line["event"] == "load weights failed" and line["level"] == "error"
+    assert "ZeroDivisionError: boom" in line["exception"] and "exc_info" not in line
+
+
 def test_grpcs_per_call_debug_lines_stay_out_at_debug(
     restore_logging: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

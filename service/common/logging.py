@@ -54,7 +54,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processor=renderer,
-            foreign_pre_chain=[*shared[:-1], structlog.stdlib.PositionalArgumentsFormatter()],
+            foreign_pre_chain=shared,  # a foreign record's message comes formatted already
         )
     )
     root = logging.getLogger()
