@@ -606,7 +606,7 @@ GROUPS: tuple[tuple[str, type, tuple[Flag, ...]], ...] = (
         "observability",
         ObservabilityConfig,
         (
-            Flag("log_level", "debug | info | warning | error"),
+            Flag("log_level", " | ".join(LOG_LEVELS)),
             Flag("log_format", "auto (JSON unless stdout is a terminal) | json | console"),
             Flag(
                 "metrics_port",

@@ -89,7 +89,7 @@ class CoreClient:
             asyncio.ensure_future(self._read_replies()),
             asyncio.ensure_future(self._read_outputs()),
         ]
-        await self._send(protocol.Hello(self.name, address))
+        self._send_now(protocol.Hello(self.name, address))
         return await self._ready
 
     # -- requests ----------------------------------------------------------------------
@@ -139,7 +139,7 @@ class CoreClient:
         future: asyncio.Future[protocol.CacheCounters] = asyncio.get_running_loop().create_future()
         self._stats[qid] = future
         try:
-            await self._send(protocol.StatsQuery(qid))
+            self._send_now(protocol.StatsQuery(qid))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._stats.pop(qid, None)
@@ -157,7 +157,7 @@ class CoreClient:
         future: asyncio.Future[protocol.AdapterReply] = asyncio.get_running_loop().create_future()
         self._adapter_replies[qid] = future
         try:
-            await self._send(make(qid))
+            self._send_now(make(qid))
             return await future
         finally:
             self._adapter_replies.pop(qid, None)
@@ -188,9 +188,6 @@ class CoreClient:
     def _abort(self, rid: int) -> None:
         if not self.gone.is_set():
             self._send_now(protocol.Abort(rid))
-
-    async def _send(self, message: Any) -> None:
-        self._send_now(message)
 
     def _send_now(self, message: Any) -> None:
         """Queue a message for the core. What a loop iteration queues (a burst's requests,
