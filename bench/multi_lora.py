@@ -286,6 +286,12 @@ def main() -> None:
                             server, adapters, args.prompt_tokens, args.max_tokens, args.vocab, seed
                         )
                     )
+                    done = rounds[name][-1]
+                    print(
+                        f"replicate {r + 1} {name}: {done['tok_s']:.0f} tok/s, "
+                        f"decode {done['decode_tok_s']:.0f} tok/s",
+                        flush=True,
+                    )
             memory = {
                 "lora_core_rss": core_rss(lora),
                 "plain_core_rss": core_rss(plain) if plain is not None else 0,
