@@ -16,6 +16,7 @@ import pytest
 
 from bench.multi_lora import ALL_PROJECTIONS
 from service.core.models import lora, lora_kernel
+from tests.helpers import cuda_source
 
 cuda_only = pytest.mark.skipif(
     not lora_kernel.available(), reason="the LoRA kernels run on MLX's CUDA backend only"
@@ -546,3 +547,60 @@ def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Pat
                 out[i].append(r.token_id)
         outs[cuda] = out
     assert outs[True] == outs[False]
+
+
+# -- the source, compiled without a GPU -------------------------------------------------------
+
+NVCC_CASES = [  # tokens, in, outs, rank, activations, stacks
+    (64, 4096, [4096, 1024, 1024], 16, mx.bfloat16, mx.bfloat16),
+    (7, 4096, [14336, 14336], 8, mx.bfloat16, mx.float32),
+    (300, 14336, [4096], 16, mx.float32, mx.float32),
+    (5, 100, [36, 60], 16, mx.bfloat16, mx.float32),  # element-by-element loads
+    (3, 576, [576, 192, 192], 64, mx.float16, mx.float16),
+]
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
+def test_the_fused_source_compiles_for_every_shape_and_dtype(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fused_add`'s launches (its template values and grid, computed by its own host code),
+    wrapped as MLX wraps a custom kernel and compiled by nvcc for the H100/H200 architecture:
+    no error, no register spill, and few enough registers that a block of FUSED_WARPS warps
+    can launch at all."""
+    launches: list[tuple[int, cuda_source.Launch]] = []
+
+    def capture(parts: int):
+        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launch = cuda_source.Launch(inputs, template, grid, threadgroup, output_dtypes)
+            launches.append((parts, launch))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+
+        return call
+
+    monkeypatch.setattr(lora_kernel, "available", lambda: True)
+    monkeypatch.setattr(lora_kernel, "_fused", capture)
+    for tokens, width, outs, rank, act, stacks in NVCC_CASES:
+        x = mx.zeros((tokens, width), act)
+        parts = [
+            lora_kernel.Part(
+                mx.zeros((tokens, out), act),
+                mx.zeros((5, rank, width), stacks),
+                mx.zeros((5, rank, out), stacks),
+                mx.zeros((tokens,), mx.int32),
+            )
+            for out in outs
+        ]
+        lora_kernel.fused_add(x, parts, mx.zeros((tokens,), mx.float32))
+    kernels = []
+    for i, (parts, launch) in enumerate(launches):
+        names = [f"{n}{p}" for p in range(parts) for n in ("y", "a", "b", "idx")]
+        outputs = [f"out{p}" for p in range(parts)]
+        source = lora_kernel._fused_source(parts)
+        kernels.append(cuda_source.wrap(f"k{i}", source, ["x", "scale", *names], outputs, launch))
+        threads = launch.threadgroup[0]
+        assert threads == lora_kernel.FUSED_WARPS * 32 and launch.grid[0] % threads == 0
+    compiled = cuda_source.compile_kernels(lora_kernel._FUSED_HEADER, kernels, tmp_path)
+    assert len(compiled.registers) == len(NVCC_CASES), compiled.log
+    assert compiled.spills == 0, compiled.log
+    assert max(compiled.registers) * lora_kernel.FUSED_WARPS * 32 <= 65536, compiled.registers
