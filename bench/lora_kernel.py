@@ -1,0 +1,222 @@
+"""What the CUDA LoRA kernel adds to a decode step, on a model's shapes (not a test).
+
+A stack of decoder-like layers of the preset's sizes (random bf16 weights; attention replaced by
+a cheap stand-in that reads q, k and v, so the step is the projections' and the kernels' work),
+run as one compiled function per step, and timed: base projections only, and base plus
+`lora_kernel.fused_add` as the server calls it (q/k/v in one call, o, gate/up in one call, down)
+for --tokens rows spread over --adapters adapters and the base model. With --against REV the same
+steps run with the kernel of another revision too (`git show REV:service/core/models/
+lora_kernel.py`, or a copy of that file), alternating, for an A/B in one process. First, each
+kernel's output is checked against the MLX-op reference (`reference_fused_add`).
+
+    python3 bench/lora_kernel.py --preset llama-3.1-8b --tokens 64 --adapters 8 --rank 16 \
+        [--against REV] [--out FILE.json]
+
+Prints the median step ms (and range) of each variant over --replicates rounds and writes JSON.
+Without MLX's CUDA backend, fused_add is its MLX-op reference: a smoke run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.core.models import lora_kernel  # noqa: E402
+from service.core.models.presets import preset_config  # noqa: E402
+
+FusedAdd = Callable[[mx.array, list[lora_kernel.Part], mx.array], list[mx.array]]
+
+
+def kernel_of(rev: str) -> FusedAdd:
+    """`fused_add` as it was at git revision `rev`, or from a copy of lora_kernel.py at that
+    path (for a checkout whose history is not there)."""
+    if Path(rev).is_file():
+        return _load(Path(rev).read_text(), Path(rev).stem)
+    source = subprocess.run(
+        ["git", "show", f"{rev}:service/core/models/lora_kernel.py"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return _load(source, f"lora_kernel_{rev}")
+
+
+def _load(source: str, name: str) -> FusedAdd:
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.fused_add
+
+
+def build(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    cfg = preset_config(args.preset)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+    q = cfg["num_attention_heads"] * head_dim
+    shapes = {  # module: (in, out)
+        "q": (hidden, q),
+        "k": (hidden, kv),
+        "v": (hidden, kv),
+        "o": (q, hidden),
+        "gate": (hidden, inter),
+        "up": (hidden, inter),
+        "down": (inter, hidden),
+    }
+    slots, rank, dt = args.adapters + 1, args.rank, mx.bfloat16
+
+    def rnd(*shape: int, scale: float) -> mx.array:
+        return (mx.random.normal(shape) * scale).astype(dt)
+
+    layers = []
+    for _ in range(args.layers or cfg["num_hidden_layers"]):
+        layer: dict[str, Any] = {}
+        for m, (i, o) in shapes.items():
+            a_t = mx.concatenate([mx.zeros((1, rank, i), dt), rnd(slots - 1, rank, i, scale=0.05)])
+            b = mx.concatenate([mx.zeros((1, rank, o), dt), rnd(slots - 1, rank, o, scale=0.05)])
+            layer[m] = (rnd(o, i, scale=0.02), a_t, b)
+        layers.append(layer)
+        mx.eval(layer)
+    return layers, shapes
+
+
+def forward(layers: list[dict[str, Any]], kernel: FusedAdd | None, idx, scale) -> Callable:
+    def norm(x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, None, 1e-5)
+
+    def project(layer: dict[str, Any], h: mx.array, names: list[str]) -> list[mx.array]:
+        ys = [h @ layer[m][0].T for m in names]
+        if kernel is None:
+            return ys
+        parts = [lora_kernel.Part(y, layer[m][1], layer[m][2], idx) for m, y in zip(names, ys)]
+        return kernel(h, parts, scale)
+
+    def step(x: mx.array) -> mx.array:
+        for layer in layers:
+            h = norm(x)
+            q, k, v = project(layer, h, ["q", "k", "v"])
+            reps = q.shape[-1] // k.shape[-1]
+            att = q + mx.tile(k + v, (1, reps))  # stands in for attention: reads q, k and v
+            (o,) = project(layer, att, ["o"])
+            x = x + o
+            h = norm(x)
+            g, u = project(layer, h, ["gate", "up"])
+            (d,) = project(layer, g * mx.sigmoid(g) * u, ["down"])
+            x = x + d
+        return x
+
+    return mx.compile(step)
+
+
+def check(layers, shapes, kernel: FusedAdd, idx, scale, tokens: int) -> float:
+    """The largest excess over bf16 rounding of the kernel's outputs against the reference, on
+    the first layer's modules (0 or less: within rounding)."""
+    worst = -1.0
+    layer = layers[0]
+    for m, (i, _) in shapes.items():
+        x = mx.random.normal((tokens, i)).astype(mx.bfloat16)
+        y = x @ layer[m][0].T
+        part = lora_kernel.Part(y, layer[m][1], layer[m][2], idx)
+        got = kernel(x, [part], scale)[0].astype(mx.float32)
+        want = lora_kernel.reference_fused_add(x, [part], scale)[0].astype(mx.float32)
+        bound = 2.0**-6 * (mx.abs(want) + mx.abs(want - y.astype(mx.float32))) + 1e-5
+        worst = max(worst, (mx.abs(got - want) - bound).max().item())
+    return worst
+
+
+def time_step(fn: Callable, x: mx.array, steps: int) -> float:
+    for _ in range(3):
+        mx.eval(fn(x))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        mx.eval(fn(x))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama-3.1-8b")
+    parser.add_argument("--layers", type=int, default=0, help="0: the preset's")
+    parser.add_argument("--tokens", type=int, default=64, help="rows of the decode step")
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per replicate")
+    parser.add_argument("--replicates", type=int, default=3)
+    parser.add_argument(
+        "--against", default=None, help="another kernel: a git revision, or a lora_kernel.py"
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not lora_kernel.available():
+        print("no CUDA backend: fused_add runs its MLX-op reference (a smoke run, not a figure)")
+    mx.random.seed(0)
+    layers, shapes = build(args)
+    slots = args.adapters + 1
+    idx = mx.array([t % slots for t in range(args.tokens)], mx.int32)  # base rows: slot 0
+    scale = mx.full((args.tokens,), 2.0, mx.float32)
+    kernels: dict[str, FusedAdd | None] = {"base": None, "kernel": lora_kernel.fused_add}
+    if args.against:
+        kernels[f"kernel@{args.against}"] = kernel_of(args.against)
+    checks = {
+        name: check(layers, shapes, k, idx, scale, args.tokens)
+        for name, k in kernels.items()
+        if k is not None
+    }
+    for name, excess in checks.items():
+        print(f"check {name}: {'ok' if excess <= 0 else f'off by {excess:.3g} beyond rounding'}")
+    steps = {name: forward(layers, k, idx, scale) for name, k in kernels.items()}
+    x = mx.random.normal((args.tokens, shapes["q"][0])).astype(mx.bfloat16)
+    ms: dict[str, list[float]] = {name: [] for name in kernels}
+    for r in range(args.replicates):
+        for name, fn in steps.items():
+            ms[name].append(time_step(fn, x, args.steps))
+        print(f"replicate {r + 1}: " + ", ".join(f"{n} {v[-1]:.2f} ms" for n, v in ms.items()))
+    base = ms["base"]
+    print(
+        f"{args.preset}, {args.tokens} rows over {args.adapters} adapters and the base, "
+        f"rank {args.rank}:"
+    )
+    for name, values in ms.items():
+        added = [v - b for v, b in zip(values, base)]
+        print(
+            f"  {name:<24} step {statistics.median(values):7.2f} ms "
+            f"({min(values):.2f}-{max(values):.2f})"
+            + ("" if name == "base" else f", added {statistics.median(added):.2f} ms")
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "checks": checks,
+                    "step_ms": ms,
+                },
+                indent=1,
+            )
+        )
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
