@@ -604,3 +604,45 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
     assert len(compiled.registers) == len(NVCC_CASES), compiled.log
     assert compiled.spills == 0, compiled.log
     assert max(compiled.registers) * lora_kernel.FUSED_WARPS * 32 <= 65536, compiled.registers
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
+def test_the_tensor_parallel_kernels_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`shrink` and `expand_add` (a sharded-to-all layer's update under tensor parallel), from
+    their own host code, compiled by nvcc as MLX wraps them: no error, no spill."""
+    launches: list[cuda_source.Launch] = []
+
+    def capture():
+        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launches.append(cuda_source.Launch(inputs, template, grid, threadgroup, output_dtypes))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+
+        return call
+
+    monkeypatch.setattr(lora_kernel, "available", lambda: True)
+    monkeypatch.setattr(lora_kernel, "_shrink", capture)
+    monkeypatch.setattr(lora_kernel, "_expand_add", capture)
+    kernels = []
+    for act, stacks in [(mx.bfloat16, mx.bfloat16), (mx.float32, mx.float32)]:
+        x, a_t, idx = (
+            mx.zeros((9, 512), act),
+            mx.zeros((3, 16, 512), stacks),
+            mx.zeros((9,), mx.int32),
+        )
+        z = lora_kernel.shrink(x, a_t, idx)
+        y, b = mx.zeros((9, 300), act), mx.zeros((3, 16, 300), stacks)
+        lora_kernel.expand_add(y, z, b, idx, mx.zeros((9,), mx.float32))
+        shrink, expand = launches[-2:]
+        n = len(kernels)
+        kernels.append(
+            cuda_source.wrap(f"s{n}", lora_kernel._SHRINK, ["x", "a_t", "idx"], ["z"], shrink)
+        )
+        kernels.append(
+            cuda_source.wrap(
+                f"e{n}", lora_kernel._EXPAND_ADD, ["y", "z", "b", "idx", "scale"], ["out"], expand
+            )
+        )
+    compiled = cuda_source.compile_kernels("", kernels, tmp_path)
+    assert len(compiled.registers) == len(kernels) and compiled.spills == 0, compiled.log
