@@ -568,18 +568,9 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
     wrapped as MLX wraps a custom kernel and compiled by nvcc for the H100/H200 architecture:
     no error, no register spill, and few enough registers that a block of FUSED_WARPS warps
     can launch at all."""
-    launches: list[tuple[int, cuda_source.Launch]] = []
-
-    def capture(parts: int):
-        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            launch = cuda_source.Launch(inputs, template, grid, threadgroup, output_dtypes)
-            launches.append((parts, launch))
-            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
-
-        return call
-
+    recorder = cuda_source.Recorder()
     monkeypatch.setattr(lora_kernel, "available", lambda: True)
-    monkeypatch.setattr(lora_kernel, "_fused", capture)
+    monkeypatch.setattr(lora_kernel, "_fused", recorder.factory)
     for tokens, width, outs, rank, act, stacks in NVCC_CASES:
         x = mx.zeros((tokens, width), act)
         parts = [
@@ -593,7 +584,7 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
         ]
         lora_kernel.fused_add(x, parts, mx.zeros((tokens,), mx.float32))
     kernels = []
-    for i, (parts, launch) in enumerate(launches):
+    for i, ((parts,), launch) in enumerate(recorder.launches):
         names = [f"{n}{p}" for p in range(parts) for n in ("y", "a", "b", "idx")]
         outputs = [f"out{p}" for p in range(parts)]
         source = lora_kernel._fused_source(parts)
@@ -601,7 +592,7 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
         threads = launch.threadgroup[0]
         assert threads == lora_kernel.FUSED_WARPS * 32 and launch.grid[0] % threads == 0
     compiled = cuda_source.compile_kernels(lora_kernel._FUSED_HEADER, kernels, tmp_path)
-    assert len(compiled.registers) == len(NVCC_CASES), compiled.log
+    assert len(compiled.registers) == len(recorder.launches) == len(NVCC_CASES), compiled.log
     assert compiled.spills == 0, compiled.log
     assert max(compiled.registers) * lora_kernel.FUSED_WARPS * 32 <= 65536, compiled.registers
 
@@ -612,18 +603,10 @@ def test_the_tensor_parallel_kernels_compile(
 ) -> None:
     """`shrink` and `expand_add` (a sharded-to-all layer's update under tensor parallel), from
     their own host code, compiled by nvcc as MLX wraps them: no error, no spill."""
-    launches: list[cuda_source.Launch] = []
-
-    def capture():
-        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            launches.append(cuda_source.Launch(inputs, template, grid, threadgroup, output_dtypes))
-            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
-
-        return call
-
+    recorder = cuda_source.Recorder()
     monkeypatch.setattr(lora_kernel, "available", lambda: True)
-    monkeypatch.setattr(lora_kernel, "_shrink", capture)
-    monkeypatch.setattr(lora_kernel, "_expand_add", capture)
+    monkeypatch.setattr(lora_kernel, "_shrink", recorder.factory)
+    monkeypatch.setattr(lora_kernel, "_expand_add", recorder.factory)
     kernels = []
     for act, stacks in [(mx.bfloat16, mx.bfloat16), (mx.float32, mx.float32)]:
         x, a_t, idx = (
@@ -634,7 +617,7 @@ def test_the_tensor_parallel_kernels_compile(
         z = lora_kernel.shrink(x, a_t, idx)
         y, b = mx.zeros((9, 300), act), mx.zeros((3, 16, 300), stacks)
         lora_kernel.expand_add(y, z, b, idx, mx.zeros((9,), mx.float32))
-        shrink, expand = launches[-2:]
+        (_, shrink), (_, expand) = recorder.launches[-2:]
         n = len(kernels)
         kernels.append(
             cuda_source.wrap(f"s{n}", lora_kernel._SHRINK, ["x", "a_t", "idx"], ["z"], shrink)

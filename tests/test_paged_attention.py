@@ -15,6 +15,7 @@ from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import PagedKVStorage
 from service.core.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
 from service.core.engine.sampler import SamplingParams
+from tests.helpers import cuda_source
 from tests.helpers.attention import naive, random_case
 from tests.helpers.tiny import (
     LAYERS,
@@ -179,3 +180,37 @@ def test_overlapped_steps_with_in_place_writes_give_the_gathered_tokens(compiled
         engine.finish_rows(pending)
         outs[overlap] = out
     assert outs[True] == outs[False]
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
+def test_the_kernels_source_compiles(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode attention and in-place K/V write kernels, launched by their own host code
+    (three dtypes, head dims 64 and 128, grouped heads, paged blocks, a window) and compiled
+    by nvcc as MLX wraps them: no error, no spill."""
+    recorder = cuda_source.Recorder()
+    monkeypatch.setattr(paged_attention, "kernel_available", lambda: True)
+    monkeypatch.setattr(paged_attention, "_kernel", recorder.factory)
+    monkeypatch.setattr(paged_attention, "_store_kernel", recorder.factory)
+    cases = [(mx.bfloat16, 64, 9, 3, 1, None), (mx.float16, 128, 8, 8, 16, 512)]
+    cases += [(mx.float32, 64, 4, 1, 1, None)]
+    for dtype, head_dim, heads, kv_heads, block, window in cases:
+        q = mx.zeros((2, heads, 1, head_dim), dtype)
+        pool = mx.zeros((64, kv_heads, head_dim), dtype)
+        slots, lengths = mx.zeros((2, 4), mx.int32), mx.zeros((2,), mx.int32)
+        done = store_decode_kv(
+            pool, pool, mx.zeros((2, kv_heads, 1, head_dim), dtype), pool, slots[:, 0]
+        )
+        paged_decode_attention(
+            q, pool, pool, slots, lengths, 0.125, after=done, window=window, block=block
+        )
+    attend = ["q", "k_pool", "v_pool", "slots", "lengths", "meta", "scale_arr", "after"]
+    store = ["k_pool", "v_pool", "k_new", "v_new", "slots"]
+    kernels = [
+        cuda_source.wrap(f"k{i}", paged_attention._STORE_SOURCE, store, ["done"], launch)
+        if i % 2 == 0
+        else cuda_source.wrap(f"k{i}", paged_attention._SOURCE, attend, ["out"], launch)
+        for i, (_, launch) in enumerate(recorder.launches)
+    ]
+    compiled = cuda_source.compile_kernels("", kernels, tmp_path)
+    assert len(compiled.registers) == len(kernels) == 2 * len(cases), compiled.log
+    assert compiled.spills == 0, compiled.log

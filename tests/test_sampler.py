@@ -6,7 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from service.core.engine import sampler
 from service.core.engine.sampler import RowSamplerState, SamplingParams, sample
+from tests.helpers import cuda_source
 
 VOCAB = 1000
 
@@ -227,3 +229,21 @@ def test_masked_argmax_is_the_argmax_of_the_masked_logits(dtype: mx.Dtype) -> No
         == mx.argmax(apply_token_masks(x, narrow), axis=-1).tolist()
     )
     assert max(masked_argmax(x, narrow).tolist()[3:]) < 20 * 32
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
+def test_the_masked_argmax_source_compiles(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The greedy-under-token-masks kernel, launched by its own host code for three logits
+    dtypes and compiled by nvcc as MLX wraps it: no error, no spill."""
+    recorder = cuda_source.Recorder()
+    monkeypatch.setattr(sampler, "kernel_available", lambda: True)
+    monkeypatch.setattr(sampler, "_masked_argmax_kernel", recorder.factory)
+    words = np.zeros((3, 16), np.int32)
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        sampler.masked_argmax(mx.zeros((3, 500), dtype), words)
+    kernels = [
+        cuda_source.wrap(f"k{i}", sampler._MASKED_ARGMAX, ["logits", "words"], ["out"], launch)
+        for i, (_, launch) in enumerate(recorder.launches)
+    ]
+    compiled = cuda_source.compile_kernels(sampler._MASKED_ARGMAX_HEADER, kernels, tmp_path)
+    assert len(compiled.registers) == len(kernels) == 3 and compiled.spills == 0, compiled.log

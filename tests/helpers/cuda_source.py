@@ -23,6 +23,7 @@ CUDA_TYPES = {
     mx.float16: "__half",
     mx.float32: "float",
     mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
 }
 
 _PRELUDE = """#include <cuda_bf16.h>
@@ -45,6 +46,21 @@ class Launch:
     grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
     output_dtypes: list[mx.Dtype]
+
+
+class Recorder:
+    """Stands in for a module's cached kernel factory (`_kernel()`, `_fused(parts)`): the
+    function it returns records each launch, with the factory's arguments, and returns zeros."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple[Any, ...], Launch]] = []
+
+    def factory(self, *key: Any):
+        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
+            self.launches.append((key, Launch(inputs, template, grid, threadgroup, output_dtypes)))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+
+        return call
 
 
 def nvcc() -> str | None:
