@@ -568,9 +568,9 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
     wrapped as MLX wraps a custom kernel and compiled by nvcc for the H100/H200 architecture:
     no error, no register spill, and few enough registers that a block of FUSED_WARPS warps
     can launch at all."""
-    recorder = cuda_source.Recorder()
+    recorder = cuda_source.Recorder(monkeypatch)
     monkeypatch.setattr(lora_kernel, "available", lambda: True)
-    monkeypatch.setattr(lora_kernel, "_fused", recorder.factory)
+    monkeypatch.setattr(lora_kernel, "_fused", lora_kernel._fused.__wrapped__)
     for tokens, width, outs, rank, act, stacks in NVCC_CASES:
         x = mx.zeros((tokens, width), act)
         parts = [
@@ -583,15 +583,10 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
             for out in outs
         ]
         lora_kernel.fused_add(x, parts, mx.zeros((tokens,), mx.float32))
-    kernels = []
-    for i, ((parts,), launch) in enumerate(recorder.launches):
-        names = [f"{n}{p}" for p in range(parts) for n in ("y", "a", "b", "idx")]
-        outputs = [f"out{p}" for p in range(parts)]
-        source = lora_kernel._fused_source(parts)
-        kernels.append(cuda_source.wrap(f"k{i}", source, ["x", "scale", *names], outputs, launch))
+    for launch in recorder.launches:
         threads = launch.threadgroup[0]
         assert threads == lora_kernel.FUSED_WARPS * 32 and launch.grid[0] % threads == 0
-    compiled = cuda_source.compile_kernels(lora_kernel._FUSED_HEADER, kernels, tmp_path)
+    compiled = recorder.compile(tmp_path)
     assert len(compiled.registers) == len(recorder.launches) == len(NVCC_CASES), compiled.log
     assert compiled.spills == 0, compiled.log
     assert max(compiled.registers) * lora_kernel.FUSED_WARPS * 32 <= 65536, compiled.registers
@@ -603,29 +598,15 @@ def test_the_tensor_parallel_kernels_compile(
 ) -> None:
     """`shrink` and `expand_add` (a sharded-to-all layer's update under tensor parallel), from
     their own host code, compiled by nvcc as MLX wraps them: no error, no spill."""
-    recorder = cuda_source.Recorder()
+    recorder = cuda_source.Recorder(monkeypatch)
     monkeypatch.setattr(lora_kernel, "available", lambda: True)
-    monkeypatch.setattr(lora_kernel, "_shrink", recorder.factory)
-    monkeypatch.setattr(lora_kernel, "_expand_add", recorder.factory)
-    kernels = []
+    monkeypatch.setattr(lora_kernel, "_shrink", lora_kernel._shrink.__wrapped__)
+    monkeypatch.setattr(lora_kernel, "_expand_add", lora_kernel._expand_add.__wrapped__)
     for act, stacks in [(mx.bfloat16, mx.bfloat16), (mx.float32, mx.float32)]:
-        x, a_t, idx = (
-            mx.zeros((9, 512), act),
-            mx.zeros((3, 16, 512), stacks),
-            mx.zeros((9,), mx.int32),
-        )
-        z = lora_kernel.shrink(x, a_t, idx)
+        idx = mx.zeros((9,), mx.int32)
+        z = lora_kernel.shrink(mx.zeros((9, 512), act), mx.zeros((3, 16, 512), stacks), idx)
         y, b = mx.zeros((9, 300), act), mx.zeros((3, 16, 300), stacks)
         lora_kernel.expand_add(y, z, b, idx, mx.zeros((9,), mx.float32))
-        (_, shrink), (_, expand) = recorder.launches[-2:]
-        n = len(kernels)
-        kernels.append(
-            cuda_source.wrap(f"s{n}", lora_kernel._SHRINK, ["x", "a_t", "idx"], ["z"], shrink)
-        )
-        kernels.append(
-            cuda_source.wrap(
-                f"e{n}", lora_kernel._EXPAND_ADD, ["y", "z", "b", "idx", "scale"], ["out"], expand
-            )
-        )
-    compiled = cuda_source.compile_kernels("", kernels, tmp_path)
-    assert len(compiled.registers) == len(kernels) and compiled.spills == 0, compiled.log
+    compiled = recorder.compile(tmp_path)
+    assert len(compiled.registers) == len(recorder.launches) == 4, compiled.log
+    assert compiled.spills == 0, compiled.log

@@ -187,10 +187,10 @@ def test_the_kernels_source_compiles(tmp_path, monkeypatch: pytest.MonkeyPatch) 
     """The decode attention and in-place K/V write kernels, launched by their own host code
     (three dtypes, head dims 64 and 128, grouped heads, paged blocks, a window) and compiled
     by nvcc as MLX wraps them: no error, no spill."""
-    recorder = cuda_source.Recorder()
+    recorder = cuda_source.Recorder(monkeypatch)
     monkeypatch.setattr(paged_attention, "kernel_available", lambda: True)
-    monkeypatch.setattr(paged_attention, "_kernel", recorder.factory)
-    monkeypatch.setattr(paged_attention, "_store_kernel", recorder.factory)
+    monkeypatch.setattr(paged_attention, "_kernel", paged_attention._kernel.__wrapped__)
+    monkeypatch.setattr(paged_attention, "_store_kernel", paged_attention._store_kernel.__wrapped__)
     cases = [(mx.bfloat16, 64, 9, 3, 1, None), (mx.float16, 128, 8, 8, 16, 512)]
     cases += [(mx.float32, 64, 4, 1, 1, None)]
     for dtype, head_dim, heads, kv_heads, block, window in cases:
@@ -203,14 +203,6 @@ def test_the_kernels_source_compiles(tmp_path, monkeypatch: pytest.MonkeyPatch) 
         paged_decode_attention(
             q, pool, pool, slots, lengths, 0.125, after=done, window=window, block=block
         )
-    attend = ["q", "k_pool", "v_pool", "slots", "lengths", "meta", "scale_arr", "after"]
-    store = ["k_pool", "v_pool", "k_new", "v_new", "slots"]
-    kernels = [
-        cuda_source.wrap(f"k{i}", paged_attention._STORE_SOURCE, store, ["done"], launch)
-        if i % 2 == 0
-        else cuda_source.wrap(f"k{i}", paged_attention._SOURCE, attend, ["out"], launch)
-        for i, (_, launch) in enumerate(recorder.launches)
-    ]
-    compiled = cuda_source.compile_kernels("", kernels, tmp_path)
-    assert len(compiled.registers) == len(kernels) == 2 * len(cases), compiled.log
+    compiled = recorder.compile(tmp_path)
+    assert len(compiled.registers) == len(recorder.launches) == 2 * len(cases), compiled.log
     assert compiled.spills == 0, compiled.log

@@ -235,15 +235,12 @@ def test_masked_argmax_is_the_argmax_of_the_masked_logits(dtype: mx.Dtype) -> No
 def test_the_masked_argmax_source_compiles(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The greedy-under-token-masks kernel, launched by its own host code for three logits
     dtypes and compiled by nvcc as MLX wraps it: no error, no spill."""
-    recorder = cuda_source.Recorder()
+    recorder = cuda_source.Recorder(monkeypatch)
     monkeypatch.setattr(sampler, "kernel_available", lambda: True)
-    monkeypatch.setattr(sampler, "_masked_argmax_kernel", recorder.factory)
+    monkeypatch.setattr(sampler, "_masked_argmax_kernel", sampler._masked_argmax_kernel.__wrapped__)
     words = np.zeros((3, 16), np.int32)
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
         sampler.masked_argmax(mx.zeros((3, 500), dtype), words)
-    kernels = [
-        cuda_source.wrap(f"k{i}", sampler._MASKED_ARGMAX, ["logits", "words"], ["out"], launch)
-        for i, (_, launch) in enumerate(recorder.launches)
-    ]
-    compiled = cuda_source.compile_kernels(sampler._MASKED_ARGMAX_HEADER, kernels, tmp_path)
-    assert len(compiled.registers) == len(kernels) == 3 and compiled.spills == 0, compiled.log
+    compiled = recorder.compile(tmp_path)
+    assert len(compiled.registers) == len(recorder.launches) == 3, compiled.log
+    assert compiled.spills == 0, compiled.log

@@ -39,8 +39,13 @@ struct Shape {  // MLX's: an int32 per dimension
 
 @dataclass
 class Launch:
-    """One call of a custom kernel, as `mx.fast.cuda_kernel`'s function receives it."""
+    """One call of a custom kernel: what `mx.fast.cuda_kernel` was made with, and what the
+    function it returned was called with."""
 
+    source: str
+    header: str
+    input_names: Sequence[str]
+    output_names: Sequence[str]
     inputs: list[mx.array]
     template: list[tuple[str, Any]]
     grid: tuple[int, int, int]
@@ -49,40 +54,54 @@ class Launch:
 
 
 class Recorder:
-    """Stands in for a module's cached kernel factory (`_kernel()`, `_fused(parts)`): the
-    function it returns records each launch, with the factory's arguments, and returns zeros."""
+    """Stands in for `mx.fast.cuda_kernel` (the modules' kernel factories must be called
+    uncached, through `__wrapped__`): each launch is recorded and returns zeros, and
+    `compile` compiles them all."""
 
-    def __init__(self) -> None:
-        self.launches: list[tuple[tuple[Any, ...], Launch]] = []
+    def __init__(self, monkeypatch: Any) -> None:
+        self.launches: list[Launch] = []
+        monkeypatch.setattr(mx.fast, "cuda_kernel", self._kernel)
 
-    def factory(self, *key: Any):
+    def _kernel(self, name, input_names, output_names, source, header="", **_):
         def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
-            self.launches.append((key, Launch(inputs, template, grid, threadgroup, output_dtypes)))
+            self.launches.append(
+                Launch(
+                    source,
+                    header,
+                    input_names,
+                    output_names,
+                    inputs,
+                    template,
+                    grid,
+                    threadgroup,
+                    output_dtypes,
+                )
+            )
             return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
 
         return call
+
+    def compile(self, workdir: Path) -> Compiled:
+        """Every recorded launch, each its own `__global__` function, in one nvcc run."""
+        headers = dict.fromkeys(launch.header for launch in self.launches)
+        kernels = [wrap(f"k{i}", launch) for i, launch in enumerate(self.launches)]
+        return compile_kernels("".join(headers), kernels, workdir)
 
 
 def nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-def wrap(
-    name: str,
-    source: str,
-    input_names: Sequence[str],
-    output_names: Sequence[str],
-    launch: Launch,
-) -> str:
+def wrap(name: str, launch: Launch) -> str:
     """The `__global__` function MLX would build for this launch."""
     args = []
-    for arg, array in zip(input_names, launch.inputs, strict=True):
+    for arg, array in zip(launch.input_names, launch.inputs, strict=True):
         args.append(f"const {CUDA_TYPES[array.dtype]}* {arg}")
-        if f"{arg}_shape" in source:
+        if f"{arg}_shape" in launch.source:
             args.append(f"const __grid_constant__ Shape {arg}_shape")
     args += [
         f"{CUDA_TYPES[dtype]}* {out}"
-        for out, dtype in zip(output_names, launch.output_dtypes, strict=True)
+        for out, dtype in zip(launch.output_names, launch.output_dtypes, strict=True)
     ]
     consts = "".join(
         f"  using {key} = {CUDA_TYPES[value]};\n"
@@ -91,7 +110,12 @@ def wrap(
         for key, value in launch.template
     )
     return (
-        f"__global__ void {name}(\n    " + ",\n    ".join(args) + ") {\n" + consts + source + "}\n"
+        f"__global__ void {name}(\n    "
+        + ",\n    ".join(args)
+        + ") {\n"
+        + consts
+        + launch.source
+        + "}\n"
     )
 
 
@@ -102,7 +126,9 @@ class Compiled:
     log: str
 
 
-def compile_kernels(header: str, kernels: Sequence[str], workdir: Path, arch: str = "sm_90"):
+def compile_kernels(
+    header: str, kernels: Sequence[str], workdir: Path, arch: str = "sm_90"
+) -> Compiled:
     """nvcc's verdict on the header and kernels together (raises with its log on an error)."""
     path = workdir / "kernels.cu"
     path.write_text(_PRELUDE + header + "".join(kernels))
