@@ -166,14 +166,15 @@ def test_the_fused_reference_is_each_parts_own_update() -> None:
         assert mx.array_equal(out.reshape(6, -1), flat[:6])
 
 
-@pytest.mark.parametrize("width,out", [(4096, 14336), (14336, 4096), (4096, 1024), (576, 576)])
-def test_chunks_cover_every_output_once(width: int, out: int) -> None:
-    """A module's chunks in `fused_add` tile its outputs, none empty, whole warps each; a chunk
-    takes at least as many outputs as the module has inputs (or all of them)."""
-    chunks, size = lora_kernel.chunking(width, out)
-    assert size % 32 == 0 and chunks >= 1
+@pytest.mark.parametrize("out", [14336, 4096, 1024, 576, 100])
+def test_chunks_cover_every_output_once(out: int) -> None:
+    """A module's chunks in `fused_add` tile its outputs, none empty: one pass of the block's
+    threads each, whole vector loads where the width allows them."""
+    chunks, size = lora_kernel.chunking(out)
+    vec = lora_kernel.vector(out)
+    assert size == lora_kernel.FUSED_WARPS * 32 * vec and chunks >= 1
     assert (chunks - 1) * size < out <= chunks * size
-    assert chunks == 1 or size >= max(width, lora_kernel.MIN_CHUNK)
+    assert out % vec == 0 and vec == (lora_kernel.VEC if out % lora_kernel.VEC == 0 else 1)
 
 
 def assert_close_rounded(got: mx.array, want: mx.array, y: mx.array, dtype: mx.Dtype) -> None:
@@ -557,6 +558,7 @@ NVCC_CASES = [  # tokens, in, outs, rank, activations, stacks
     (300, 14336, [4096], 16, mx.float32, mx.float32),
     (5, 100, [36, 60], 16, mx.bfloat16, mx.float32),  # element-by-element loads
     (3, 576, [576, 192, 192], 64, mx.float16, mx.float16),
+    (2, 4096, [4096], 256, mx.bfloat16, mx.bfloat16),  # ranks in passes of 32
 ]
 
 

@@ -10,12 +10,12 @@ lora groups them), each with its own stacks, slots and output. A block computes 
 for its token and module (float32, into shared memory), then a chunk of that module's outputs,
 y + scale * z @ B[s] cast as mlx-lm casts it.
 
-Grid: a block per (token, module, chunk of outputs). A chunk holds at least as many outputs as
-the module has inputs (and at least MIN_CHUNK), so recomputing z in each chunk reads no more of
-A than the chunk reads of B. The chunking depends on the module's shape only, not on the number
-of tokens: a template value that changed with the tokens would compile a kernel variant at the
-first step of each new size, a stall in the middle of serving. It changes which block computes
-an output, never how.
+Grid: a block per (token, module, chunk of outputs). A chunk is what the block's threads write
+in one pass, VEC consecutive outputs each; every block of a token recomputes z, all its threads
+reading VEC inputs at a time for up to 32 ranks at once (the other chunks' re-reads of A hit the
+cache). The chunking depends on the module's shape only, not on the number of tokens: a template
+value that changed with the tokens would compile a kernel variant at the first step of each new
+size, a stall in the middle of serving. It changes which block computes an output, never how.
 
 Under tensor parallel a sharded-to-all layer sums z over the group between the two products, so
 it takes two kernels: `shrink` (z = x @ A[s], [tokens, r] float32) and `expand_add`.
@@ -148,21 +148,45 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
 
 
 FUSED_WARPS = 8  # warps per block in `fused_add`
-MIN_CHUNK = 1024  # the fewest outputs a block of `fused_add` takes (unless the module has fewer)
+VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes of bf16)
 
 _FUSED_HEADER = """
-// One block's share of a LoRA update: zs = x[t] @ A[s] (float32, shared memory), then outputs
-// [chunk * CHUNK, (chunk + 1) * CHUNK) of out[t] = y[t] + (scale * zs @ B[s]) cast to TY before
+// E elements of p as floats: one 16-byte load per 16 bytes where p is aligned (a row of a width
+// that is a multiple of VEC, from an aligned buffer), element by element otherwise.
+template <typename T, int E>
+__device__ __forceinline__ void mlxserve_load(const T* p, float (&f)[E]) {
+  if constexpr ((E * sizeof(T)) % 16 == 0) {
+    if ((reinterpret_cast<size_t>(p) & 15) == 0) {
+      constexpr int W = (E * sizeof(T)) / 16;
+      uint4 u[W];
+#pragma unroll
+      for (int w = 0; w < W; ++w) u[w] = reinterpret_cast<const uint4*>(p)[w];
+      const T* e = reinterpret_cast<const T*>(u);
+#pragma unroll
+      for (int j = 0; j < E; ++j) f[j] = static_cast<float>(e[j]);
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < E; ++j) f[j] = static_cast<float>(p[j]);
+}
+
+// One block's share of a LoRA update: z = x[t] @ A[s] (float32, shared memory), then outputs
+// [chunk * CHUNK, (chunk + 1) * CHUNK) of out[t] = y[t] + (scale * z @ B[s]) cast to TY before
 // the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], y and out [T, OUT], a_t
-// [S, R, IN] (A transposed: a warp's lanes read consecutive inputs), b [S, R, OUT].
+// [S, R, IN] (A transposed: a thread's EI inputs are consecutive), b [S, R, OUT]. Every thread
+// of the block takes EI inputs at a time for KG ranks at once (registers), the warps' partial
+// sums meet in shared memory; then each thread writes EO consecutive outputs.
 template <typename TX, typename TY, typename TA, typename TB,
-          int IN, int R, int OUT, int CHUNK, int WARPS>
+          int IN, int R, int OUT, int CHUNK, int WARPS, int EI, int EO>
 __device__ __forceinline__ void mlxserve_lora_block(
     const TX* x, const TY* y, const TA* a_t, const TB* b, const int s, const float scale,
     const size_t t, const int chunk, TY* out, float* zs) {
   constexpr int THREADS = WARPS * 32;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  constexpr int KG = R < 32 ? R : 32;  // ranks per pass over x: bounds the registers
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
   const int first = chunk * CHUNK;
   const int last = first + CHUNK < OUT ? first + CHUNK : OUT;
   const TY* yt = y + t * OUT;
@@ -170,34 +194,67 @@ __device__ __forceinline__ void mlxserve_lora_block(
   if (s == 0) {
     // Local slot 0 is zeros in every stack: the update is zero, A and B need not be read.
     // (s depends on the block alone, so the whole block returns before the barrier.)
-    for (int o = first + (int)threadIdx.x; o < last; o += THREADS) {
+    for (int o = first + tid; o < last; o += THREADS) {
       ot[o] = yt[o];
     }
     return;
   }
   const TX* xt = x + t * IN;
-  for (int k = warp; k < R; k += WARPS) {
-    const TA* ar = a_t + ((size_t)s * R + k) * IN;
-    float acc = 0.0f;
-    for (int i = lane; i < IN; i += 32) {
-      acc += static_cast<float>(xt[i]) * static_cast<float>(ar[i]);
+  const TA* as = a_t + (size_t)s * R * IN;
+  for (int k0 = 0; k0 < R; k0 += KG) {
+    float acc[KG];
+#pragma unroll
+    for (int k = 0; k < KG; ++k) acc[k] = 0.0f;
+    for (int i = tid * EI; i < IN; i += THREADS * EI) {
+      float xv[EI];
+      mlxserve_load<TX, EI>(xt + i, xv);
+#pragma unroll
+      for (int k = 0; k < KG; ++k) {
+        if (k0 + k < R) {
+          float av[EI];
+          mlxserve_load<TA, EI>(as + (size_t)(k0 + k) * IN + i, av);
+#pragma unroll
+          for (int e = 0; e < EI; ++e) acc[k] += xv[e] * av[e];
+        }
+      }
     }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      acc += __shfl_xor_sync(0xffffffff, acc, offset);
-    }
-    if (lane == 0) {
-      zs[k] = acc;
+#pragma unroll
+    for (int k = 0; k < KG; ++k) {
+      float v = acc[k];
+      for (int offset = 16; offset > 0; offset /= 2) {
+        v += __shfl_xor_sync(0xffffffff, v, offset);
+      }
+      if (lane == 0 && k0 + k < R) {
+        zs[warp * R + k0 + k] = v;
+      }
     }
   }
   __syncthreads();
+  for (int k = tid; k < R; k += THREADS) {
+    float v = 0.0f;
+    for (int w = 0; w < WARPS; ++w) v += zs[w * R + k];
+    zs[WARPS * R + k] = v;
+  }
+  __syncthreads();
+  const float* z = zs + WARPS * R;
   const TB* bs = b + (size_t)s * R * OUT;
-  for (int o = first + (int)threadIdx.x; o < last; o += THREADS) {
-    float acc = 0.0f;
+  for (int o = first + tid * EO; o < last; o += THREADS * EO) {
+    float acc[EO];
+#pragma unroll
+    for (int e = 0; e < EO; ++e) acc[e] = 0.0f;
     for (int k = 0; k < R; ++k) {
-      acc += zs[k] * static_cast<float>(bs[(size_t)k * OUT + o]);
+      float bv[EO];
+      mlxserve_load<TB, EO>(bs + (size_t)k * OUT + o, bv);
+#pragma unroll
+      for (int e = 0; e < EO; ++e) acc[e] += z[k] * bv[e];
     }
-    const TY d = static_cast<TY>(scale * acc);
-    ot[o] = static_cast<TY>(static_cast<float>(yt[o]) + static_cast<float>(d));
+    float yv[EO];
+    mlxserve_load<TY, EO>(yt + o, yv);
+#pragma unroll
+    for (int e = 0; e < EO; ++e) {
+      const TY d = static_cast<TY>(scale * acc[e]);
+      ot[o + e] = static_cast<TY>(yv[e] + static_cast<float>(d));
+    }
   }
 }
 """
@@ -210,13 +267,13 @@ def _fused_source(parts: int) -> str:
         "    const size_t t = blockIdx.x / BLOCKS;",
         "    const int c = blockIdx.x % BLOCKS;",
         "    const float sc = scale[t];",
-        "    __shared__ float zs[RMAX];",
+        "    __shared__ float zs[(WARPS + 1) * RMAX];",
     ]
     for p in range(parts):
         lines += [
             f"    {'if' if p == 0 else 'else if'} (c < FIRST{p} + CHUNKS{p}) {{",
             f"        mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p}, CHUNK{p},",
-            "                            WARPS>(",
+            f"                            WARPS, EI, EO{p}>(",
             f"            x, y{p}, a{p}, b{p}, idx{p}[t], sc, t, c - FIRST{p}, out{p}, zs);",
             "    }",
         ]
@@ -247,11 +304,15 @@ def _fused(parts: int) -> Any:
     )
 
 
-def chunking(width: int, out: int) -> tuple[int, int]:
-    """(chunks, outputs per chunk) of one module's outputs in `fused_add`."""
-    chunks = max(1, out // max(width, MIN_CHUNK))
-    size = -(-out // chunks)
-    size = -(-size // 32) * 32  # whole warps' worth of outputs
+def vector(width: int) -> int:
+    """Elements per load along a row of this width in `fused_add`."""
+    return VEC if width % VEC == 0 else 1
+
+
+def chunking(out: int) -> tuple[int, int]:
+    """(chunks, outputs per chunk) of one module's outputs in `fused_add`: a chunk is what the
+    block's threads write in one pass."""
+    size = FUSED_WARPS * 32 * vector(out)
     return -(-out // size), size
 
 
@@ -264,12 +325,17 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
     tokens = x.size // width
     if tokens == 0:  # CUDA launches no empty grid
         return [part.y for part in parts]
-    template: list[tuple[str, Any]] = [("TX", x.dtype), ("IN", width), ("WARPS", FUSED_WARPS)]
+    template: list[tuple[str, Any]] = [
+        ("TX", x.dtype),
+        ("IN", width),
+        ("WARPS", FUSED_WARPS),
+        ("EI", vector(width)),
+    ]
     inputs = [x, scale]
     first = 0
     for p, part in enumerate(parts):
         out = part.y.shape[-1]
-        chunks, size = chunking(width, out)
+        chunks, size = chunking(out)
         inputs += [part.y, part.a_t, part.b, part.idx]
         template += [
             (f"TY{p}", part.y.dtype),
@@ -280,6 +346,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
             (f"CHUNK{p}", size),
             (f"CHUNKS{p}", chunks),
             (f"FIRST{p}", first),
+            (f"EO{p}", vector(out)),
         ]
         first += chunks
     template += [("BLOCKS", first), ("RMAX", max(part.a_t.shape[1] for part in parts))]
