@@ -6,11 +6,12 @@ run as one compiled function per step, and timed: base projections only, and bas
 `lora_kernel.fused_add` as the server calls it (q/k/v in one call, o, gate/up in one call, down)
 for --tokens rows spread over --adapters adapters and the base model. With --against REV the same
 steps run with the kernel of another revision too (`git show REV:service/core/models/
-lora_kernel.py`, or a copy of that file), alternating, for an A/B in one process. First, each
-kernel's output is checked against the MLX-op reference (`reference_fused_add`).
+lora_kernel.py`, or a copy of that file), alternating, for an A/B in one process; --against may
+be given several times. First, each kernel's output is checked against the MLX-op reference
+(`reference_fused_add`).
 
     python3 bench/lora_kernel.py --preset llama-3.1-8b --tokens 64 --adapters 8 --rank 16 \
-        [--against REV] [--out FILE.json]
+        [--against REV ...] [--out FILE.json]
 
 Prints the median step ms (and range) of each variant over --replicates rounds and writes JSON.
 Without MLX's CUDA backend, fused_add is its MLX-op reference: a smoke run only.
@@ -163,7 +164,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per replicate")
     parser.add_argument("--replicates", type=int, default=3)
     parser.add_argument(
-        "--against", default=None, help="another kernel: a git revision, or a lora_kernel.py"
+        "--against",
+        action="append",
+        default=[],
+        help="another kernel: a git revision, or a lora_kernel.py (repeatable)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -175,8 +179,8 @@ def main() -> None:
     idx = mx.array([t % slots for t in range(args.tokens)], mx.int32)  # base rows: slot 0
     scale = mx.full((args.tokens,), 2.0, mx.float32)
     kernels: dict[str, FusedAdd | None] = {"base": None, "kernel": lora_kernel.fused_add}
-    if args.against:
-        kernels[f"kernel@{args.against}"] = kernel_of(args.against)
+    for rev in args.against:
+        kernels[f"kernel@{rev}"] = kernel_of(rev)
     checks = {
         name: check(layers, shapes, k, idx, scale, args.tokens)
         for name, k in kernels.items()

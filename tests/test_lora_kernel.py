@@ -169,10 +169,10 @@ def test_the_fused_reference_is_each_parts_own_update() -> None:
 @pytest.mark.parametrize("out", [14336, 4096, 1024, 576, 100])
 def test_chunks_cover_every_output_once(out: int) -> None:
     """A module's chunks in `fused_add` tile its outputs, none empty: one pass of the block's
-    threads each, whole vector loads where the width allows them."""
+    threads each (PASSES passes), whole vector loads where the width allows them."""
     chunks, size = lora_kernel.chunking(out)
     vec = lora_kernel.vector(out)
-    assert size == lora_kernel.FUSED_WARPS * 32 * vec and chunks >= 1
+    assert size == lora_kernel.FUSED_WARPS * 32 * vec * lora_kernel.PASSES and chunks >= 1
     assert (chunks - 1) * size < out <= chunks * size
     assert out % vec == 0 and vec == (lora_kernel.VEC if out % lora_kernel.VEC == 0 else 1)
 

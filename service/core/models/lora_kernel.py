@@ -11,7 +11,7 @@ for its token and module (float32, into shared memory), then a chunk of that mod
 y + scale * z @ B[s] cast as mlx-lm casts it.
 
 Grid: a block per (token, module, chunk of outputs). A chunk is what the block's threads write
-in one pass, VEC consecutive outputs each; every block of a token recomputes z, all its threads
+in PASSES passes, VEC consecutive outputs each; every block of a token recomputes z, all its threads
 reading VEC inputs at a time for up to 32 ranks at once (the other chunks' re-reads of A hit the
 cache). The chunking depends on the module's shape only, not on the number of tokens: a template
 value that changed with the tokens would compile a kernel variant at the first step of each new
@@ -149,6 +149,9 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
 
 FUSED_WARPS = 8  # warps per block in `fused_add`
 VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes of bf16)
+# Passes of a block's threads over its outputs: more passes, fewer blocks recomputing z (fewer
+# re-reads of A) but less parallelism.
+PASSES = 1
 
 _FUSED_HEADER = """
 // E elements of p as floats: one 16-byte load per 16 bytes where p is aligned (a row of a width
@@ -311,8 +314,8 @@ def vector(width: int) -> int:
 
 def chunking(out: int) -> tuple[int, int]:
     """(chunks, outputs per chunk) of one module's outputs in `fused_add`: a chunk is what the
-    block's threads write in one pass."""
-    size = FUSED_WARPS * 32 * vector(out)
+    block's threads write in PASSES passes."""
+    size = FUSED_WARPS * 32 * vector(out) * PASSES
     return -(-out // size), size
 
 
