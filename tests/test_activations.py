@@ -3,6 +3,12 @@ MLPs, and on the real model the same tokens as mlx-lm's own activation."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -68,3 +74,32 @@ def test_fast_activations_give_mlx_lm_tokens_on_the_real_model():
         prompts = [[1, *range(100 + 7 * i, 110 + 11 * i)] for i in range(8)]
         outs[fast] = generate(engine, prompts, steps=16)[1]
     assert outs[True] == outs[False]
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="no C++ compiler: MLX runs compiled functions unfused",
+)
+def test_install_builds_the_fused_kernels_before_the_first_forward(tmp_path: Path) -> None:
+    """MLX compiles a fused CPU kernel on its first use and caches it under $TMPDIR: from an
+    empty cache, `install` builds them all, so the model's first forward (past FAST_MIN_ROWS
+    rows) finds nothing left to build."""
+    script = (
+        "import pathlib, sys\n"
+        "import mlx.core as mx\n"
+        "from service.core.models import activations\n"
+        "from service.core.models.presets import dummy_model\n"
+        "model = dummy_model('tiny', mx.float32)[0]\n"
+        "activations.install(model)\n"
+        "def built(): return len(list(pathlib.Path(sys.argv[1]).rglob('*.so')))\n"
+        "before = built()\n"
+        "mx.eval(model(mx.array([list(range(12))] * 9)))\n"
+        "print(before, built())\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    before, after = (int(n) for n in out.stdout.split())
+    assert before > 0 and after == before

@@ -84,7 +84,18 @@ def install(model: Any) -> int:
         if _is_swiglu_mlp(mlp):
             layer["mlp"] = FastSwiGLUMLP(mlp)
             swapped += 1
+    if swapped:
+        warm()
     return swapped
+
+
+def warm() -> None:
+    """Build fast_swiglu's fused kernels now: MLX compiles them for the CPU on first use (with
+    the system's C++ compiler, seconds on a machine that has not cached them yet), and a
+    request should not wait for that. Any contiguous float32 input builds the kernels every
+    shape uses."""
+    gate = mx.zeros((1, 2, 8), dtype=mx.float32)
+    mx.eval(fast_swiglu(gate, gate))
 
 
 def _is_swiglu_mlp(mlp: Any) -> bool:
