@@ -83,7 +83,7 @@ def test_fast_activations_give_mlx_lm_tokens_on_the_real_model():
 def test_install_builds_the_fused_kernels_before_the_first_forward(tmp_path: Path) -> None:
     """MLX compiles a fused CPU kernel on its first use and caches it under $TMPDIR: from an
     empty cache, `install` builds them all, so the model's first forward (past FAST_MIN_ROWS
-    rows) finds nothing left to build."""
+    rows, then one row) finds nothing left to build."""
     script = (
         "import pathlib, sys\n"
         "import mlx.core as mx\n"
@@ -94,6 +94,7 @@ def test_install_builds_the_fused_kernels_before_the_first_forward(tmp_path: Pat
         "def built(): return len(list(pathlib.Path(sys.argv[1]).rglob('*.so')))\n"
         "before = built()\n"
         "mx.eval(model(mx.array([list(range(12))] * 9)))\n"
+        "mx.eval(model(mx.array([[3]])))\n"
         "print(before, built())\n"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}

@@ -90,17 +90,9 @@ def install(model: Any) -> int:
 
 
 def warm() -> None:
-    """Build fast_swiglu's fused kernels now: MLX compiles them for the CPU on first use (with
-    the system's C++ compiler, seconds on a machine that has not cached them yet), and a
-    request should not wait for that. Any contiguous float32 input builds the kernels every
-    shape uses."""
+    """Build the MLPs' fused kernels now, fast_swiglu's and mlx-lm's compiled swiglu (fewer
+    rows than FAST_MIN_ROWS): MLX compiles them for the CPU on first use (with the system's
+    C++ compiler, seconds on a machine that has not cached them yet), and a request should not
+    wait for that. Any contiguous float32 input builds the kernels every shape uses."""
     gate = mx.zeros((1, 2, 8), dtype=mx.float32)
-    mx.eval(fast_swiglu(gate, gate))
-
-
-def _is_swiglu_mlp(mlp: Any) -> bool:
-    module = type(mlp).__module__.rsplit(".", 1)[-1]
-    if type(mlp).__name__ != "MLP" or module not in _SWIGLU_MODULES:
-        return False
-    gate = getattr(mlp, "gate_proj", None)
-    return type(gate) is nn.Linear and gate.weight.dtype == mx.float32
+    mx.eval(fast_swiglu(gate, gate), swiglu(gate, gate))
