@@ -96,3 +96,11 @@ def warm() -> None:
     wait for that. Any contiguous float32 input builds the kernels every shape uses."""
     gate = mx.zeros((1, 2, 8), dtype=mx.float32)
     mx.eval(fast_swiglu(gate, gate), swiglu(gate, gate))
+
+
+def _is_swiglu_mlp(mlp: Any) -> bool:
+    module = type(mlp).__module__.rsplit(".", 1)[-1]
+    if type(mlp).__name__ != "MLP" or module not in _SWIGLU_MODULES:
+        return False
+    gate = getattr(mlp, "gate_proj", None)
+    return type(gate) is nn.Linear and gate.weight.dtype == mx.float32
