@@ -4,7 +4,7 @@ MLX's CPU `exp` (and so `sigmoid`/`silu`) costs an order of magnitude more per e
 multiply, enough to make the MLP's `silu(gate) * up` a large share of a float32 forward. Here
 exp is range-reduced (x = n·ln2 + f, |f| ≤ ln2/2), e^f is a degree-7 polynomial and 2^n is
 built in the float's exponent bits: multiply-adds, within a few float32 ulps of MLX's silu
-(tested), fused by `mx.compile` into three primitives.
+(tested), fused by `mx.compile` into a few primitives.
 `install` swaps the MLP of mlx-lm's llama-family layers for one that uses it; the weights and
 their names do not change.
 """
@@ -39,8 +39,8 @@ def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
     return p, mx.left_shift(n.astype(mx.int32) + 127, 23)
 
 
-# Each compiled function is one fused primitive whatever the shape: a step dispatches three
-# instead of some forty. The bit view between them cannot be traced shapeless, so it stays out.
+# Compiled, the chain is a few fused primitives whatever the shape (MLX splits long chains), not
+# one per op. The bit view between the parts cannot be traced shapeless, so it stays out.
 _exp_of = mx.compile(_exp_parts, shapeless=True)
 _exp_of_negated = mx.compile(lambda x: _exp_parts(-x), shapeless=True)
 _swiglu_from = mx.compile(lambda gate, x, p, two_n: gate / (1.0 + p * two_n) * x, shapeless=True)
