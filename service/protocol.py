@@ -177,6 +177,16 @@ class GrammarCounters(msgspec.Struct):
     mask_row_buckets: list[int] = msgspec.field(default_factory=list)
 
 
+class StepCounters(msgspec.Struct):
+    """The engine core's steps with a forward since it started, by how each was planned
+    (cumulative, for the metrics): while the step before it ran (overlapped), or after that
+    step was read (serial: an admission, a prefill, a preemption, a verification or a
+    cancellation waits for it)."""
+
+    overlapped: int = 0
+    serial: int = 0
+
+
 class CacheCounters(msgspec.Struct):
     """The engine core's KV cache and batch state at one moment (what CacheStats answers; the
     front end makes the protobuf). Field names are CacheStatsResponse's."""
@@ -205,6 +215,7 @@ class CacheCounters(msgspec.Struct):
     max_batch_size: int = 0
     slots: list[SlotView] = msgspec.field(default_factory=list)
     grammar: GrammarCounters = msgspec.field(default_factory=GrammarCounters)
+    steps: StepCounters = msgspec.field(default_factory=StepCounters)
 
 
 class Quantization(msgspec.Struct):

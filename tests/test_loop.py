@@ -140,3 +140,22 @@ def test_a_cuda_core_reading_beside_the_dispatch_gives_the_tokens_read_on_its_th
             outs[beside] = tokens
         assert outs[True] == outs[False]
         assert [len(outs[True][i + 1]) for i in range(6)] == [24 + 4 * i for i in range(6)]
+
+
+def test_steps_are_counted_by_how_they_were_planned():
+    """A lone request's first step (admission, prefill) is planned after the step before was
+    read; its decode steps while the one before runs. A request arriving mid-decode makes one
+    more serial step, to admit it."""
+    h = Harness(max_batch_size=8)
+    h.submit("a", (1, 2, 3), max_tokens=12)
+    for tick in range(100):
+        if tick == 4:
+            before = (h.loop.steps.serial, h.loop.steps.overlapped)
+            h.submit("b", (5, 6), max_tokens=3)
+        h.tick()
+        if tick > 4 and not h.sched.busy and h.loop._inflight is None:
+            break
+    assert len(h.tokens("a")) == 12 and len(h.tokens("b")) == 3
+    assert before[0] == 1 and before[1] >= 2
+    assert h.loop.steps.serial == 2
+    assert h.loop.steps.overlapped >= 9

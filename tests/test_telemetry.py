@@ -436,6 +436,10 @@ def test_metrics_move_as_requests_run(traced: Any) -> None:
     assert metric(after, "mlxserve_num_requests_running", model=MODEL) == 0
     assert metric(after, "mlxserve_num_requests_waiting", model=MODEL) == 0
     assert metric(after, "mlxserve_kv_cache_used_blocks", model=MODEL) == 0
+    # Each request's admission is a serial step; its later tokens come from overlapped ones.
+    steps = "mlxserve_core_steps_total"
+    assert delta(steps, model=MODEL, pipeline="serial") >= 2
+    assert delta(steps, model=MODEL, pipeline="overlapped") >= 2
 
 
 @pytest.mark.slow

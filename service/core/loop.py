@@ -46,7 +46,7 @@ from service.core.scheduler.adapters import AdapterUnavailableError
 from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 from service.core.scheduler.request import Request, SequenceStatus
 from service.core.scheduler.scheduler import QueueFullError, Scheduler
-from service.protocol import AdapterDescription, AdapterReply, SlotView
+from service.protocol import AdapterDescription, AdapterReply, SlotView, StepCounters
 
 log = structlog.get_logger(__name__)
 
@@ -130,6 +130,8 @@ class CoreLoop:
             else None
         )
         self._on_turn = on_turn
+        # Steps planned while the step before ran, and after it was read (the metrics').
+        self.steps = StepCounters()
         self._fatal = fatal_errors
         self._on_finished = on_finished
         self._on_rejected = on_rejected
@@ -204,6 +206,8 @@ class CoreLoop:
         sched, runner = self.scheduler, self.runner
         if self._inflight is not None and sched.decode_only():
             plan = sched.schedule()
+            if plan is not None and plan.has_forward:
+                self.steps.overlapped += 1
             if plan is not None and self._beside is not None:
                 # Step N's update (its constrained rows' grammars take their tokens and begin
                 # filling N+1's masks) runs beside N+1's dispatch; N+1 then samples under them.
@@ -224,6 +228,8 @@ class CoreLoop:
         plan = sched.schedule()
         if plan is None:
             return
+        if plan.has_forward:
+            self.steps.serial += 1
         pending = runner.submit(plan)
         if plan.prefill and plan.decode:
             # The prompts' first tokens go out now; the decode forward runs on meanwhile.

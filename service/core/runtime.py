@@ -56,6 +56,7 @@ from service.protocol import (
     ModelInfo,
     Quantization,
     Speculation,
+    StepCounters,
     StructuredOutputInfo,
 )
 
@@ -591,6 +592,9 @@ class Runtime:
             slots=slot_views(snap.running, snap.context),
             grammar=self.grammar_counters(),
         )
+        if self.loop is not None:
+            steps = self.loop.steps  # whole ints, read under the GIL: a copy, never torn
+            out.steps = StepCounters(steps.overlapped, steps.serial)
         if snap.kv is not None:
             stats = snap.kv
             budget_bytes = stats.num_total_blocks * self.bytes_per_block

@@ -16,6 +16,7 @@ def cache_stats_response(counters: CacheCounters) -> pb.CacheStatsResponse:
     fields = msgspec.structs.asdict(counters)
     slots = fields.pop("slots")
     fields.pop("grammar")  # for the metrics only
+    fields.pop("steps")
     response = pb.CacheStatsResponse(**fields)
     response.slots.extend(
         pb.SlotInfo(

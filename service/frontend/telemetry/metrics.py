@@ -138,6 +138,16 @@ class _CacheStatsCollector(Collector):
             "Bytes of K/V holding running requests' tokens.",
             s.used_bytes,
         )
+        steps = CounterMetricFamily(
+            "mlxserve_core_steps",
+            "Engine steps, by pipeline: overlapped (planned and built while the step before ran) "
+            "or serial (after it was read: admissions, prefills, preemptions, verifications "
+            "and cancellations wait for it).",
+            labels=["model", "pipeline"],
+        )
+        steps.add_metric([model, "overlapped"], s.steps.overlapped)
+        steps.add_metric([model, "serial"], s.steps.serial)
+        yield steps
         yield from _grammar_families(s.grammar, model)
 
 
