@@ -14,6 +14,9 @@ seconds of load it measures --rounds consecutive windows of --window seconds, an
 - CPU microseconds per generated token (user + system, all threads, from /proc/PID/stat) of the
   engine core (the launcher's child that maps libmlx), of the front ends (the launcher, which is
   front end 0, and its other children) and of the client processes, with the cores each used;
+- with --metrics (the server then keeps its Prometheus metrics, which costs the front ends CPU),
+  the engine core's steps per second and the share of them planned only after the step before
+  was read (`mlxserve_core_steps_total{pipeline="serial"}`: admissions, prefills, ...);
 - the other load on the machine: its busy CPU time (/proc/stat) less ours, in cores, and the
   1-minute load average before the window.
 
@@ -44,14 +47,16 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
-from client.bench.server import ServerProcess
+from client.bench.server import ServerProcess, free_port
 from client.client import GenerationClient, build_request, to_stream_request
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
@@ -276,8 +281,21 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _sample(roles: dict[str, list[int]], target: str) -> dict[str, Any]:
-    """The server's CPU ticks per process, the machine's, and the batch state, now."""
+def _steps(metrics_url: str) -> dict[str, float]:
+    """The engine core's steps so far, by pipeline (`mlxserve_core_steps_total`)."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        sample.labels["pipeline"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "mlxserve_core_steps"
+        for sample in family.samples
+    }
+
+
+def _sample(roles: dict[str, list[int]], target: str, metrics_url: str | None) -> dict[str, Any]:
+    """The server's CPU ticks per process, the machine's, the batch state and the engine
+    core's steps, now."""
     busy, total = machine_ticks()
     sample: dict[str, Any] = {
         "time": time.monotonic(),
@@ -293,6 +311,11 @@ def _sample(roles: dict[str, list[int]], target: str) -> dict[str, Any]:
         sample["queued_requests"] = stats.queued_requests
     except grpc.RpcError as err:
         sample["stats_error"] = f"{err.code().name}: {err.details()}"
+    if metrics_url is not None:
+        try:
+            sample["steps"] = _steps(metrics_url)
+        except OSError as err:
+            sample["steps_error"] = str(err)
     return sample
 
 
@@ -323,6 +346,13 @@ def _window(
     def per_token(cpu: float) -> float | None:
         return 1e6 * cpu / tokens if tokens else None
 
+    steps = {
+        kind: end["steps"].get(kind, 0) - start["steps"].get(kind, 0)
+        for kind in ("overlapped", "serial")
+        if "steps" in start and "steps" in end
+    }
+    total_steps = sum(steps.values())
+
     return {
         "window": k + 1,
         "seconds": seconds,
@@ -349,6 +379,9 @@ def _window(
         },
         # Everything else the machine ran meanwhile (other users, our own stray processes).
         "others_cores": max(0.0, machine_busy - core - frontend - other - client) / seconds,
+        # Engine steps planned after the one before was read (admissions, prefills, ...).
+        "steps_per_second": total_steps / seconds if steps else None,
+        "serial_step_share": steps["serial"] / total_steps if total_steps else None,
         "active_sequences_after": end.get("active_sequences"),
         "queued_requests_after": end.get("queued_requests"),
     }
@@ -364,6 +397,8 @@ SUMMARY_KEYS = (
     "client_cores",
     "others_cores",
     "loadavg_1m_before",
+    "steps_per_second",
+    "serial_step_share",
 )
 
 
@@ -380,6 +415,10 @@ def summarize(windows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
 def format_table(windows: list[dict[str, Any]], summary: dict[str, dict[str, float]]) -> str:
     header = [
         "window",
@@ -393,6 +432,8 @@ def format_table(windows: list[dict[str, Any]], summary: dict[str, dict[str, flo
         "fe",
         "client",
         "msgs/tok",
+        "steps/s",
+        "serial",
         "errors",
     ]
 
@@ -409,6 +450,8 @@ def format_table(windows: list[dict[str, Any]], summary: dict[str, dict[str, flo
             f"{w['frontend_cores']:.2f}",
             f"{w['client_cores']:.2f}",
             f"{w['messages'] / w['tokens']:.2f}" if w["tokens"] else "-",
+            _fmt(w["steps_per_second"], ".0f"),
+            _fmt(w["serial_step_share"], ".2f"),
             str(w["errors"]),
         ]
 
@@ -433,6 +476,8 @@ def format_table(windows: list[dict[str, Any]], summary: dict[str, dict[str, flo
             value("frontend_cores", ".2f"),
             value("client_cores", ".2f"),
             "",
+            value("steps_per_second", ".0f"),
+            value("serial_step_share", ".2f"),
             "",
         ]
 
@@ -441,7 +486,8 @@ def format_table(windows: list[dict[str, Any]], summary: dict[str, dict[str, flo
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
     lines.append(
         "(us/tok: CPU microseconds per generated token; core/fe/client/others: cores in use; "
-        "load1: 1-minute load average before the window)"
+        "load1: 1-minute load average before the window; serial: the share of the engine's "
+        "steps planned after the step before was read)"
     )
     return "\n".join(lines)
 
@@ -472,7 +518,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
         }
     }
-    server = ServerProcess(server_flags(args), log_path=log_path, ready_timeout=300.0)
+    flags, metrics_url = server_flags(args), None
+    if args.metrics:
+        port = free_port()
+        flags += ["--metrics-port", str(port)]
+        metrics_url = f"http://127.0.0.1:{port}/metrics"
+    server = ServerProcess(flags, log_path=log_path, ready_timeout=300.0)
     if args.blas_threads:
         server.env["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)
     print(f"starting: {shlex.join(server.command)} (log {log_path})", file=sys.stderr)
@@ -529,7 +580,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         samples = []
         for boundary in boundaries:
             time.sleep(max(0.0, boundary - time.monotonic()))
-            samples.append(_sample(roles, server.target))
+            samples.append(_sample(roles, server.target, metrics_url))
         for pipe in pipes:
             pipe.send("stop")
         results: list[ClientResult] = [_recv(pipe, 60, "done")[1] for pipe in pipes]
@@ -579,6 +630,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the server's OPENBLAS_NUM_THREADS (0: OpenBLAS's default, a thread per core). "
         "One by default: this model's matmuls are too small to split, and OpenBLAS's idle "
         "workers spin on a core between them",
+    )
+    a(
+        "--metrics",
+        action="store_true",
+        help="serve Prometheus metrics (--metrics-port) and report the engine's steps per "
+        "window; the metrics cost the front ends CPU",
     )
     a("--warmup", type=float, default=10.0, help="seconds of load before the first window")
     a("--window", type=float, default=20.0, help="seconds per measured window")

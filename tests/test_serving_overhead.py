@@ -94,10 +94,15 @@ def test_summary_and_table() -> None:
             "core_cores": 0.9,
             "frontend_cores": 0.5,
             "client_cores": 0.2,
+            # Without --metrics the steps are not known.
+            "steps_per_second": 400.0 + k if k else None,
+            "serial_step_share": 0.5 + k / 10 if k else None,
         }
         for k in range(3)
     ]
     summary = so.summarize(windows)
     assert summary["tokens_per_second"] == {"median": 2000.0, "min": 1000.0, "max": 3000.0}
+    assert summary["serial_step_share"] == pytest.approx({"median": 0.65, "min": 0.6, "max": 0.7})
     table = so.format_table(windows, summary)
     assert "1000-3000" in table and "median" in table
+    assert "0.60-0.70" in table and "401-402" in table
