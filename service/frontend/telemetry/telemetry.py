@@ -68,6 +68,10 @@ class Telemetry:
         self.metrics = metrics
         self.enabled = tracing is not None or metrics is not None
         self.model = ""
+        # The per-token series' children for the current model, looked up once: a `labels`
+        # call per message is a good part of what the metrics cost a front end per token.
+        self._token_series: tuple[Any, Any] | None = None
+        self._adapter_tokens: dict[str, Any] = {}
         if tracing is not None:
             trace_ids.enable_current_span_lookup()
 
@@ -94,6 +98,7 @@ class Telemetry:
     def model_ready(self, model: str) -> None:
         """The engine core loaded `model`: the `model` label and gen_ai.request.model."""
         self.model = model
+        self._token_series, self._adapter_tokens = None, {}
         if self.metrics is not None:
             self.metrics.set_model(model)
 
@@ -220,12 +225,22 @@ class Telemetry:
         if m is None or state is None or not n:
             return
         now = time.monotonic()
-        m.generation_tokens.labels(self.model).inc(n)
+        series = self._token_series
+        if series is None:
+            series = self._token_series = (
+                m.generation_tokens.labels(self.model),
+                m.itl.labels(self.model),
+            )
+        tokens, itl = series
+        tokens.inc(n)
         if state.adapter:
-            m.adapter_generation_tokens.labels(self.model, state.adapter).inc(n)
+            adapter = self._adapter_tokens.get(state.adapter)
+            if adapter is None:
+                adapter = m.adapter_generation_tokens.labels(self.model, state.adapter)
+                self._adapter_tokens[state.adapter] = adapter
+            adapter.inc(n)
         if state.last_token_at is not None:
             gap = (now - state.last_token_at) / n
-            itl = m.itl.labels(self.model)
             for _ in range(n):
                 itl.observe(gap)
         state.last_token_at = now
