@@ -24,7 +24,8 @@ _LN2_HI = 0.693145751953125
 _LN2_LO = 1.428606765330187e-06
 _TAYLOR = [1.0 / math.factorial(k) for k in range(8)]  # e^f, |f| <= 0.35: error < 1e-8
 _SWIGLU_MODULES = ("llama", "qwen2", "qwen3", "mistral")
-FAST_MIN_ROWS = 8  # tokens in a forward from which fast_swiglu beats mlx-lm's swiglu
+# Tokens in a forward from which fast_swiglu beats mlx-lm's swiglu (bench/swiglu.py).
+FAST_MIN_ROWS = 4
 
 
 def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -69,7 +70,7 @@ class FastSwiGLUMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        # For a few rows the ten ops cost more in dispatch than MLX's exp costs in math.
+        # For a few rows its fused kernels cost more in dispatch than MLX's exp costs in math.
         if gate.size < FAST_MIN_ROWS * gate.shape[-1]:
             return self.down_proj(swiglu(gate, up))
         return self.down_proj(fast_swiglu(gate, up))
