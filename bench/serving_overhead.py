@@ -346,11 +346,11 @@ def _window(
     def per_token(cpu: float) -> float | None:
         return 1e6 * cpu / tokens if tokens else None
 
-    steps = {
-        kind: end["steps"].get(kind, 0) - start["steps"].get(kind, 0)
-        for kind in ("overlapped", "serial")
-        if "steps" in start and "steps" in end
-    }
+    steps: dict[str, float] = {}  # by pipeline; empty without --metrics (or a failed scrape)
+    if "steps" in start and "steps" in end:
+        steps = {
+            k: end["steps"].get(k, 0) - start["steps"].get(k, 0) for k in ("overlapped", "serial")
+        }
     total_steps = sum(steps.values())
 
     return {
@@ -379,7 +379,7 @@ def _window(
         },
         # Everything else the machine ran meanwhile (other users, our own stray processes).
         "others_cores": max(0.0, machine_busy - core - frontend - other - client) / seconds,
-        # Engine steps planned after the one before was read (admissions, prefills, ...).
+        # The engine's steps, and the share of them planned only after the one before was read.
         "steps_per_second": total_steps / seconds if steps else None,
         "serial_step_share": steps["serial"] / total_steps if total_steps else None,
         "active_sequences_after": end.get("active_sequences"),
