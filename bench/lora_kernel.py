@@ -8,10 +8,12 @@ for --tokens rows spread over --adapters adapters and the base model. With --aga
 steps run with the kernel of another revision too (`git show REV:service/core/models/
 lora_kernel.py`, or a copy of that file), alternating, for an A/B in one process; --against may
 be given several times. First, each kernel's output is checked against the MLX-op reference
-(`reference_fused_add`).
+(`reference_fused_add`). With --floor, a variant of this revision's kernel whose every block only
+copies y (same grid, inputs and outputs: it fails the check) runs beside them: the cost of
+launching the kernels, which no faster arithmetic removes.
 
     python3 bench/lora_kernel.py --preset llama-3.1-8b --tokens 64 --adapters 8 --rank 16 \
-        [--against REV ...] [--out FILE.json]
+        [--against REV ...] [--floor] [--out FILE.json]
 
 Prints the median step ms (and range) of each variant over --replicates rounds and writes JSON.
 Without MLX's CUDA backend, fused_add is its MLX-op reference: a smoke run only.
@@ -55,6 +57,17 @@ def kernel_of(rev: str) -> FusedAdd:
         text=True,
     ).stdout
     return _load(source, f"lora_kernel_{rev}")
+
+
+def copy_floor() -> FusedAdd:
+    """This revision's `fused_add` with every block taking the zero-update branch (y copied):
+    the launches' cost alone."""
+    source = (ROOT / "service/core/models/lora_kernel.py").read_text()
+    branch = "  if (s == 0) {"
+    if source.count(branch) != 1:
+        raise SystemExit("--floor: the kernel's zero-update branch is not where it was")
+    source = source.replace(branch, "  if (true) {").replace("mlxserve_lora_fused", "lora_floor")
+    return _load(source, "lora_kernel_floor")
 
 
 def _load(source: str, name: str) -> FusedAdd:
@@ -169,6 +182,9 @@ def main() -> None:
         default=[],
         help="another kernel: a git revision, or a lora_kernel.py (repeatable)",
     )
+    parser.add_argument(
+        "--floor", action="store_true", help="also the kernel with every block copying y only"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not lora_kernel.available():
@@ -181,6 +197,8 @@ def main() -> None:
     kernels: dict[str, FusedAdd | None] = {"base": None, "kernel": lora_kernel.fused_add}
     for rev in args.against:
         kernels[f"kernel@{rev}"] = kernel_of(rev)
+    if args.floor:
+        kernels["floor (copies y)"] = copy_floor()
     checks = {
         name: check(layers, shapes, k, idx, scale, args.tokens)
         for name, k in kernels.items()
