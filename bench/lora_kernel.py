@@ -59,15 +59,19 @@ def kernel_of(rev: str) -> FusedAdd:
     return _load(source, f"lora_kernel_{rev}")
 
 
-def copy_floor() -> FusedAdd:
-    """This revision's `fused_add` with every block taking the zero-update branch (y copied):
-    the launches' cost alone."""
-    source = (ROOT / "service/core/models/lora_kernel.py").read_text()
+def floor_source(source: str) -> str:
+    """lora_kernel.py's text with every block taking the zero-update branch (y copied), its
+    kernel under a name of its own."""
     branch = "  if (s == 0) {"
     if source.count(branch) != 1:
         raise SystemExit("--floor: the kernel's zero-update branch is not where it was")
-    source = source.replace(branch, "  if (true) {").replace("mlxserve_lora_fused", "lora_floor")
-    return _load(source, "lora_kernel_floor")
+    return source.replace(branch, "  if (true) {").replace("mlxserve_lora_fused", "lora_floor")
+
+
+def copy_floor() -> FusedAdd:
+    """This revision's `fused_add` as `floor_source` makes it: the launches' cost alone."""
+    source = (ROOT / "service/core/models/lora_kernel.py").read_text()
+    return _load(floor_source(source), "lora_kernel_floor")
 
 
 def _load(source: str, name: str) -> FusedAdd:

@@ -612,3 +612,17 @@ def test_the_tensor_parallel_kernels_compile(
     compiled = recorder.compile(tmp_path)
     assert len(compiled.registers) == len(recorder.launches) == 4, compiled.log
     assert compiled.spills == 0, compiled.log
+
+
+def test_the_benchs_launch_floor_is_the_kernel_with_every_block_copying() -> None:
+    """`bench/lora_kernel.py --floor` rewrites this revision's kernel: the zero-update branch
+    taken by every block, under a kernel name of its own. It stops with a message once the
+    kernel's source no longer has that branch, rather than timing something else."""
+    from bench import lora_kernel as bench_kernel
+
+    floor = bench_kernel.floor_source(Path(lora_kernel.__file__).read_text())
+    assert floor.count("  if (true) {") == 1 and "if (s == 0)" not in floor
+    assert 'name=f"lora_floor{parts}"' in floor
+    assert callable(bench_kernel.copy_floor())
+    with pytest.raises(SystemExit, match="zero-update branch"):
+        bench_kernel.floor_source("no such branch")
