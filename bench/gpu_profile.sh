@@ -5,8 +5,7 @@
 # each window; then the raw mlx-lm loop at the same batch sizes (bench/raw_loop.py).
 #
 # Expects MLX and our wheels under /tmp/site, py-spy on PATH (docs/offline-gpu-install.md). Env: OUT,
-# PRESET (smollm2-135m), CONC ("64 256"), WINDOW (seconds, 20), SERVER_ARGS, NATIVE (1: py-spy's
-# --native for the engine core, MLX's C++ frames included).
+# PRESET (smollm2-135m), CONC ("64 256"), WINDOW (seconds, 20), SERVER_ARGS.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; PRESET=${PRESET:-smollm2-135m}; CONC=${CONC:-"64 256"}; WINDOW=${WINDOW:-20}
 mkdir -p "$OUT"
@@ -31,7 +30,7 @@ for c in $CONC; do
   sleep 17  # the harness's warm-up: profile inside its measured window
   nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$OUT/gpu-util-c$c.txt" &
   smi=$!
-  py-spy record -r 100 -d $((WINDOW - 4)) -p "$core" -f raw -o "$OUT/core-c$c.raw" $([ "${NATIVE:-0}" = 1 ] && echo --native) --nonblocking > /dev/null 2>&1 &
+  py-spy record -r 100 -d $((WINDOW - 4)) -p "$core" -f raw -o "$OUT/core-c$c.raw" --nonblocking > /dev/null 2>&1 &
   py-spy record -r 100 -d $((WINDOW - 4)) -p "$server" -f raw -o "$OUT/frontend-c$c.raw" --nonblocking > /dev/null 2>&1
   wait "$harness"
   kill "$smi" 2>/dev/null
