@@ -138,12 +138,14 @@ def test_engine_verification_matches_plain_decoding_and_rolls_back() -> None:
         assert len(blocks.block_ids) == -(-s.num_cached // storage.block_size)
     for s in seqs:
         spec.release(s)
+    assert spec.manager is not None and spec.manager.stats().num_active_blocks == 0
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the compiled direct decode path is CUDA's")
 def test_cuda_verification_as_a_decode_step_matches_plain_decoding() -> None:
     """On CUDA a verification forward runs as the compiled decode step of one virtual row per
-    position: its tokens equal plain greedy decoding's, drafts right or wrong."""
+    position: its tokens equal plain greedy decoding's, drafts right or wrong, and released rows
+    leave no block held."""
     model = tiny_llama(hidden_size=128, heads=4, kv_heads=2)  # head_dim 32: the kernel's
     layout = probe_layout(model)
     config = resolve(family("llama"), layout, paged=True, batched=True, cuda=True)
@@ -154,8 +156,10 @@ def test_cuda_verification_as_a_decode_step_matches_plain_decoding() -> None:
         return make_engine(model, storage, config)
 
     spec = engine()
-    want, got, _ = _plain_and_verified(engine(), spec)
+    want, got, seqs = _plain_and_verified(engine(), spec)
     assert got == want
+    for s in seqs:
+        spec.release(s)
     assert spec.manager is not None and spec.manager.stats().num_active_blocks == 0
 
 
