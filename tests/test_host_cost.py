@@ -1,0 +1,36 @@
+"""bench/host_cost.py: the four layouts compute the same step and differ by views only; the
+timing runs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from bench import host_cost
+from bench.decode_primitives import primitives
+
+VIEWS = {"Transpose", "Flatten", "Unflatten", "Reshape"}
+
+
+def test_the_four_layouts_compute_the_same_step_and_differ_by_views_only() -> None:
+    steps = host_cost.layout_steps(batch=3, dtype=mx.float32, layers=2)
+    outs = {name: fn(x) for name, (fn, x) in steps.items()}
+    counts = {name: primitives(out) for name, out in outs.items()}
+    values = [np.array(out).reshape(3, host_cost.D) for out in outs.values()]
+    for value in values[1:]:
+        np.testing.assert_allclose(value, values[0], rtol=1e-4, atol=1e-5)
+    work = [{k: n for k, n in c.items() if k not in VIEWS} for c in counts.values()]
+    assert all(w == work[0] for w in work)
+    views = {name: sum(n for k, n in c.items() if k in VIEWS) for name, c in counts.items()}
+    assert views["[B, D] W pre-transposed"] == 0
+    assert views["[B, 1, D] W.T"] > views["[B, 1, D] W pre-transposed"] > 0
+    assert views["[B, 1, D] W.T"] > views["[B, D] W.T"] > 0
+
+
+def test_measure_reports_wall_and_host_time_per_step() -> None:
+    chains = host_cost.op_chains(batch=2, dtype=mx.float32, n=3)
+    result = host_cost.measure(chains, reps=2, steps=2)
+    assert set(result) == set(chains) >= {"RMSNorm", "RMSNorm + 4 views"}
+    for r in result.values():
+        assert 0 < r["wall_min"] <= r["wall"] <= r["wall_max"]
+        assert r["host"] > 0
