@@ -8,8 +8,9 @@ Two measurements, each alternated over --reps replicates in one process:
   MLX folds the batch into a matmul's rows and back: a Flatten and an Unflatten per matmul) or
   [B, D]; weights used as `W.T` (mlx-lm's `nn.Linear`: a Transpose per matmul) or stored
   pre-transposed. The difference is view primitives only: no device work, all host work.
-- `per_op`: a chain of N ops, per op: a trivial custom kernel, MLX's RMSNorm, and RMSNorm with
-  four view primitives around it.
+- `per_op`: a chain of N ops, per op: a trivial custom kernel (alone, with seven more inputs it
+  never reads, after a matmul), MLX's RMSNorm (alone, with four view primitives around it,
+  after a matmul), a matmul.
 
 Prints milliseconds per step (wall) and the host's share (building the step and queuing it);
 `--out` writes JSON.
@@ -75,28 +76,40 @@ def layout_steps(batch: int, dtype: mx.Dtype, layers: int = LAYERS) -> dict[str,
 
 def op_chains(batch: int, dtype: mx.Dtype, n: int) -> dict[str, tuple]:
     """name -> (chain of n ops, its input) (not compiled)."""
+    weight = (mx.random.normal((D, D)) * D**-0.5).astype(dtype)
+    # Arrays a kernel takes and never reads (as the LoRA kernel takes its adapter stacks).
+    extra = tuple(mx.zeros((8, 16, 4096), dtype) for _ in range(7))
+    mx.eval(weight, extra)
+
+    def rms_norm(x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, None, 1e-5)
+
     chains: dict[str, Callable[[mx.array], mx.array]] = {
-        "RMSNorm": lambda x: mx.fast.rms_norm(x, None, 1e-5),
-        "RMSNorm + 4 views": lambda x: mx.fast.rms_norm(
-            x.reshape(batch, 1, D).reshape(batch, D).T.T, None, 1e-5
-        ),
+        "RMSNorm": rms_norm,
+        "RMSNorm + 4 views": lambda x: rms_norm(x.reshape(batch, 1, D).reshape(batch, D).T.T),
+        "matmul": lambda x: x @ weight,
+        "matmul + RMSNorm": lambda x: rms_norm(x @ weight),
     }
     if mx.cuda.is_available():
-        kernel = mx.fast.cuda_kernel(
-            name="host_cost_scale",
-            input_names=["x"],
-            output_names=["out"],
-            source="""
+        source = """
             const size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
             if (e < (size_t)x_shape[0] * x_shape[1]) {
                 out[e] = static_cast<T>(static_cast<float>(x[e]) * 0.999f);
             }
-            """,
-        )
+            """
+        kernels = {
+            k: mx.fast.cuda_kernel(
+                name=f"host_cost_scale_{k}",
+                input_names=["x", *(f"unread{i}" for i in range(k))],
+                output_names=["out"],
+                source=source,
+            )
+            for k in (0, len(extra))
+        }
 
-        def custom(x: mx.array) -> mx.array:
-            (y,) = kernel(
-                inputs=[x],
+        def custom(x: mx.array, unread: tuple[mx.array, ...] = ()) -> mx.array:
+            (y,) = kernels[len(unread)](
+                inputs=[x, *unread],
                 template=[("T", x.dtype)],
                 grid=(x.size, 1, 1),
                 threadgroup=(256, 1, 1),
@@ -105,7 +118,12 @@ def op_chains(batch: int, dtype: mx.Dtype, n: int) -> dict[str, tuple]:
             )
             return y
 
-        chains = {"custom kernel": custom, **chains}
+        chains = {
+            "custom kernel": custom,
+            "custom kernel, 7 more inputs": lambda x: custom(x, extra),
+            "matmul + custom kernel": lambda x: custom(x @ weight),
+            **chains,
+        }
 
     def chain(op: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
         def run(x: mx.array) -> mx.array:
