@@ -3,11 +3,13 @@ them (build step N + 1 and `mx.async_eval` it while step N runs, then wait for N
 
 Two measurements, each alternated over --reps replicates in one process:
 
-- `layouts`: a decode-like step of SmolLM2-135M's shapes (30 layers of seven projections and a
-  SwiGLU-like combine) in four forms: activations [B, 1, D] (as mlx-lm's models carry them, so
-  MLX folds the batch into a matmul's rows and back: a Flatten and an Unflatten per matmul) or
-  [B, D]; weights used as `W.T` (mlx-lm's `nn.Linear`: a Transpose per matmul) or stored
-  pre-transposed. The difference is view primitives only: no device work, all host work.
+- `layouts`: a decode-like step of SmolLM2-135M's shapes (30 layers of seven projections, heads
+  split and joined, a SwiGLU-like combine) in four forms: activations [B, 1, D] (as mlx-lm's
+  models carry them, so MLX folds the batch into a matmul's rows and back: a Flatten and an
+  Unflatten per matmul) or [B, D]; weights used as `W.T` (mlx-lm's `nn.Linear`: a Transpose per
+  matmul) or stored pre-transposed. The four differ by view primitives only: no device work,
+  all host work. A fifth is mlx-lm's layout with q/k/v and gate/up each one matmul, split
+  (service.core.models.projections): four matmuls a layer instead of seven.
 - `per_op`: a chain of N ops, per op: a trivial custom kernel (alone, with seven more inputs it
   never reads, after a matmul), MLX's RMSNorm (alone, with four view primitives around it,
   after a matmul), a matmul.
@@ -34,7 +36,7 @@ PROJECTIONS = [(D, D), (D, KV), (D, KV), (D, D), (D, FF), (D, FF), (FF, D)]  # (
 
 
 def layout_steps(batch: int, dtype: mx.Dtype, layers: int = LAYERS) -> dict[str, tuple]:
-    """name -> (step, its input): the four layouts of one decode-like step (not compiled)."""
+    """name -> (step, its input): the layouts of one decode-like step (not compiled)."""
     mx.random.seed(0)
     # Each layer its own weights: `mx.compile` would merge the repeated `W.T` of shared ones.
     weights = [
@@ -42,7 +44,15 @@ def layout_steps(batch: int, dtype: mx.Dtype, layers: int = LAYERS) -> dict[str,
         for _ in range(layers)
     ]
     transposed = [[mx.contiguous(w.T) for w in layer] for layer in weights]
-    mx.eval(weights, transposed)
+    # q/k/v and gate/up as one matrix each (service.core.models.projections).
+    fused = [[mx.concatenate(w[0:3]), w[3], mx.concatenate(w[4:6]), w[6]] for w in weights]
+    mx.eval(weights, transposed, fused)
+
+    def attend(x: mx.array, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        # Heads split and joined as an attention does (a reshape of a slice copies).
+        lead = q.shape[:-1]
+        q, k, v = q.reshape(*lead, 9, 64), k.reshape(*lead, 3, 64), v.reshape(*lead, 3, 64)
+        return (q + mx.concatenate([k, v, k], axis=-2)).reshape(*lead, D)
 
     def make(pre: bool) -> Callable[[mx.array], mx.array]:
         stack = transposed if pre else weights
@@ -52,14 +62,20 @@ def layout_steps(batch: int, dtype: mx.Dtype, layers: int = LAYERS) -> dict[str,
 
         def step(x: mx.array) -> mx.array:
             for ws in stack:
-                q, k, v = mm(x, ws[0]), mm(x, ws[1]), mm(x, ws[2])
-                a = q + mx.concatenate([k, v, k], axis=-1)[..., :D]
-                h = x + mm(a, ws[3])
+                h = x + mm(attend(x, mm(x, ws[0]), mm(x, ws[1]), mm(x, ws[2])), ws[3])
                 g, u = mm(h, ws[4]), mm(h, ws[5])
                 x = h + mm(mx.sigmoid(g) * g * u, ws[6])
             return x
 
         return step
+
+    def step_fused(x: mx.array) -> mx.array:
+        for ws in fused:
+            q, k, v = mx.split(x @ ws[0].T, [D, D + KV], axis=-1)
+            h = x + attend(x, q, k, v) @ ws[1].T
+            g, u = mx.split(h @ ws[2].T, [FF], axis=-1)
+            x = h + (mx.sigmoid(g) * g * u) @ ws[3].T
+        return x
 
     out = {}
     rows = (mx.random.normal((batch, D)) * 0.1).astype(dtype)
@@ -71,6 +87,8 @@ def layout_steps(batch: int, dtype: mx.Dtype, layers: int = LAYERS) -> dict[str,
                 make(pre),
                 x,
             )
+        if not two_d:
+            out["[B, 1, D] W.T, siblings fused"] = (step_fused, x)
     return out
 
 
