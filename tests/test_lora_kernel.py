@@ -365,7 +365,8 @@ def alone(aset: lora.AdapterSet, module, x: mx.array, rows) -> mx.array:
 def test_held_outputs_serve_the_same_input_only(tmp_path: Path) -> None:
     """The group's outputs go to the members called with the very input array the first one
     had, in any order; a member called with another input (equal values, another array)
-    computes its own, and the group turns itself off; later calls are per projection too."""
+    computes anew, and after two such calls in a row the group turns itself off; later calls
+    are per projection too."""
     x = mx.random.normal((3, 4, 64))
     aset, (q, k, v), rows = projections(tmp_path)
     with lora.use_adapters(rows):
@@ -402,17 +403,33 @@ def test_held_outputs_serve_the_same_rows_only(tmp_path: Path) -> None:
 
 def test_a_member_never_called_turns_the_group_off(tmp_path: Path) -> None:
     """A family that calls q and v but not k on an input (as layers that reuse another layer's
-    K/V do): the next computation finds k's output untaken, and the group stops; every output
-    is still the per-projection one."""
+    K/V do): the next computations find k's output untaken, and after two the group stops;
+    every output is still the per-projection one."""
     x, later = mx.random.normal((3, 2, 64)), mx.random.normal((3, 2, 64))
     aset, (q, k, v), rows = projections(tmp_path)
     with lora.use_adapters(rows):
         first = [q(x), v(x)]
-        second = [q(later), k(later), v(later)]
+        second = [q(later), v(later)]
+        third = [q(x), k(x), v(x)]
     assert q._shared is not None and not q._shared.enabled
     for m, out in zip((q, v), first):
         assert mx.array_equal(out, alone(aset, m, x, rows))
-    for m, out in zip((q, k, v), second):
+    for m, out in zip((q, v), second):
+        assert mx.array_equal(out, alone(aset, m, later, rows))
+    for m, out in zip((q, k, v), third):
+        assert mx.array_equal(out, alone(aset, m, x, rows))
+
+
+def test_a_forward_cut_short_leaves_the_group_on(tmp_path: Path) -> None:
+    """q alone (the forward failed after it), then a whole forward: the group computes anew,
+    serves it and stays on."""
+    x, later = mx.random.normal((3, 2, 64)), mx.random.normal((3, 2, 64))
+    aset, (q, k, v), rows = projections(tmp_path)
+    with lora.use_adapters(rows):
+        q(x)
+        outs = [q(later), k(later), v(later)]
+    assert q._shared is not None and q._shared.enabled
+    for m, out in zip((q, k, v), outs):
         assert mx.array_equal(out, alone(aset, m, later, rows))
 
 

@@ -776,12 +776,13 @@ class _Group:
     The first member called with adapter rows runs every ready member's base layer and one
     kernel for them all, returns its own output and holds the others'. A member takes its held
     output only when called with the very same input array, under the same rows, with the
-    stacks unchanged; every other call computes its own (the numbers are the same either way:
-    a member's blocks of the kernel do the same work whatever else the kernel holds). A call
-    that shows the model does not call its members that way (a member called with another
-    input, or a new computation while a member has not taken its output) turns the group off,
-    for good: a family that passes the members other inputs, or skips some, pays one wasted
-    computation, never wrong numbers.
+    stacks unchanged; every other call computes anew (the numbers are the same either way:
+    a member's blocks of the kernel do the same work whatever else the kernel holds). Two calls
+    in a row off that pattern (a member called with another input, or a new computation while
+    a member has not taken its output) show the model does not call its members that way and
+    turn the group off for good: a family that passes the members other inputs, or skips some,
+    pays a wasted computation or two, never wrong numbers. One alone, as a forward cut short by
+    an error leaves, does not.
 
     A traced (`mx.compile`) forward runs this logic at trace time: what it decides is in the
     graph. Each thread's forwards hold their own outputs."""
@@ -790,6 +791,7 @@ class _Group:
         self.members = members
         self.enabled = True
         self.version = 0  # bumped when a member's stacks change (MultiLoRALinear._reindex)
+        self._misses = 0  # calls off the pattern since the last group that completed
         self._local = _HeldPerThread()
 
     def disable(self) -> None:
@@ -806,12 +808,17 @@ class _Group:
             if not held.outs:
                 self._local.held = None
             if out is not None and held.x is x and held.rows is rows:
+                if not held.outs:
+                    self._misses = 0
                 if held.version == self.version:
                     return out
                 return None  # the stacks changed since (between forwards): compute anew
             # Not the pattern: another input than its siblings', or a sibling never called.
-            self.disable()
-            return None
+            self._local.held = None
+            self._misses += 1
+            if self._misses > 1:
+                self.disable()
+                return None
         ready = [
             m
             for m in self.members
