@@ -2,7 +2,7 @@
 and ours over a peer round by round, as median (range) per level. GPU hosts vary between calls
 and within one, so ratios of rounds run side by side are what the results README reports.
 
-    python -m bench.rounds bench/results/gpu-h200/smollm2-135m-a24b7e7.json \\
+    python -m bench.rounds OUT/smollm2-135m-TAG.json \\
         [--peer raw] [--json out.json]
 """
 

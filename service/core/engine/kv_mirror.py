@@ -77,8 +77,8 @@ class DecodeMirror:
     def begin_step(self, source: MirrorSource, layout: StepLayout) -> MirrorStep | None:
         """Make the mirror hold every row's positions before this decode step; returns where
         the step writes and its mask, or None (gather instead: a single row, or too large).
-        A lone row gathers only itself, which costs less than keeping a copy of it (see
-        bench/results for the C=1 figures)."""
+        A lone row gathers only itself, which costs less than keeping a copy of it
+        (bench/cpu_mirror.py measures the mirror against the gather)."""
         if layout.batch_size < 2:
             if len(self.rows):
                 self.clear()
