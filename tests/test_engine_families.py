@@ -26,7 +26,7 @@ from service.core.engine.paged_attention import kernel_available, kernel_support
 from service.core.engine.runner import ModelRunner
 from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import PoolShape, make_storage
-from service.core.models import rope
+from service.core.models import projections, rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import materialize, model_family
@@ -177,11 +177,13 @@ def serve(
     steps: int,
     paged: bool = True,
     direct: bool = False,
+    fused: bool | None = None,
 ):
     """Our engine: prefill the prompts (together unless the model keeps recurrent state, which
     prefills one row per forward), then decode every row together, pipelined as the scheduler
     does (step N+1 queued before N is read where the platform overlaps steps). `direct`: decode
-    attention read from the pool, through the MLX-ops reference of the CUDA kernel."""
+    attention read from the pool, through the MLX-ops reference of the CUDA kernel; `fused`:
+    sibling projections as one matmul (None: where the platform fuses them, as the server)."""
     model = build(name)
     rope.install(model)
     materialize(model)
@@ -199,6 +201,8 @@ def serve(
     )
     if direct:
         config = replace(config, decode_attention="direct")
+    if config.fused_projections if fused is None else fused:
+        projections.fuse(model)
     storage = make_storage(config, model, layout, PoolShape(num_blocks=256))
     runner = ModelRunner(
         model,
@@ -276,6 +280,20 @@ def test_direct_decode_reference_gives_mlx_lm_alone(name):
     engine, got = serve(name, prompts, 8, direct=True)
     assert engine.config.decode_attention == "direct"
     assert_same(want, got)
+
+
+@pytest.mark.parametrize("name", [*CONFIGS, *QUANTIZED])
+def test_fused_projections_give_mlx_lm_alone(name):
+    """q/k/v and gate/up as one matmul each (the CUDA path's; here on the CPU too): mlx-lm's
+    tokens, and no group gave up on the family's way of calling its projections."""
+    prompts = prompts_for()
+    want = [alone(name, p, 8) for p in prompts]
+    engine, got = serve(name, prompts, 8, fused=True)
+    assert_same(want, got)
+    groups = projections.groups(engine.engine.model)
+    assert all(g.enabled for g in groups)
+    if name not in ("mamba", "mamba2", "phi3-longrope"):  # no projections; phi3's come fused
+        assert groups, "no sibling projections fused"
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "falcon_h1"])

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from service.core.models import lora
+from service.core.models import lora, projections
 from tests.helpers import adapters as trained
 from tests.helpers.adapters import SPECS, TOLERANT, ULPS, mlx_lm_generate, prompts
 
@@ -26,11 +26,20 @@ def work(tiny_adapters: Path) -> Path:
     return tiny_adapters
 
 
-def served(work: Path, base: str, names: tuple[str, ...] | None = None, kernel: bool = False):
-    """The base model with its adapters (or `names`) installed in one AdapterSet."""
+def served(
+    work: Path,
+    base: str,
+    names: tuple[str, ...] | None = None,
+    kernel: bool = False,
+    fused: bool = False,
+):
+    """The base model with its adapters (or `names`) installed in one AdapterSet; `fused`: over
+    sibling projections made one matmul first, as the server does on CUDA."""
     from mlx_lm import load
 
     model, _ = load(str(work / base))
+    if fused:
+        assert projections.fuse(model) > 0
     aset = lora.AdapterSet(model, kernel=kernel)
     for name in names or [n for n, s in SPECS.items() if s.base == base]:
         aset.add(lora.load_adapter(name, work / "adapters" / name, model))
@@ -102,13 +111,17 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(work: Path, base: str) 
         assert mx.abs(lp[i] - same[i]).max().item() < ULPS, (i, name)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("base", ["f", "q", "b"])
-def test_the_kernel_path_gives_mlx_lm_numbers_in_a_mixed_batch(work: Path, base: str) -> None:
+def test_the_kernel_path_gives_mlx_lm_numbers_in_a_mixed_batch(
+    work: Path, base: str, fused: bool
+) -> None:
     """The CUDA path (EngineConfig.lora_kernel; on the CPU its MLX-op reference): each row of a
     batch mixing every adapter (ranks 4 to 16, DoRA layers taking the gathered path) and the
-    base has mlx-lm's greedy tokens with its adapter, and its logprobs to float tolerance."""
+    base has mlx-lm's greedy tokens with its adapter, and its logprobs to float tolerance; also
+    over fused sibling projections (EngineConfig.fused_projections), whose groups hold on."""
     names_of = {"f": ("all7", "qv_head", "dora_mlp"), "q": None, "b": None}
-    model, aset = served(work, base, names_of[base], kernel=True)
+    model, aset = served(work, base, names_of[base], kernel=True, fused=fused)
     assert all(w.kernel for w in aset.wrappers.values())
     names: list[str | None] = [*aset.names, None]
     batch = prompts(len(names), seed=11)
@@ -119,6 +132,7 @@ def test_the_kernel_path_gives_mlx_lm_numbers_in_a_mixed_batch(work: Path, base:
         assert tokens[i] == ref.tokens, (i, name)
         # The base product's rounding depends on the batch's rows (as without adapters).
         assert mx.abs(lp[i] - ref.logprobs).max().item() < 1e-4, (i, name)
+    assert all(g.enabled for g in projections.groups(model))
 
 
 def test_adapters_of_several_ranks_share_layers_exactly(work: Path) -> None:

@@ -33,7 +33,7 @@ from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
 from service.core.kv.block_pool import KVCacheManager, KVCacheStats, KVManager, UnpagedKV
 from service.core.kv.budget import parse_budget
 from service.core.loop import CoreLoop, slot_views
-from service.core.models import activations, lora, rope
+from service.core.models import activations, lora, projections, rope
 from service.core.models.families import Family, family
 from service.core.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.core.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
@@ -196,7 +196,9 @@ class Runtime:
         fam = family(lm.family)
         engine_config = self._engine_config(lm, fam)
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
-        # After the MLPs' swap: it recognizes the projections as plain nn.Linear.
+        fused_groups = projections.fuse(lm.model) if engine_config.fused_projections else 0
+        # After the MLPs' swap (it recognizes the projections as plain nn.Linear) and the fusing
+        # (adapters wrap the fused members, whose base products their group computes once).
         adapters = self._load_adapters(lm, engine_config.lora_kernel)
         self.runner = self._build_runner(lm, fam, engine_config, adapters)
         if self.group is not None and self.rank > 0:
@@ -229,7 +231,9 @@ class Runtime:
             logits = mx.zeros((1, self.loaded.vocab_size), lm.dtype)
             mx.eval(apply_token_masks(logits, np.full((1, 1), -1, np.int32)))
         self._publish(self.scheduler)  # stats before the first turn: the pool as built
-        self._log_loaded(lm, fam, engine_config, fast_mlp_layers, warm_up_seconds, started)
+        self._log_loaded(
+            lm, fam, engine_config, fast_mlp_layers, fused_groups, warm_up_seconds, started
+        )
         self.serving = True
 
     def _load_model(self) -> LoadedModel:
@@ -405,6 +409,7 @@ class Runtime:
         fam: Family,
         engine_config: EngineConfig,
         fast_mlp_layers: int,
+        fused_projection_groups: int,
         warm_up_seconds: float,
         started: float,
     ) -> None:
@@ -426,6 +431,7 @@ class Runtime:
             compiled_decode=engine_config.compile_decode,
             shape_buckets=engine_config.shape_buckets,
             fast_swiglu_layers=fast_mlp_layers,
+            fused_projection_groups=fused_projection_groups,
             max_batch_size=self.batch_size,
             slot_context=self.slot_context,
             warm_up_seconds=warm_up_seconds,

@@ -6,8 +6,11 @@ One decode path per platform:
   K/V in place, so step N+1 is queued before step N is read (overlap), N is read and handed to
   the scheduler on a second thread while N+1's dispatch runs, and a step replays a compiled
   graph; prefill forwards are padded to a few shape buckets (attention builds a plan
-  per new shape there). LoRA rows' updates come from two custom kernels per adapted layer: MLX's
-  CUDA gather_mm runs a row's product at a time, and every extra primitive costs host work.
+  per new shape there). Sibling projections that read one input (q/k/v, gate/up) run as one
+  matmul, split (service.core.models.projections): a matmul costs MLX's host work the most of
+  any primitive, where on the CPU the split costs more than it saves. LoRA rows' updates come
+  from two custom kernels per adapted layer: MLX's CUDA gather_mm runs a row's product at a
+  time, and every extra primitive costs host work.
 - Elsewhere: MLX ops. Decode steps of two or more rows attend over a contiguous copy of the
   batch's K/V (service.core.engine.kv_mirror) instead of gathering it from the pool every step, and
   float32 SwiGLU MLPs use the multiply-add exp (service.core.models.activations).
@@ -58,6 +61,8 @@ class EngineConfig:
     # LoRA rows' updates come from two CUDA kernels per adapted layer
     # (service.core.models.lora_kernel) rather than MLX's gathered products.
     lora_kernel: bool = False
+    # q/k/v and gate/up each one matmul, split (service.core.models.projections).
+    fused_projections: bool = False
 
     @property
     def paged(self) -> bool:
@@ -136,6 +141,7 @@ def resolve(
             single_row_prefill=layout.stateful,
             grouped_query_mask=grouped_query_mask,
             lora_kernel=True,
+            fused_projections=True,
         )
     mirror = paged and batched and not layout.sliding
     return EngineConfig(

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -57,6 +56,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from service.common.model_source import ModelLoadError
 from service.core.models import lora_kernel
+from service.core.models.projections import SHARED_INPUT, SharedInput
 from service.protocol import AdapterDescription
 
 NO_ADAPTER = 0  # the reserved slot: zero weights, scale 0, DoRA factor 1
@@ -748,77 +748,30 @@ class MultiLoRALinear(nn.Module):
 
 # -- projections that read one input -------------------------------------------------------------
 
-# mlx-lm's attention blocks call q, k and v, and its MLPs gate and up, with one input array.
-SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-
-@dataclass
-class _Held:
-    """Outputs a group computed for its members still to be called, and what they are for."""
-
-    x: mx.array  # held: while it is, no other array can take its identity
-    rows: RowAdapters
-    version: int
-    outs: dict[int, mx.array]  # member index -> its output
-
-
-class _HeldPerThread(threading.local):
-    """Each thread's forwards hold their own outputs."""
-
-    def __init__(self) -> None:
-        self.held: _Held | None = None
-
-
-class _Group:
+class _Group(SharedInput):
     """Wrapped projections of one block that read the same input (`SHARED_INPUT`): their updates
     come from one `fused_add` kernel instead of one each.
 
     The first member called with adapter rows runs every ready member's base layer and one
-    kernel for them all, returns its own output and holds the others'. A member takes its held
-    output only when called with the very same input array, under the same rows, with the
-    stacks unchanged; every other call computes anew (the numbers are the same either way:
-    a member's blocks of the kernel do the same work whatever else the kernel holds). Two calls
-    in a row off that pattern (a member called with another input, or a new computation while
-    a member has not taken its output) show the model does not call its members that way and
-    turn the group off for good: a family that passes the members other inputs, or skips some,
-    pays a wasted computation or two, never wrong numbers. One alone, as a forward cut short by
-    an error leaves, does not.
-
-    A traced (`mx.compile`) forward runs this logic at trace time: what it decides is in the
-    graph. Each thread's forwards hold their own outputs."""
+    kernel for them all, returns its own output and holds the others' (`SharedInput`: taken only
+    with the very same input, under the same rows and stacks; otherwise computed anew, and two
+    misses in a row turn the group off). The numbers are the same either way: a member's blocks
+    of the kernel do the same work whatever else the kernel holds."""
 
     def __init__(self, members: list[MultiLoRALinear]) -> None:
+        super().__init__()
         self.members = members
-        self.enabled = True
         self.version = 0  # bumped when a member's stacks change (MultiLoRALinear._reindex)
-        self._misses = 0  # calls off the pattern since the last group that completed
-        self._local = _HeldPerThread()
-
-    def disable(self) -> None:
-        self.enabled = False
-        self._local.held = None
 
     def __call__(self, member: MultiLoRALinear, x: mx.array, rows: RowAdapters) -> mx.array | None:
         """`member`'s output (base plus update) for x; None: the member computes it alone."""
         if not self.enabled:
             return None
-        held = self._local.held
-        if held is not None:
-            out = held.outs.pop(member._shared_index, None)
-            if not held.outs:
-                self._local.held = None
-            if out is not None and held.x is x and held.rows is rows:
-                if not held.outs:
-                    self._misses = 0
-                if held.version == self.version:
-                    return out
-                return None  # the stacks changed since (between forwards): compute anew
-            # Not the pattern: another input than its siblings', or a sibling never called.
-            self._local.held = None
-            self._misses += 1
-            if self._misses > 1:
-                self.disable()
-                return None
+        key = (rows, self.version)
+        out = self.take(member._shared_index, x, key)
+        if out is not None or not self.enabled:
+            return out
         ready = [
             m
             for m in self.members
@@ -838,7 +791,7 @@ class _Group:
                 own = out
             else:
                 siblings[m._shared_index] = out
-        self._local.held = _Held(x, rows, self.version, siblings)
+        self.hold(x, key, siblings)
         return own
 
 

@@ -1,0 +1,216 @@
+"""Sibling projections that read one input, run as one matmul.
+
+mlx-lm's attention blocks call q_proj, k_proj and v_proj with one input array, and its MLPs
+gate_proj and up_proj. On CUDA a matmul costs MLX more host work than any other primitive of a
+decode step (`bench/host_cost.py` measures it), so `fuse` gives each such group of plain
+`nn.Linear` or `nn.QuantizedLinear` layers one weight, their rows concatenated: the first member
+called computes `x @ W.T` once and splits it, and its siblings take their parts when called with
+the same input. Two matmuls an attention block and one an MLP fewer.
+
+The members keep their names, classes (a subclass) and shapes, so adapters, parameter counts and
+GetModelInfo see the model unchanged; their weights become views of the group's rows, so fusing
+adds no memory. A member called in another way than its siblings (another input, or a sibling
+never called) computes alone, as before fusing: `SharedInput` says when a group gives up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+
+# mlx-lm's attention blocks call q, k and v, and its MLPs gate and up, with one input array.
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass
+class _Held:
+    """Outputs computed for members still to be called, and what they were computed for."""
+
+    x: mx.array  # held: while it is, no other array can take its identity
+    key: tuple[Any, ...]
+    outs: dict[int, mx.array]  # member index -> its output
+
+
+class _HeldPerThread(threading.local):
+    """Each thread's forwards hold their own outputs."""
+
+    def __init__(self) -> None:
+        self.held: _Held | None = None
+
+
+class SharedInput:
+    """What members that read one input share: the outputs one computation made for the members
+    not called yet.
+
+    The first member called computes every member's output, returns its own and `hold`s the
+    others'. A member `take`s its held output only when called with the very same input array,
+    under the same key (what else the outputs depend on); every other call computes anew. Two
+    calls in a row off that pattern (a member called with another input, or a new computation
+    while a member has not taken its output) show the model does not call its members that way,
+    and turn the group off for good (`enabled`): a family that passes the members other inputs,
+    or skips one, pays a wasted computation or two, never wrong numbers. One alone, as a forward
+    cut short by an error leaves, does not.
+
+    A traced (`mx.compile`) forward runs this logic at trace time: what it decides is in the
+    graph."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._misses = 0  # calls off the pattern since the last computation fully taken
+        self._local = _HeldPerThread()
+
+    def disable(self) -> None:
+        self.enabled = False
+        self._local.held = None
+
+    def take(self, index: int, x: mx.array, key: tuple[Any, ...] = ()) -> mx.array | None:
+        """Member `index`'s output held for input x under `key`; None: the member computes (for
+        the group while `enabled`, alone otherwise)."""
+        held = self._local.held
+        if held is None:
+            return None
+        out = held.outs.pop(index, None)
+        if not held.outs:
+            self._local.held = None
+        if out is not None and held.x is x and held.key == key:
+            if not held.outs:
+                self._misses = 0
+            return out
+        # Not the pattern: another input than its siblings', or a sibling never called.
+        self._local.held = None
+        self._misses += 1
+        if self._misses > 1:
+            self.disable()
+        return None
+
+    def hold(self, x: mx.array, key: tuple[Any, ...], outs: dict[int, mx.array]) -> None:
+        """Keep the outputs computed for input x under `key` for the members they belong to."""
+        self._local.held = _Held(x, key, outs) if outs else None
+
+
+class _Fused(SharedInput):
+    """One weight (and bias, and quantization scales and biases) for sibling projections, their
+    rows concatenated in member order."""
+
+    def __init__(self, members: list[nn.Linear]) -> None:
+        super().__init__()
+        first = members[0]
+        self.quantized = isinstance(first, nn.QuantizedLinear)
+        sizes = [m.weight.shape[0] for m in members]
+        self.splits = list(itertools.accumulate(sizes))[:-1]
+        self.params = {
+            key: mx.concatenate([m[key] for m in members])
+            for key in ("weight", "bias", "scales", "biases")
+            if key in first
+        }
+        if self.quantized:
+            self.group_size, self.bits, self.mode = first.group_size, first.bits, first.mode
+        mx.eval(self.params)
+        bounds = [0, *self.splits, sum(sizes)]
+        for member, start, stop in zip(members, bounds, bounds[1:]):
+            for key, whole in self.params.items():
+                member[key] = whole[start:stop]  # a view: the member's own array is freed
+        mx.eval([m.parameters() for m in members])
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        """Every member's output for x, as each would compute it alone."""
+        p = self.params
+        if self.quantized:
+            y = mx.quantized_matmul(
+                x,
+                p["weight"],
+                scales=p["scales"],
+                biases=p.get("biases"),
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
+            if "bias" in p:
+                y = y + p["bias"]
+        elif "bias" in p:
+            y = mx.addmm(p["bias"], x, p["weight"].T)
+        else:
+            y = x @ p["weight"].T
+        return mx.split(y, self.splits, axis=-1)
+
+
+class _Member:
+    """A projection whose output comes from its group's one matmul (`_Fused`)."""
+
+    _fused: _Fused
+    _fused_index: int
+
+    def __call__(self, x: mx.array) -> mx.array:
+        group, index = self._fused, self._fused_index
+        if group.enabled:
+            out = group.take(index, x)
+            if out is not None:
+                return out
+        if not group.enabled:
+            return super().__call__(x)  # type: ignore[misc]
+        outs = group(x)
+        group.hold(x, (), {i: out for i, out in enumerate(outs) if i != index})
+        return outs[index]
+
+
+class FusedLinear(_Member, nn.Linear):
+    pass
+
+
+class FusedQuantizedLinear(_Member, nn.QuantizedLinear):
+    pass
+
+
+def _signature(module: nn.Module) -> tuple[Any, ...] | None:
+    """What members of one group must share; None: not a layer `fuse` takes."""
+    if type(module) is nn.Linear:
+        quantization: tuple[Any, ...] = ()
+    elif type(module) is nn.QuantizedLinear:
+        quantization = (module.group_size, module.bits, module.mode, "biases" in module)
+    else:
+        return None  # sharded, adapted or otherwise wrapped layers keep their own forward
+    weight = module.weight
+    return (type(module), weight.shape[1], weight.dtype, "bias" in module, *quantization)
+
+
+def groups(model: nn.Module) -> list[SharedInput]:
+    """The model's fused groups, each once, in module order."""
+    found: dict[int, SharedInput] = {}
+    for _, module in model.named_modules():
+        if isinstance(module, _Member):
+            found.setdefault(id(module._fused), module._fused)
+    return list(found.values())
+
+
+def fuse(model: nn.Module) -> int:
+    """Give each block's sibling projections that read one input (`SHARED_INPUT`) one weight;
+    returns the number of groups made. Members of a group are of one class, input size, dtype
+    and quantization; other siblings are left as they are."""
+    modules = dict(model.named_modules())
+    groups = 0
+    for name, module in modules.items():
+        parent, _, leaf = name.rpartition(".")
+        for names in SHARED_INPUT:
+            if leaf != names[0]:
+                continue
+            prefix = f"{parent}." if parent else ""
+            members = [modules.get(prefix + n) for n in names]
+            if any(m is None for m in members):
+                continue
+            signature = _signature(module)
+            if signature is None or any(_signature(m) != signature for m in members):
+                continue
+            group = _Fused(members)
+            cls = FusedQuantizedLinear if group.quantized else FusedLinear
+            for index, member in enumerate(members):
+                # The same module, now calling through its group: its name and arrays stay.
+                member.__class__ = cls
+                member._fused, member._fused_index = group, index
+            groups += 1
+    return groups
