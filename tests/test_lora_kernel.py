@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench.multi_lora import ALL_PROJECTIONS
-from service.core.models import lora, lora_kernel
+from service.core.models import lora, lora_kernel, projections
 from tests.helpers import cuda_source
 
 cuda_only = pytest.mark.skipif(
@@ -72,17 +72,21 @@ def test_the_kernels_match_the_reference(tokens: int, rank: int, dtype: mx.Dtype
     assert mx.array_equal(got[base], y[base])
 
 
-def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path: Path, fused: bool) -> None:
     """A tiny llama serving three adapters (ranks 4, 8, 16 on different projections) on the
     kernel path (the CUDA kernels on a GPU, their reference elsewhere): each row of a batch
     mixing them and the base has the logits mlx-lm's own LoRA layers give that adapter, for a
-    multi-token forward and a one-token one."""
+    multi-token forward and a one-token one; also over sibling projections fused into one
+    matmul first, as the server runs them on CUDA."""
     from mlx_lm.tuner.utils import load_adapters
 
     from bench.multi_lora import write_adapter
     from tests.helpers.tiny import VOCAB, tiny_llama
 
     model = tiny_llama()
+    if fused:
+        assert projections.fuse(model) == 2 * len(model.layers)
     specs = {
         "all7": (4, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                      "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]),
@@ -111,6 +115,7 @@ def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path) -> None:
             diff = mx.abs(got[i] - want).max().item()
             assert diff < 1e-4, (name, part.shape, diff)
             assert name is None or mx.abs(want - base).max().item() > 1e-2, name
+    assert all(g.enabled for g in projections.groups(model))
 
 
 # -- the fused kernel ------------------------------------------------------------------------------
@@ -347,7 +352,7 @@ def test_a_projection_left_without_adapters_leaves_its_group(
         assert mx.array_equal(got, model(tokens))
 
 
-def projections(tmp_path: Path):
+def adapted_qkv(tmp_path: Path):
     """Layer 0's q, k, v of a fresh model (groups start on), with two adapters' rows."""
     model, aset = adapted_llama(
         tmp_path, {"all7": (4, SEVEN), "qv": (8, ["self_attn.q_proj", "self_attn.v_proj"])}
@@ -368,7 +373,7 @@ def test_held_outputs_serve_the_same_input_only(tmp_path: Path) -> None:
     computes anew, and after two such calls in a row the group turns itself off; later calls
     are per projection too."""
     x = mx.random.normal((3, 4, 64))
-    aset, (q, k, v), rows = projections(tmp_path)
+    aset, (q, k, v), rows = adapted_qkv(tmp_path)
     with lora.use_adapters(rows):
         got = {"k": k(x), "q": q(x), "v": v(x)}
     for name, m in zip("qkv", (q, k, v)):
@@ -391,7 +396,7 @@ def test_held_outputs_serve_the_same_input_only(tmp_path: Path) -> None:
 def test_held_outputs_serve_the_same_rows_only(tmp_path: Path) -> None:
     """A member called with the first one's input but under other rows computes its own."""
     x = mx.random.normal((3, 2, 64))
-    aset, (q, k, _), rows = projections(tmp_path)
+    aset, (q, k, _), rows = adapted_qkv(tmp_path)
     swapped = aset.rows(np.array([aset.slot("qv"), 0, aset.slot("all7")], np.int32))
     with lora.use_adapters(rows):
         q(x)
@@ -406,7 +411,7 @@ def test_a_member_never_called_turns_the_group_off(tmp_path: Path) -> None:
     K/V do): the next computations find k's output untaken, and after two the group stops;
     every output is still the per-projection one."""
     x, later = mx.random.normal((3, 2, 64)), mx.random.normal((3, 2, 64))
-    aset, (q, k, v), rows = projections(tmp_path)
+    aset, (q, k, v), rows = adapted_qkv(tmp_path)
     with lora.use_adapters(rows):
         first = [q(x), v(x)]
         second = [q(later), v(later)]
@@ -424,7 +429,7 @@ def test_a_forward_cut_short_leaves_the_group_on(tmp_path: Path) -> None:
     """q alone (the forward failed after it), then a whole forward: the group computes anew,
     serves it and stays on."""
     x, later = mx.random.normal((3, 2, 64)), mx.random.normal((3, 2, 64))
-    aset, (q, k, v), rows = projections(tmp_path)
+    aset, (q, k, v), rows = adapted_qkv(tmp_path)
     with lora.use_adapters(rows):
         q(x)
         outs = [q(later), k(later), v(later)]
@@ -518,9 +523,10 @@ def test_the_gathered_per_rank_products_are_each_rows_own(tmp_path: Path) -> Non
 @cuda_only
 def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Path) -> None:
     """The CUDA decode path (steps replayed from a compiled graph with the rows' slots as an
-    input, one kernel per group of projections, K/V written in place) gives the greedy tokens
-    of the same rows stepped op by op on the gathered MLX-op path, rows of three adapters (of
-    different targets and ranks) and of none in one batch."""
+    input, one kernel per group of projections over q/k/v and gate/up fused into one matmul
+    each, K/V written in place) gives the greedy tokens of the same rows stepped op by op on
+    the gathered MLX-op path, rows of three adapters (of different targets and ranks) and of
+    none in one batch."""
     from bench.multi_lora import write_adapter
     from service.core.engine.config import EngineConfig
     from service.core.engine.kv_paged import PagedKVStorage
@@ -537,6 +543,8 @@ def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Pat
     outs = {}
     for cuda in (False, True):
         model = tiny_llama(hidden_size=128, heads=2, kv_heads=1, seed=11)  # head_dim 64
+        if cuda:
+            projections.fuse(model)
         modules = dict(model.layers[0].named_modules())
         dims = {key: lora.linear_dims(modules[key]) for key in SEVEN}
         aset = lora.AdapterSet(model, kernel=cuda)
@@ -550,7 +558,11 @@ def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Pat
             LAYERS, 1, 64, mx.float32, 64, 8, decode_attention=direct, in_place=cuda
         )
         config = EngineConfig(
-            decode_attention=direct, in_place_writes=cuda, compile_decode=cuda, lora_kernel=cuda
+            decode_attention=direct,
+            in_place_writes=cuda,
+            compile_decode=cuda,
+            lora_kernel=cuda,
+            fused_projections=cuda,
         )
         engine = make_engine(model, storage, config, adapters=aset)
         seqs = [
@@ -564,6 +576,7 @@ def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Pat
             for i, r in enumerate(engine.step([StepRow(s) for s in seqs])):
                 out[i].append(r.token_id)
         outs[cuda] = out
+        assert all(g.enabled for g in projections.groups(model))
     assert outs[True] == outs[False]
 
 
