@@ -155,13 +155,28 @@ def test_a_forward_cut_short_leaves_the_group_on() -> None:
 
 
 def test_siblings_of_different_kinds_stay_apart() -> None:
-    """Members must share class, input size, dtype, bias and quantization."""
+    """Members share class, input size, dtype, bias and quantization: of siblings that differ,
+    those that agree form the group (v_proj kept at 8 bits, as mixed-precision recipes do)."""
     model = built()
+    x = mx.random.normal((2, 64))
     model.layers[0].v_proj = nn.Linear(64, 32, bias=True)  # the only one with a bias
-    nn.quantize(model.layers[1], group_size=32, bits=4, class_predicate=lambda p, _: p == "up_proj")
-    assert projections.fuse(model) == 2  # layer 0's MLP and layer 1's attention
-    assert type(model.layers[0].q_proj) is nn.Linear
-    assert type(model.layers[1].gate_proj) is nn.Linear
+    nn.quantize(model.layers[1], group_size=32, bits=4, class_predicate=lambda p, _: p != "v_proj")
+    nn.quantize(model.layers[1], group_size=32, bits=8, class_predicate=lambda p, m: p == "v_proj")
+    mx.eval(model.parameters())
+    want = [layer(x) for layer in model.layers]
+    # layer 0: q+k and gate+up; layer 1: q+k (4-bit) and gate+up (4-bit)
+    assert projections.fuse(model) == 4
+    assert type(model.layers[0].v_proj) is nn.Linear
+    assert type(model.layers[1].v_proj) is nn.QuantizedLinear
+    assert model.layers[1].q_proj._fused is model.layers[1].k_proj._fused
+    for layer, expect in zip(model.layers, want):
+        assert mx.allclose(layer(x), expect, atol=1e-5)
+    assert all(g.enabled for g in projections.groups(model))
+
+    mixed = built()
+    nn.quantize(mixed.layers[0], group_size=32, bits=4, class_predicate=lambda p, _: p == "up_proj")
+    assert projections.fuse(mixed) == 3  # layer 0's MLP: one float, one 4-bit
+    assert type(mixed.layers[0].gate_proj) is nn.Linear
 
 
 def test_threads_hold_their_own_outputs() -> None:

@@ -191,26 +191,28 @@ def groups(model: nn.Module) -> list[SharedInput]:
 def fuse(model: nn.Module) -> int:
     """Give each block's sibling projections that read one input (`SHARED_INPUT`) one weight;
     returns the number of groups made. Members of a group are of one class, input size, dtype
-    and quantization; other siblings are left as they are."""
+    and quantization: where siblings differ (a mixed-precision quantization that keeps v_proj at
+    more bits), those that agree form the group, and the others compute alone."""
     modules = dict(model.named_modules())
+    parents = sorted({name.rpartition(".")[0] for name in modules})
     groups = 0
-    for name, module in modules.items():
-        parent, _, leaf = name.rpartition(".")
+    for parent in parents:
+        prefix = f"{parent}." if parent else ""
         for names in SHARED_INPUT:
-            if leaf != names[0]:
-                continue
-            prefix = f"{parent}." if parent else ""
-            members = [modules.get(prefix + n) for n in names]
-            if any(m is None for m in members):
-                continue
-            signature = _signature(module)
-            if signature is None or any(_signature(m) != signature for m in members):
-                continue
-            group = _Fused(members)
-            cls = FusedQuantizedLinear if group.quantized else FusedLinear
-            for index, member in enumerate(members):
-                # The same module, now calling through its group: its name and arrays stay.
-                member.__class__ = cls
-                member._fused, member._fused_index = group, index
-            groups += 1
+            kinds: dict[tuple[Any, ...], list[nn.Module]] = {}
+            for name in names:
+                module = modules.get(prefix + name)
+                signature = None if module is None else _signature(module)
+                if signature is not None:
+                    kinds.setdefault(signature, []).append(module)
+            for members in kinds.values():
+                if len(members) < 2:
+                    continue
+                group = _Fused(members)
+                cls = FusedQuantizedLinear if group.quantized else FusedLinear
+                for index, member in enumerate(members):
+                    # The same module, now calling through its group: its name and arrays stay.
+                    member.__class__ = cls
+                    member._fused, member._fused_index = group, index
+                groups += 1
     return groups
