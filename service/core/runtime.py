@@ -197,6 +197,8 @@ class Runtime:
         engine_config = self._engine_config(lm, fam)
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
         fused_groups = projections.fuse(lm.model) if engine_config.fused_projections else 0
+        if fused_groups:
+            release_freed_memory()  # the members' own weights, now views of their groups'
         # After the MLPs' swap (it recognizes the projections as plain nn.Linear) and the fusing
         # (adapters wrap the fused members, whose base products their group computes once).
         adapters = self._load_adapters(lm, engine_config.lora_kernel)
