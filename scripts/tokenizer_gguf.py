@@ -16,10 +16,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from service.common.model_source import EMBEDDED_FILE, EMBEDDED_PACKAGE, embedded_gguf_path
+from service.core.models.gguf import read_gguf_metadata
 
 
 def write(root: Path) -> Path:
-    _, metadata = mx.load(str(embedded_gguf_path()), return_metadata=True)
+    metadata = read_gguf_metadata(embedded_gguf_path())
     package = root / EMBEDDED_PACKAGE
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").touch()

@@ -544,7 +544,7 @@ def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Pat
     for cuda in (False, True):
         model = tiny_llama(hidden_size=128, heads=2, kv_heads=1, seed=11)  # head_dim 64
         if cuda:
-            projections.fuse(model)
+            projections.fuse(model)  # as runtime.load does, before the adapters wrap them
         modules = dict(model.layers[0].named_modules())
         dims = {key: lora.linear_dims(modules[key]) for key in SEVEN}
         aset = lora.AdapterSet(model, kernel=cuda)
@@ -562,7 +562,6 @@ def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Pat
             in_place_writes=cuda,
             compile_decode=cuda,
             lora_kernel=cuda,
-            fused_projections=cuda,
         )
         engine = make_engine(model, storage, config, adapters=aset)
         seqs = [

@@ -5,7 +5,6 @@ tests/test_engine_families.py (test_fused_projections_give_mlx_lm_alone)."""
 
 from __future__ import annotations
 
-import io
 import threading
 
 import mlx.core as mx
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 from mlx import nn
 
+from bench.decode_primitives import primitives
 from service.core.models import projections
 
 
@@ -77,23 +77,16 @@ def test_members_give_what_they_compute_alone(bias: bool, bits: int) -> None:
     assert all(g.enabled for g in projections.groups(model))
 
 
-def matmuls(out: mx.array) -> int:
-    """Matmul primitives in the graph that computes `out`."""
-    dot = io.StringIO()
-    mx.export_to_dot(dot, out)
-    return sum("Matmul" in line and "->" not in line for line in dot.getvalue().splitlines())
-
-
 def test_one_matmul_per_group() -> None:
     """The members' outputs come from one product of the concatenated weight: two a layer
     instead of five in the test block, traced as the compiled decode step traces it."""
     model = built()
     x = mx.random.normal((2, 64))
     want = model(x)
-    assert matmuls(want) == 5  # the last layer's graph
+    assert primitives(want)["Matmul"] == 5  # the last layer's graph
     projections.fuse(model)
     got = model(x)
-    assert matmuls(got) == 2
+    assert primitives(got)["Matmul"] == 2
     assert mx.allclose(got, want, atol=1e-5)
     assert mx.allclose(mx.compile(model)(x), want, atol=1e-5)
 
