@@ -80,6 +80,7 @@ def _load(source: str, name: str) -> FusedAdd:
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up while it runs
     spec.loader.exec_module(module)
     return module.fused_add
 

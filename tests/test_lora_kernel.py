@@ -236,6 +236,40 @@ def test_the_fused_kernel_takes_batched_inputs() -> None:
         assert out.shape[:2] == (3, 4) and mx.array_equal(out.reshape(want.shape), want)
 
 
+def side_by_side(parts: list[lora_kernel.Part]) -> list[lora_kernel.Part]:
+    """The same parts reading their base outputs as columns of one y (a fused projection's
+    whole product), in part order."""
+    whole = mx.concatenate([p.y for p in parts], axis=-1)
+    starts = [0, *np.cumsum([p.width for p in parts])[:-1].tolist()]
+    return [lora_kernel.Part(whole, p.a_t, p.b, p.idx, start) for p, start in zip(parts, starts)]
+
+
+def test_the_reference_reads_a_parts_columns_of_a_shared_y() -> None:
+    """Parts whose base outputs are columns of one y give what they give with their own y."""
+    x, parts, scale, _ = fused_case(9, 64, [48, 16, 16], 8, mx.float32)
+    own = lora_kernel.reference_fused_add(x, parts, scale)
+    shared = lora_kernel.reference_fused_add(x, side_by_side(parts), scale)
+    for a, b, part in zip(own, shared, parts):
+        assert b.shape == part.y.shape and mx.array_equal(a, b)
+
+
+@cuda_only
+@pytest.mark.parametrize("shape", ["llama8b-qkv", "llama8b-gate-up", "smol-qkv"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+def test_the_fused_kernel_reads_columns_of_a_shared_y(shape: str, dtype: mx.Dtype) -> None:
+    """`fused_add` with the parts' base outputs as columns of one y, as over fused projections:
+    bit for bit the outputs of the parts with their own y, for flat and batched inputs."""
+    width, outs = SHAPES[shape]
+    x, parts, scale, _ = fused_case(24, width, outs, 16, dtype, seed=5)
+    own = lora_kernel.fused_add(x, parts, scale)
+    shared = side_by_side(parts)
+    for a, b in zip(own, lora_kernel.fused_add(x, shared, scale)):
+        assert b.shape == a.shape and mx.array_equal(a, b)
+    batched = [lora_kernel.Part(p.y.reshape(4, 6, -1), p.a_t, p.b, p.idx, p.start) for p in shared]
+    for a, b in zip(own, lora_kernel.fused_add(x.reshape(4, 6, -1), batched, scale)):
+        assert b.shape == (4, 6, a.shape[-1]) and mx.array_equal(a, b.reshape(a.shape))
+
+
 # -- projections that read one input: one kernel ---------------------------------------------------
 
 SEVEN = list(ALL_PROJECTIONS)  # the seven projections of a llama layer

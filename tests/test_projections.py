@@ -91,6 +91,34 @@ def test_one_matmul_per_group() -> None:
     assert mx.allclose(mx.compile(model)(x), want, atol=1e-5)
 
 
+def test_columns_give_members_their_part_of_one_product() -> None:
+    """`columns`: members of one group get the group's whole product, unsplit, and where their
+    outputs start in it; a member left out takes its held part; layers of no group, or members
+    of a group that holds outputs already, get their own outputs."""
+    model = built()
+    block = model.layers[0]
+    x = mx.random.normal((3, 64))
+    want = {name: block[name](x) for name in ("q_proj", "k_proj", "v_proj", "up_proj")}
+    plain = built().layers[0]
+    ((_, start),) = projections.columns([plain.q_proj], x)
+    assert start == 0
+    projections.fuse(model)
+    (q, q_at), (v, v_at) = projections.columns([block.q_proj, block.v_proj], x)
+    assert q is v and q.shape == (3, 128) and (q_at, v_at) == (0, 96)
+    assert mx.allclose(q[:, :64], want["q_proj"], atol=1e-5)
+    assert mx.allclose(v[:, 96:], want["v_proj"], atol=1e-5)
+    assert mx.allclose(block.k_proj(x), want["k_proj"], atol=1e-5)  # held for it
+    # A group holding outputs (gate computed first) gives up's own, held, output.
+    block.gate_proj(x)
+    ((up, at),) = projections.columns([block.up_proj], x)
+    assert at == 0 and up.shape == (3, 96) and mx.allclose(up, want["up_proj"], atol=1e-5)
+    # Members of two groups: each its own output.
+    got = projections.columns([block.q_proj, block.up_proj], x)
+    assert [y.shape for y, _ in got] == [(3, 64), (3, 96)]
+    block.k_proj(x), block.v_proj(x)  # take what q's call held
+    assert all(g.enabled for g in projections.groups(model))
+
+
 def test_weights_are_views_of_the_group() -> None:
     """Fusing adds no memory: the members' arrays become the group's rows."""
     model = built()

@@ -55,7 +55,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from service.common.model_source import ModelLoadError
-from service.core.models import lora_kernel
+from service.core.models import lora_kernel, projections
 from service.core.models.projections import SHARED_INPUT, SharedInput
 from service.protocol import AdapterDescription
 
@@ -661,15 +661,16 @@ class MultiLoRALinear(nn.Module):
         )
 
     def part(
-        self, x: mx.array, y: mx.array, rows: RowAdapters
+        self, x: mx.array, y: mx.array, start: int, rows: RowAdapters
     ) -> tuple[lora_kernel.Part, mx.array]:
-        """This layer's share of a `fused_add` call for input x [..., in] and base output y,
-        with the tokens' scales [tokens]."""
+        """This layer's share of a `fused_add` call for input x [..., in] and base output y (or
+        the wider y whose columns from `start` it is: `projections.columns`), with the tokens'
+        scales [tokens]."""
         stack = self._stack
         assert stack is not None and stack.a_t is not None
         length = math.prod(x.shape[1:-1])  # tokens per row: 1 for the LM head's [rows, H]
         idx, scale = rows.per_token(stack.local, length, self._scales)
-        return lora_kernel.Part(y, stack.a_t, stack.b, idx), scale
+        return lora_kernel.Part(y, stack.a_t, stack.b, idx, start), scale
 
     def _kernel_update(
         self, x: mx.array, y: mx.array, rows: RowAdapters, stack: _Stack
@@ -694,7 +695,8 @@ class MultiLoRALinear(nn.Module):
             # One kernel: this layer's alone, or its siblings' too (_Group).
             out = None if self._shared is None else self._shared(self, x, rows)
             if out is None:
-                part, scale = self.part(x, self.linear(x), rows)
+                ((y, start),) = projections.columns([self.linear], x)
+                part, scale = self.part(x, y, start, rows)
                 (out,) = lora_kernel.fused_add(x, [part], scale)
             return out
         y = self.linear(x)
@@ -782,7 +784,10 @@ class _Group(SharedInput):
         ]
         if len(ready) < 2 or not any(m is member for m in ready):
             return None
-        shares = [m.part(x, m.linear(x), rows) for m in ready]
+        # The base products: of fused projections (q/k/v, gate/up), one matmul whose columns
+        # the kernel reads in place.
+        bases = projections.columns([m.linear for m in ready], x)
+        shares = [m.part(x, y, start, rows) for m, (y, start) in zip(ready, bases)]
         outs = lora_kernel.fused_add(x, [part for part, _ in shares], shares[0][1])
         own = None
         siblings: dict[int, mx.array] = {}

@@ -176,12 +176,14 @@ __device__ __forceinline__ void mlxserve_load(const T* p, float (&f)[E]) {
 
 // One block's share of a LoRA update: z = x[t] @ A[s] (float32, shared memory), then outputs
 // [chunk * CHUNK, (chunk + 1) * CHUNK) of out[t] = y[t] + (scale * z @ B[s]) cast to TY before
-// the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], y and out [T, OUT], a_t
-// [S, R, IN] (A transposed: a thread's EI inputs are consecutive), b [S, R, OUT]. Every thread
+// the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], out [T, OUT], y [T, YW] of
+// which this module's outputs are columns [COL, COL + OUT) (a fused projection's whole product:
+// read in place, not copied out first), a_t [S, R, IN] (A transposed: a thread's EI inputs are
+// consecutive), b [S, R, OUT]. Every thread
 // of the block takes EI inputs at a time for KG ranks at once (registers), the warps' partial
 // sums meet in shared memory; then each thread writes EO consecutive outputs.
 template <typename TX, typename TY, typename TA, typename TB,
-          int IN, int R, int OUT, int CHUNK, int WARPS, int EI, int EO>
+          int IN, int R, int OUT, int YW, int COL, int CHUNK, int WARPS, int EI, int EO>
 __device__ __forceinline__ void mlxserve_lora_block(
     const TX* x, const TY* y, const TA* a_t, const TB* b, const int s, const float scale,
     const size_t t, const int chunk, TY* out, float* zs) {
@@ -192,7 +194,7 @@ __device__ __forceinline__ void mlxserve_lora_block(
   const int lane = tid % 32;
   const int first = chunk * CHUNK;
   const int last = first + CHUNK < OUT ? first + CHUNK : OUT;
-  const TY* yt = y + t * OUT;
+  const TY* yt = y + t * YW + COL;
   TY* ot = out + t * OUT;
   if (s == 0) {
     // Local slot 0 is zeros in every stack: the update is zero, A and B need not be read.
@@ -275,8 +277,8 @@ def _fused_source(parts: int) -> str:
     for p in range(parts):
         lines += [
             f"    {'if' if p == 0 else 'else if'} (c < FIRST{p} + CHUNKS{p}) {{",
-            f"        mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p}, CHUNK{p},",
-            f"                            WARPS, EI, EO{p}>(",
+            f"        mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p},",
+            f"                            YW{p}, COL{p}, CHUNK{p}, WARPS, EI, EO{p}>(",
             f"            x, y{p}, a{p}, b{p}, idx{p}[t], sc, t, c - FIRST{p}, out{p}, zs);",
             "    }",
         ]
@@ -287,10 +289,21 @@ def _fused_source(parts: int) -> str:
 class Part:
     """One module's share of a `fused_add` call."""
 
-    y: mx.array  # the base layer's output [..., out]
+    y: mx.array  # the base layer's output [..., out], or a wider array holding it (`start`)
     a_t: mx.array  # A as [S, r, in]
     b: mx.array  # [S, r, out]
     idx: mx.array  # int32 [tokens]: each token's local slot in this module's stacks
+    start: int = 0  # the base output is y's columns [start, start + out)
+
+    @property
+    def width(self) -> int:
+        return self.b.shape[-1]
+
+    def base(self) -> mx.array:
+        """The base layer's output [..., out]."""
+        if self.y.shape[-1] == self.width:
+            return self.y
+        return self.y[..., self.start : self.start + self.width]
 
 
 @cache
@@ -320,14 +333,15 @@ def chunking(out: int) -> tuple[int, int]:
 
 
 def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
-    """Each part's y plus each token's update scale[t] * (x[t] @ A[idx[t]]) @ B[idx[t]], in y's
-    dtype: one kernel for all parts. x [..., in] (tokens = its rows); scale float32 [tokens]."""
+    """Each part's base output plus each token's update scale[t] * (x[t] @ A[idx[t]]) @
+    B[idx[t]], in its dtype: one kernel for all parts. x [..., in] (tokens = its rows); scale
+    float32 [tokens]. Parts may share one y, each reading its own columns."""
     if not available():
         return reference_fused_add(x, parts, scale)
     width = x.shape[-1]
     tokens = x.size // width
     if tokens == 0:  # CUDA launches no empty grid
-        return [part.y for part in parts]
+        return [part.base() for part in parts]
     template: list[tuple[str, Any]] = [
         ("TX", x.dtype),
         ("IN", width),
@@ -337,7 +351,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
     inputs = [x, scale]
     first = 0
     for p, part in enumerate(parts):
-        out = part.y.shape[-1]
+        out = part.width
         chunks, size = chunking(out)
         inputs += [part.y, part.a_t, part.b, part.idx]
         template += [
@@ -346,6 +360,8 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
             (f"TB{p}", part.b.dtype),
             (f"R{p}", part.a_t.shape[1]),
             (f"OUT{p}", out),
+            (f"YW{p}", part.y.shape[-1]),
+            (f"COL{p}", part.start),
             (f"CHUNK{p}", size),
             (f"CHUNKS{p}", chunks),
             (f"FIRST{p}", first),
@@ -360,7 +376,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
             template=template,
             grid=(tokens * first * threads, 1, 1),
             threadgroup=(threads, 1, 1),
-            output_shapes=[part.y.shape for part in parts],
+            output_shapes=[(*part.y.shape[:-1], part.width) for part in parts],
             output_dtypes=[part.y.dtype for part in parts],
         )
     )
@@ -385,7 +401,8 @@ def reference_fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> 
     flat = x.reshape(-1, x.shape[-1])
     out = []
     for part in parts:
-        y = part.y.reshape(-1, part.y.shape[-1])
+        base = part.base()
+        y = base.reshape(-1, part.width)
         z = reference_shrink(flat, part.a_t, part.idx)
-        out.append(reference_expand_add(y, z, part.b, part.idx, scale).reshape(part.y.shape))
+        out.append(reference_expand_add(y, z, part.b, part.idx, scale).reshape(base.shape))
     return out

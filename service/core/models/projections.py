@@ -88,6 +88,10 @@ class SharedInput:
             self.disable()
         return None
 
+    def pending(self) -> bool:
+        """Whether outputs are held for members not called yet (on this thread)."""
+        return self._local.held is not None
+
     def hold(self, x: mx.array, key: tuple[Any, ...], outs: dict[int, mx.array]) -> None:
         """Keep the outputs computed for input x under `key` for the members they belong to."""
         self._local.held = _Held(x, key, outs) if outs else None
@@ -119,6 +123,10 @@ class _Fused(SharedInput):
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         """Every member's output for x, as each would compute it alone."""
+        return mx.split(self.product(x), self.splits, axis=-1)
+
+    def product(self, x: mx.array) -> mx.array:
+        """Every member's output for x, side by side: [..., sum of the members' sizes]."""
         p = self.params
         if self.quantized:
             y = mx.quantized_matmul(
@@ -137,7 +145,7 @@ class _Fused(SharedInput):
             y = mx.addmm(p["bias"], x, p["weight"].T)
         else:
             y = x @ p["weight"].T
-        return mx.split(y, self.splits, axis=-1)
+        return y
 
 
 class _Member:
@@ -157,6 +165,33 @@ class _Member:
         outs = group(x)
         group.hold(x, (), {i: out for i, out in enumerate(outs) if i != index})
         return outs[index]
+
+
+def columns(layers: list[nn.Module], x: mx.array) -> list[tuple[mx.array, int]]:
+    """Each layer's output for x as (y, start): the layer's output is y's columns from `start`.
+
+    Where the layers are members of one fused group that holds nothing for them, y is the
+    group's whole product, computed once and not split: a consumer that reads rows (the LoRA
+    kernel) then reads the members' columns in place instead of a copy of each slice. The
+    group's other members get their parts held, as when one of them computes. Otherwise each
+    layer's own output, from column 0."""
+    members = [m for m in layers if isinstance(m, _Member)]
+    group = members[0]._fused if members else None
+    if (
+        group is None
+        or len(members) < len(layers)
+        or any(m._fused is not group for m in members)
+        or not group.enabled
+        or group.pending()
+    ):
+        return [(m(x), 0) for m in layers]
+    whole = group.product(x)
+    own = {m._fused_index for m in members}
+    if len(own) <= len(group.splits):  # members left out: their parts, held
+        parts = mx.split(whole, group.splits, axis=-1)
+        group.hold(x, (), {i: part for i, part in enumerate(parts) if i not in own})
+    starts = [0, *group.splits]
+    return [(whole, starts[m._fused_index]) for m in members]
 
 
 class FusedLinear(_Member, nn.Linear):
