@@ -209,7 +209,9 @@ LLAMA4 = Family(
 
 def test_a_model_the_views_cannot_serve_runs_one_sequence_at_a_time(zoo_root) -> None:
     """Clamp, never fail: the server says so at start, reports batch size 1, and concurrent
-    requests (one past the attention chunk) each get mlx-lm's tokens alone."""
+    requests (one past the attention chunk) each get mlx-lm's tokens alone, and its logprobs
+    bit for bit: the same forwards on the same caches (the prompt's last token alone, as
+    mlx-lm prefills; on a GPU a product's rounding depends on its row count)."""
     path = model_zoo.build(LLAMA4, zoo_root)
     prompts = {k: v for k, v in model_zoo.prompts(LLAMA4).items() if k in ("short", "long")}
     expected = model_zoo.reference(path, prompts)
@@ -229,8 +231,5 @@ def test_a_model_the_views_cannot_serve_runs_one_sequence_at_a_time(zoo_root) ->
             for name, future in futures.items():
                 got = future.result()
                 assert list(got.token_ids) == expected[name].token_ids, name
-                worst = max(
-                    abs(a.logprob - b) for a, b in zip(got.logprobs, expected[name].logprobs)
-                )
-                assert worst < 1e-4, name
+                assert [a.logprob for a in got.logprobs] == expected[name].logprobs, name
             assert stub.CacheStats(pb.CacheStatsRequest(), timeout=10).active_sequences == 0

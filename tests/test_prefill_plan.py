@@ -98,3 +98,29 @@ def test_chunks_are_contiguous_bounded_and_aligned(
     assert [c for c in chunks if c[0] >= boundary] == [c for c in cold if c[0] >= boundary]
     if cached % chunk == 0:
         assert chunks == [c for c in cold if c[0] >= cached]
+
+
+def test_last_alone_cuts_chunks_as_mlx_lm_prefills() -> None:
+    """mlx-lm's generate_step prefills every token but the last in chunks of its step size
+    counted from position 0, then the last token alone: `last_alone` plans the same forwards."""
+    assert PrefillPlan(7, last_alone=True).chunks(2048) == [(0, 6), (6, 7)]
+    assert PrefillPlan(4097, last_alone=True).chunks(2048) == [
+        (0, 2048),
+        (2048, 4096),
+        (4096, 4097),
+    ]
+    assert PrefillPlan(4096, last_alone=True).chunks(2048) == [
+        (0, 2048),
+        (2048, 4095),
+        (4095, 4096),
+    ]
+    assert PrefillPlan(1, last_alone=True).chunks(2048) == [(0, 1)]
+    assert PrefillPlan(9, last_alone=True).chunks(None) == [(0, 8), (8, 9)]
+
+
+@given(st.integers(1, 5000), st.sampled_from([None, 1, 7, 512, 2048]))
+def test_last_alone_ends_with_the_last_token_and_loses_none(total: int, chunk: int | None) -> None:
+    chunks = PrefillPlan(total, last_alone=True).chunks(chunk)
+    assert chunks[-1] == (total - 1, total)
+    assert all(a < b for a, b in chunks) and chunks[0][0] == 0
+    assert all(b == c for (_, b), (c, _) in itertools.pairwise(chunks))

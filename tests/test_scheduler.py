@@ -347,6 +347,17 @@ def test_chunked_prefill_samples_only_on_the_last_chunk() -> None:
     assert h.prefill_chunks("a") == [4, 4, 2]
 
 
+def test_last_token_alone_prefills_as_mlx_lm_does() -> None:
+    """Models on mlx-lm's own caches: every prompt token but the last, then the last alone (the
+    forward that samples), as mlx-lm's generate_step runs them; the tokens are unchanged."""
+    h = Harness(last_token_alone=True, max_batch_prefill=1)
+    h.submit("a", prompt=list(range(10)), max_tokens=2)
+    h.submit("one", prompt=[3], max_tokens=1)
+    h.run()
+    assert h.prefill_chunks("a") == [9, 1] and h.tokens("a") == [10, 11]
+    assert h.prefill_chunks("one") == [1]
+
+
 # -- the loop thread ------------------------------------------------------------------------
 
 

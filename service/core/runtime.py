@@ -392,6 +392,7 @@ class Runtime:
                 preemption_policy=cfg.preemption_policy,
                 kv_admission_watermark=self.config.kv.kv_admission_watermark,
                 speculation=self._speculation(self.layout, engine_config.paged),
+                last_token_alone=engine_config.native_caches,
             ),
             self.eos_token_ids,
             kv=self.kv,

@@ -1,9 +1,10 @@
 """mlx-lm's own cache objects, one list per sequence: for a model whose caches our views cannot
 serve (service.core.models.layout's `native` layouts, e.g. chunked attention).
 
-Such a model runs one sequence per forward, exactly as mlx-lm runs it alone, and the server
-clamps its batch to one row. The caches append in place, so a forward is never redone: a
-failed row ends instead of being retried.
+Such a model runs one sequence per forward, exactly as mlx-lm runs it alone (the scheduler
+prefills a prompt's last token in a forward of its own, as mlx-lm does: `PrefillPlan.
+last_alone`), and the server clamps its batch to one row. The caches append in place, so a
+forward is never redone: a failed row ends instead of being retried.
 """
 
 from __future__ import annotations

@@ -91,6 +91,9 @@ class SchedulerConfig:
     preemption_policy: str = "longest-first"  # or "lowest-priority"
     kv_admission_watermark: float = 0.01  # free-block fraction kept while a batch decodes
     speculation: SpeculationConfig | None = None  # prompt-lookup drafting (None: off)
+    # A prompt's last token prefills alone, as mlx-lm prefills (PrefillPlan.last_alone): for
+    # models on mlx-lm's own caches, which must give its numbers exactly.
+    last_token_alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -399,7 +402,7 @@ class Scheduler:
         )
         if seq.admitted_at is None:
             seq.cached_tokens = cached
-        seq.plan = PrefillPlan(total_tokens=len(tokens), cached_tokens=cached)
+        seq.plan = PrefillPlan(len(tokens), cached, last_alone=self.config.last_token_alone)
         seq.num_computed = cached
         return True
 
