@@ -36,14 +36,56 @@ def prefilled_ids(forwards: list[Forward]) -> list[str]:
 
 
 def start_decoding(h: Harness, *request_ids: str, max_tokens: int = 200) -> None:
-    """Submit short requests and tick until they all decode."""
+    """Submit short requests and tick until they all decode, a decode step in flight (a burst's
+    prefill-only plan leaves none)."""
     for i, request_id in enumerate(request_ids):
         h.submit(request_id, prompt=[100 * (i + 1)], max_tokens=max_tokens)
     for _ in range(10):
         h.tick()
-        if all(h.seqs[r].status is SequenceStatus.DECODING for r in request_ids):
+        decoding = all(h.seqs[r].status is SequenceStatus.DECODING for r in request_ids)
+        if decoding and h.loop._inflight is not None:
             return
     raise AssertionError("the requests did not start decoding")
+
+
+# -- a burst's admission -------------------------------------------------------------------
+
+
+def test_a_burst_prefills_before_its_rows_decode() -> None:
+    """Prompts arriving together at an idle engine: the pass that prefills them all runs alone,
+    then they decode in one step; prompts that arrive while few rows decode join the same way
+    (the decoding rows wait that pass); the tokens are the same."""
+    h = Harness(max_batch_size=8, max_batch_prefill=8)
+    for i in range(3):
+        h.submit(f"a{i}", prompt=[100 * (i + 1)], max_tokens=6)
+    first = tick(h)
+    assert prefilled_ids(first) == ["a0", "a1", "a2"] and not decode_forwards(first)
+    second = tick(h)
+    assert not prefill_forwards(second) and decode_forwards(second)[0].ids == ["a0", "a1", "a2"]
+    for i in range(4):
+        h.submit(f"b{i}", prompt=[400 + 100 * i], max_tokens=6)
+    forwards = tick(h)
+    assert prefilled_ids(forwards) == [f"b{i}" for i in range(4)]
+    assert not decode_forwards(forwards)
+    h.run()
+    for i in range(3):
+        assert h.tokens(f"a{i}") == list(range(100 * (i + 1) + 1, 100 * (i + 1) + 7))
+    assert h.tokens("b3") == list(range(701, 707))
+
+
+def test_a_lone_prompt_or_a_pass_that_leaves_prompts_waiting_does_not_hold_decoding() -> None:
+    """One prompt decodes in the plan that prefills it; a pass that cannot end every prefill (a
+    CPU's few rows a pass) runs beside a decode step, so decoding never waits on a long queue."""
+    h = Harness(max_batch_size=8, max_batch_prefill=2)
+    h.submit("lone", prompt=[100], max_tokens=20)
+    forwards = tick(h)
+    assert prefilled_ids(forwards) == ["lone"] and decode_forwards(forwards)[0].ids == ["lone"]
+    for i in range(4):
+        h.submit(f"q{i}", prompt=[1000 + 100 * i], max_tokens=4)
+    forwards = tick(h)
+    assert prefilled_ids(forwards) == ["q0", "q1"]
+    assert "lone" in decode_forwards(forwards)[0].ids
+    h.run()
 
 
 # -- chunk size by state ------------------------------------------------------------------

@@ -286,7 +286,8 @@ class Scheduler:
         prefilling = [s for s in self._running if s.status is SequenceStatus.PREFILLING]
         if prefilling:
             self._prefill(plan, prefilling)
-        self._decode(plan)
+        if not self._admits_a_burst(plan, prefilling):
+            self._decode(plan)
         if self.constraints is not None and plan.has_forward:
             sampling = [c.slot for forward in plan.prefill for c in forward if c.sample]
             plan.masks = self.constraints.plan_masks(sampling, plan.verify)
@@ -521,6 +522,21 @@ class Scheduler:
         return min(end, start + fit)
 
     # -- decode --------------------------------------------------------------------------
+    def _admits_a_burst(self, plan: StepPlan, prefilling: list[Request]) -> bool:
+        """Whether this plan only prefills: a burst is arriving (more prompts prefill than rows
+        decode, two at least: a lone prompt decodes in the plan that prefills it, as before)
+        and its pass ends every one of their prefills. A decode step
+        after the pass would hold the prompts that arrive meanwhile back by a step of every
+        row; without it the rows that decode wait a pass once, and the burst's rows then step
+        together. A pass that leaves prompts to prefill (chunked, or a CPU's few rows a pass)
+        never holds decoding back."""
+        if not plan.prefill or len(prefilling) < 2:
+            return False
+        if len(prefilling) <= int(np.count_nonzero(self._decoding)):
+            return False
+        ending = sum(1 for forward in plan.prefill for c in forward if c.sample)
+        return ending == len(prefilling)
+
     def _decode(self, plan: StepPlan) -> None:
         """One decode step for every decoding row that needs another token, and for the rows
         whose prefill ends in this plan (they feed the token it samples) where a slot for it is
