@@ -179,9 +179,9 @@ __device__ __forceinline__ void mlxserve_load(const T* p, float (&f)[E]) {
 // the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], out [T, OUT], y [T, YW] of
 // which this module's outputs are columns [COL, COL + OUT) (a fused projection's whole product:
 // read in place, not copied out first), a_t [S, R, IN] (A transposed: a thread's EI inputs are
-// consecutive), b [S, R, OUT]. Every thread
-// of the block takes EI inputs at a time for KG ranks at once (registers), the warps' partial
-// sums meet in shared memory; then each thread writes EO consecutive outputs.
+// consecutive), b [S, R, OUT]. Every thread of the block takes EI inputs at a time for KG ranks
+// at once (registers), the warps' partial sums meet in shared memory; then each thread writes EO
+// consecutive outputs.
 template <typename TX, typename TY, typename TA, typename TB,
           int IN, int R, int OUT, int YW, int COL, int CHUNK, int WARPS, int EI, int EO>
 __device__ __forceinline__ void mlxserve_lora_block(
