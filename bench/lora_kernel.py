@@ -10,10 +10,12 @@ lora_kernel.py`, or a copy of that file), alternating, for an A/B in one process
 be given several times. First, each kernel's output is checked against the MLX-op reference
 (`reference_fused_add`). With --floor, a variant of this revision's kernel whose every block only
 copies y (same grid, inputs and outputs: it fails the check) runs beside them: the cost of
-launching the kernels, which no faster arithmetic removes.
+launching the kernels, which no faster arithmetic removes. With --pair, the same update from
+`shrink` and `expand_add` per module (each token's x @ A computed once, not once per block of
+its outputs): at --tokens of a prefill pass (thousands) the candidate to A/B.
 
     python3 bench/lora_kernel.py --preset llama-3.1-8b --tokens 64 --adapters 8 --rank 16 \
-        [--against REV ...] [--floor] [--out FILE.json]
+        [--against REV ...] [--floor] [--pair] [--out FILE.json]
 
 Prints the median step ms (and range) of each variant over --replicates rounds and writes JSON.
 Without MLX's CUDA backend, fused_add is its MLX-op reference: a smoke run only.
@@ -29,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +163,22 @@ def check(layers, shapes, kernel: FusedAdd, idx, scale, tokens: int) -> float:
     return worst
 
 
+def shrink_expand(
+    x: mx.array, parts: Sequence[lora_kernel.Part], scale: mx.array
+) -> list[mx.array]:
+    """`fused_add`'s result from two kernels a module (`shrink`, then `expand_add`: the
+    tensor-parallel path's pair), which compute each token's x @ A once where `fused_add`
+    computes it in every block of the token's outputs: the candidate for many-token passes."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = []
+    for part in parts:
+        base = part.base()
+        z = lora_kernel.shrink(flat, part.a_t, part.idx)
+        y = lora_kernel.expand_add(base.reshape(-1, part.width), z, part.b, part.idx, scale)
+        out.append(y.reshape(base.shape))
+    return out
+
+
 def time_step(fn: Callable, x: mx.array, steps: int) -> float:
     for _ in range(3):
         mx.eval(fn(x))
@@ -190,6 +208,9 @@ def main() -> None:
     parser.add_argument(
         "--floor", action="store_true", help="also the kernel with every block copying y only"
     )
+    parser.add_argument(
+        "--pair", action="store_true", help="also shrink + expand_add, two kernels a module"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not lora_kernel.available():
@@ -204,6 +225,8 @@ def main() -> None:
         kernels[f"kernel@{rev}"] = kernel_of(rev)
     if args.floor:
         kernels["floor (copies y)"] = copy_floor()
+    if args.pair:
+        kernels["shrink + expand_add"] = shrink_expand
     checks = {
         name: check(layers, shapes, k, idx, scale, args.tokens)
         for name, k in kernels.items()
