@@ -41,6 +41,9 @@ def summarize(document: dict[str, Any], peer: str) -> list[dict[str, Any]]:
             "ours_tok_s": spread(ours),
             "ttft_p50_ms": 1e3 * level["summary"]["ttft_p50"],
         }
+        if "server_ttft_p50" in level["summary"]:
+            # Of it in the engine core: from a request's arrival there (the server's Timing).
+            row["server_ttft_p50_ms"] = 1e3 * level["summary"]["server_ttft_p50"]
         if c in peers:
             theirs = round_rates(peers[c]["requests"], c)
             row[f"{peer}_tok_s"] = spread(theirs)
@@ -71,6 +74,8 @@ def main() -> None:
                 f"  ratio {fmt(row[f'ours_over_{args.peer}'], 2)}"
                 f"  TTFT p50 {row['ttft_p50_ms']:.0f}/{row[f'{args.peer}_ttft_p50_ms']:.0f} ms"
             )
+        if "server_ttft_p50_ms" in row:
+            line += f" (ours in the core {row['server_ttft_p50_ms']:.0f} ms)"
         print(line)
     if args.json:
         args.json.write_text(json.dumps(levels, indent=1))
