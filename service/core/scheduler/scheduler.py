@@ -443,12 +443,17 @@ class Scheduler:
         token than it spares streams a longer gap). A stream waits a decode step plus the pass,
         so the pass gets the bound less a decode step."""
         decoding = int(np.count_nonzero(self._decoding))
-        if not decoding or np.count_nonzero(self._occupied) - decoding > decoding:
+        if not decoding or self._burst(decoding):
             return None
         bound, step = self.stall_bound(), self.costs.decode_step.value
         if bound is None or step is None:
             return None
         return max(0.0, bound - step)
+
+    def _burst(self, decoding: int) -> bool:
+        """A burst is arriving: more prompts prefill (hold a slot, not decoding) than rows
+        decode. The stall bound does not hold its passes, nor does a decode step beside them."""
+        return int(np.count_nonzero(self._occupied)) - decoding > decoding
 
     def _prefill_order(self, prefilling: list[Request]) -> list[Request]:
         """Priority order (FIFO within a priority), except that a request parked for
@@ -525,14 +530,13 @@ class Scheduler:
     def _admits_a_burst(self, plan: StepPlan, prefilling: list[Request]) -> bool:
         """Whether this plan only prefills: a burst is arriving (more prompts prefill than rows
         decode, two at least: a lone prompt decodes in the plan that prefills it, as before)
-        and its pass ends every one of their prefills. A decode step
-        after the pass would hold the prompts that arrive meanwhile back by a step of every
-        row; without it the rows that decode wait a pass once, and the burst's rows then step
-        together. A pass that leaves prompts to prefill (chunked, or a CPU's few rows a pass)
-        never holds decoding back."""
+        and its pass ends every one of their prefills. A decode step after the pass would hold
+        the prompts that arrive meanwhile back by a step of every row; without it the rows that
+        decode wait a pass once, and the burst's rows then step together. A pass that leaves
+        prompts to prefill (chunked, or a CPU's few rows a pass) never holds decoding back."""
         if not plan.prefill or len(prefilling) < 2:
             return False
-        if len(prefilling) <= int(np.count_nonzero(self._decoding)):
+        if not self._burst(int(np.count_nonzero(self._decoding))):
             return False
         ending = sum(1 for forward in plan.prefill for c in forward if c.sample)
         return ending == len(prefilling)
