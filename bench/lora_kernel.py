@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,22 +163,6 @@ def check(layers, shapes, kernel: FusedAdd, idx, scale, tokens: int) -> float:
     return worst
 
 
-def shrink_expand(
-    x: mx.array, parts: Sequence[lora_kernel.Part], scale: mx.array
-) -> list[mx.array]:
-    """`fused_add`'s result from two kernels a module (`shrink`, then `expand_add`: the
-    tensor-parallel path's pair), which compute each token's x @ A once where `fused_add`
-    computes it in every block of the token's outputs: the candidate for many-token passes."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = []
-    for part in parts:
-        base = part.base()
-        z = lora_kernel.shrink(flat, part.a_t, part.idx)
-        y = lora_kernel.expand_add(base.reshape(-1, part.width), z, part.b, part.idx, scale)
-        out.append(y.reshape(base.shape))
-    return out
-
-
 def time_step(fn: Callable, x: mx.array, steps: int) -> float:
     for _ in range(3):
         mx.eval(fn(x))
@@ -226,7 +210,7 @@ def main() -> None:
     if args.floor:
         kernels["floor (copies y)"] = copy_floor()
     if args.pair:
-        kernels["shrink + expand_add"] = shrink_expand
+        kernels["shrink + expand_add"] = lora_kernel.shrink_expand_add
     checks = {
         name: check(layers, shapes, k, idx, scale, args.tokens)
         for name, k in kernels.items()

@@ -677,16 +677,14 @@ def test_the_tensor_parallel_kernels_compile(
     assert compiled.spills == 0, compiled.log
 
 
-def test_the_benchs_kernel_pair_gives_the_fused_update() -> None:
-    """`bench/lora_kernel.py --pair`: `shrink` then `expand_add` per module gives `fused_add`'s
-    outputs (on the CPU both are their MLX-op references; on CUDA within rounding), for parts
-    with their own y and for parts reading columns of one y."""
-    from bench import lora_kernel as bench_kernel
-
+def test_the_kernel_pair_gives_the_fused_update() -> None:
+    """`shrink_expand_add` (`bench/lora_kernel.py --pair`): `shrink` then `expand_add` per
+    module gives `fused_add`'s outputs (on the CPU both are their MLX-op references; on CUDA
+    within rounding), for parts with their own y and for parts reading columns of one y."""
     x, parts, scale, _ = fused_case(9, 64, [48, 16, 16], 8, mx.float32)
     for case in (parts, side_by_side(parts)):
         want = lora_kernel.fused_add(x, case, scale)
-        for got, w, part in zip(bench_kernel.shrink_expand(x, case, scale), want, case):
+        for got, w, part in zip(lora_kernel.shrink_expand_add(x, case, scale), want, case):
             assert got.shape == w.shape
             assert_close_rounded(got, w, part.base(), mx.float32)
 

@@ -27,7 +27,7 @@ exercise, and what the GPU tests hold the kernels to.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -398,11 +398,29 @@ def reference_expand_add(
 
 def reference_fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
     """`fused_add` from MLX ops: each part's `shrink` and `expand_add` references."""
+    return _two_steps(x, parts, scale, reference_shrink, reference_expand_add)
+
+
+def shrink_expand_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
+    """`fused_add`'s update from two kernels a part (`shrink`, then `expand_add`), which compute
+    each token's x @ A once where `fused_add` computes it in every block of the token's outputs
+    (bench/lora_kernel.py --pair times the two forms)."""
+    return _two_steps(x, parts, scale, shrink, expand_add)
+
+
+def _two_steps(
+    x: mx.array,
+    parts: Sequence[Part],
+    scale: mx.array,
+    shrink_fn: Callable[[mx.array, mx.array, mx.array], mx.array],
+    expand_fn: Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], mx.array],
+) -> list[mx.array]:
+    """Each part's z = x @ A[idx], then its base output plus scale * z @ B[idx]."""
     flat = x.reshape(-1, x.shape[-1])
     out = []
     for part in parts:
         base = part.base()
         y = base.reshape(-1, part.width)
-        z = reference_shrink(flat, part.a_t, part.idx)
-        out.append(reference_expand_add(y, z, part.b, part.idx, scale).reshape(base.shape))
+        z = shrink_fn(flat, part.a_t, part.idx)
+        out.append(expand_fn(y, z, part.b, part.idx, scale).reshape(base.shape))
     return out
