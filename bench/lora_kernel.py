@@ -12,10 +12,17 @@ be given several times. First, each kernel's output is checked against the MLX-o
 copies y (same grid, inputs and outputs: it fails the check) runs beside them: the cost of
 launching the kernels, which no faster arithmetic removes. With --pair, the same update from
 `shrink` and `expand_add` per module (each token's x @ A computed once, not once per block of
-its outputs): at --tokens of a prefill pass (thousands) the candidate to A/B.
+its outputs): at --tokens of a prefill pass (thousands) the candidate to A/B. With --prefill, the
+MLX-op forms a prefill pass could take instead: `gather` (mlx-lm's products per row of
+--row-tokens tokens, `mx.gather_mm` over the stacks, as the CPU path runs them) and `dense` (every
+token times all the stacks' A and B in float32, the other adapters' ranks masked out: two matmuls
+a module) and `gather_mm (sorted)` (tokens sorted by slot, mlx-lm's products as one grouped
+`gather_mm` each, as mlx-lm's MoE layers run theirs). --adapter-dtype float32 is what `mlx_lm lora`
+saves.
+Rows of --row-tokens tokens share an adapter, as a prefill pass's prompts do.
 
     python3 bench/lora_kernel.py --preset llama-3.1-8b --tokens 64 --adapters 8 --rank 16 \
-        [--against REV ...] [--floor] [--pair] [--out FILE.json]
+        [--against REV ...] [--floor] [--pair] [--prefill --row-tokens 32] [--out FILE.json]
 
 Prints the median step ms (and range) of each variant over --replicates rounds and writes JSON.
 Without MLX's CUDA backend, fused_add is its MLX-op reference: a smoke run only.
@@ -102,7 +109,7 @@ def build(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tup
         "up": (hidden, inter),
         "down": (inter, hidden),
     }
-    slots, rank, dt = args.adapters + 1, args.rank, mx.bfloat16
+    slots, rank, dt = args.adapters + 1, args.rank, getattr(mx, args.adapter_dtype)
 
     def rnd(*shape: int, scale: float) -> mx.array:
         return (mx.random.normal(shape) * scale).astype(dt)
@@ -113,7 +120,7 @@ def build(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tup
         for m, (i, o) in shapes.items():
             a_t = mx.concatenate([mx.zeros((1, rank, i), dt), rnd(slots - 1, rank, i, scale=0.05)])
             b = mx.concatenate([mx.zeros((1, rank, o), dt), rnd(slots - 1, rank, o, scale=0.05)])
-            layer[m] = (rnd(o, i, scale=0.02), a_t, b)
+            layer[m] = (rnd(o, i, scale=0.02).astype(mx.bfloat16), a_t, b)
         layers.append(layer)
         mx.eval(layer)
     return layers, shapes
@@ -145,6 +152,86 @@ def forward(layers: list[dict[str, Any]], kernel: FusedAdd | None, idx, scale) -
         return x
 
     return mx.compile(step)
+
+
+def gather_add(row_tokens: int) -> FusedAdd:
+    """Each part's update from `mx.gather_mm` per row of `row_tokens` tokens (one slot a row)."""
+
+    def add(x: mx.array, parts: list[lora_kernel.Part], scale: mx.array) -> list[mx.array]:
+        flat = x.reshape(-1, x.shape[-1])
+        rows = flat.shape[0] // row_tokens
+        x3 = flat.reshape(rows, row_tokens, -1)
+        if not lora_kernel.available():  # MLX's CPU gather_mm takes float32 only
+            x3 = x3.astype(mx.float32)
+        per_token = scale.reshape(rows, row_tokens, 1)
+        out = []
+        for part in parts:
+            slots = part.idx.reshape(rows, row_tokens)[:, 0]
+            a, b = _a_of(part.a_t).astype(x3.dtype), part.b.astype(x3.dtype)
+            z = mx.gather_mm(x3, a, rhs_indices=slots)
+            d = per_token * mx.gather_mm(z, b, rhs_indices=slots)
+            base = part.base()
+            out.append(base + d.astype(base.dtype).reshape(base.shape))
+        return out
+
+    return add
+
+
+_A: dict[int, mx.array] = {}
+
+
+def _a_of(a_t: mx.array) -> mx.array:
+    """A as [S, in, r], made once (the server's stacks hold it so)."""
+    held = _A.get(id(a_t))
+    if held is None:
+        held = _A[id(a_t)] = mx.contiguous(a_t.swapaxes(1, 2))
+        mx.eval(held)
+    return held
+
+
+_CAT: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+def sorted_add(x: mx.array, parts: list[lora_kernel.Part], scale: mx.array) -> list[mx.array]:
+    """Each part's update from `mx.gather_mm` over tokens sorted by slot (`sorted_indices`: a
+    grouped product, as mlx-lm's MoE layers run theirs), in the stacks' dtype, then unsorted."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = []
+    for part in parts:
+        order = mx.argsort(part.idx)
+        back = mx.argsort(order)
+        slots = part.idx[order]
+        a = _a_of(part.a_t)
+        xs = flat[order][:, None, :]
+        if xs.dtype != a.dtype:
+            xs = xs.astype(a.dtype)
+        z = mx.gather_mm(xs, a, rhs_indices=slots, sorted_indices=True)
+        d = mx.gather_mm(z, part.b, rhs_indices=slots, sorted_indices=True)[:, 0][back]
+        base = part.base()
+        d = (scale[:, None] * d).astype(base.dtype)
+        out.append(base + d.reshape(base.shape))
+    return out
+
+
+def dense_add(x: mx.array, parts: list[lora_kernel.Part], scale: mx.array) -> list[mx.array]:
+    """Each part's update as two float32 matmuls over every slot's ranks (A as [in, S * r], B as
+    [S * r, out], made once), the other slots' ranks masked out: exact zeros in the second."""
+    flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+    tokens = flat.shape[0]
+    out = []
+    for part in parts:
+        slots, rank, width = part.a_t.shape
+        cat = _CAT.get(id(part.a_t))
+        if cat is None:
+            a = mx.contiguous(part.a_t.reshape(slots * rank, width).T.astype(mx.float32))
+            cat = _CAT[id(part.a_t)] = (a, part.b.reshape(slots * rank, -1).astype(mx.float32))
+            mx.eval(cat)
+        mask = (part.idx[:, None] == mx.arange(slots)[None]).astype(mx.float32) * scale[:, None]
+        z = (flat @ cat[0]).reshape(tokens, slots, rank) * mask[:, :, None]
+        d = z.reshape(tokens, slots * rank) @ cat[1]
+        base = part.base()
+        out.append(base + d.astype(base.dtype).reshape(base.shape))
+    return out
 
 
 def check(layers, shapes, kernel: FusedAdd, idx, scale, tokens: int) -> float:
@@ -195,14 +282,28 @@ def main() -> None:
     parser.add_argument(
         "--pair", action="store_true", help="also shrink + expand_add, two kernels a module"
     )
+    parser.add_argument(
+        "--prefill", action="store_true", help="also the MLX-op forms: gather_mm per row, dense"
+    )
+    parser.add_argument(
+        "--row-tokens", type=int, default=1, help="tokens per row (one adapter a row)"
+    )
+    parser.add_argument(
+        "--adapter-dtype",
+        default="bfloat16",
+        help="the stacks' dtype (mlx_lm lora saves float32 adapters; the base is bfloat16)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.tokens % args.row_tokens:
+        parser.error("--tokens must be a multiple of --row-tokens")
     if not lora_kernel.available():
         print("no CUDA backend: fused_add runs its MLX-op reference (a smoke run, not a figure)")
     mx.random.seed(0)
     layers, shapes = build(args)
     slots = args.adapters + 1
-    idx = mx.array([t % slots for t in range(args.tokens)], mx.int32)  # base rows: slot 0
+    # Row r's tokens take slot r % slots (slot 0: the base model).
+    idx = mx.array([(t // args.row_tokens) % slots for t in range(args.tokens)], mx.int32)
     scale = mx.full((args.tokens,), 2.0, mx.float32)
     kernels: dict[str, FusedAdd | None] = {"base": None, "kernel": lora_kernel.fused_add}
     for rev in args.against:
@@ -211,6 +312,10 @@ def main() -> None:
         kernels["floor (copies y)"] = copy_floor()
     if args.pair:
         kernels["shrink + expand_add"] = lora_kernel.shrink_expand_add
+    if args.prefill:
+        kernels[f"gather_mm ({args.row_tokens}-token rows)"] = gather_add(args.row_tokens)
+        kernels["dense (all slots)"] = dense_add
+        kernels["gather_mm (sorted)"] = sorted_add
     checks = {
         name: check(layers, shapes, k, idx, scale, args.tokens)
         for name, k in kernels.items()
@@ -227,7 +332,8 @@ def main() -> None:
         print(f"replicate {r + 1}: " + ", ".join(f"{n} {v[-1]:.2f} ms" for n, v in ms.items()))
     base = ms["base"]
     print(
-        f"{args.preset}, {args.tokens} rows over {args.adapters} adapters and the base, "
+        f"{args.preset}, {args.tokens} tokens in rows of {args.row_tokens} over {args.adapters} "
+        "adapters and the base, "
         f"rank {args.rank}:"
     )
     for name, values in ms.items():
