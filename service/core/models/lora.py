@@ -90,7 +90,6 @@ class RowAdapters:
         self._scales: dict[tuple[int, int, mx.Dtype], mx.array] = {}
         self._tokens: dict[tuple[int, int], tuple[mx.array | None, mx.array]] = {}
         self._token_scales: dict[tuple[int, int, int], mx.array] = {}
-        self._sorted: dict[tuple[int, int], tuple[mx.array, mx.array, mx.array]] = {}
 
     def scales(self, table: _Scales, dtype: mx.Dtype) -> mx.array:
         key = (id(table), table.version, dtype)
@@ -122,20 +121,6 @@ class RowAdapters:
                 scale = mx.repeat(scale, length)
             self._token_scales[skey] = scale
         return held[1], scale
-
-    def by_slot(
-        self, local: mx.array | None, length: int, table: _Scales
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """The tokens in slot order: `order` [T] (sorted position -> token), `back` (token ->
-        sorted position) and the sorted tokens' slots, for `mx.gather_mm`'s grouped products
-        (`sorted_indices`). Made once per forward for each map, as `per_token`'s."""
-        key = (id(local), length)
-        held = self._sorted.get(key)
-        if held is None:
-            idx, _ = self.per_token(local, length, table)
-            order = mx.argsort(idx)
-            held = self._sorted[key] = (order, mx.argsort(order), idx[order])
-        return held
 
 
 # The rows of the forward being built, or None: no row of it uses an adapter. The engine sets it
@@ -687,33 +672,6 @@ class MultiLoRALinear(nn.Module):
         idx, scale = rows.per_token(stack.local, length, self._scales)
         return lora_kernel.Part(y, stack.a_t, stack.b, idx, start), scale
 
-    def _sorted_update(
-        self, x: mx.array, y: mx.array, start: int, rows: RowAdapters, stack: _Stack
-    ) -> mx.array:
-        """A pass of several tokens a row (prefill, verification): mlx-lm's products over the
-        tokens sorted by slot, one grouped `gather_mm` each (how mlx-lm's MoE layers run theirs),
-        where the kernels read each token's A and B anew and a prompt's tokens share them.
-        Zero-padded ranks add exact zeros."""
-        width = x.shape[-1]
-        flat = x.reshape(-1, width)
-        length = flat.shape[0] // x.shape[0]
-        order, back, slots = rows.by_slot(stack.local, length, self._scales)
-        _, scale = rows.per_token(stack.local, length, self._scales)
-        dtype = _promote(x.dtype, stack.a.dtype)
-        xs = flat[order][:, None, :]
-        z = mx.gather_mm(
-            xs if xs.dtype == dtype else xs.astype(dtype),
-            stack.a,
-            rhs_indices=slots,
-            sorted_indices=True,
-        )
-        if self._reduce and self._group is not None:
-            z = mx.distributed.all_sum(z, group=self._group)
-        d = mx.gather_mm(z, stack.b, rhs_indices=slots, sorted_indices=True)[:, 0][back]
-        d = (scale.astype(d.dtype)[:, None] * d).astype(x.dtype)
-        base = y if y.shape[-1] == stack.b.shape[-1] else y[..., start : start + stack.b.shape[-1]]
-        return base + d.reshape(base.shape)
-
     def _kernel_update(
         self, x: mx.array, y: mx.array, rows: RowAdapters, stack: _Stack
     ) -> mx.array:
@@ -733,9 +691,6 @@ class MultiLoRALinear(nn.Module):
         stack = self._stack
         if rows is None or stack is None:
             return self.linear(x)
-        if self.fusable() and x.ndim == 3 and x.shape[1] > 1:
-            ((y, start),) = projections.columns([self.linear], x)
-            return self._sorted_update(x, y, start, rows, stack)
         if self.fusable():
             # One kernel: this layer's alone, or its siblings' too (_Group).
             out = None if self._shared is None else self._shared(self, x, rows)
