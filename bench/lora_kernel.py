@@ -18,7 +18,8 @@ MLX-op forms a prefill pass could take instead: `gather` (mlx-lm's products per 
 token times all the stacks' A and B in float32, the other adapters' ranks masked out: two matmuls
 a module) and `gather_mm (sorted)` (tokens sorted by slot, mlx-lm's products as one grouped
 `gather_mm` each, as mlx-lm's MoE layers run theirs; with stacks in our layout, and as transposed
-views, the layout of mlx-lm's MoE weights). --adapter-dtype float32 is what `mlx_lm lora` saves.
+views, the layout of mlx-lm's MoE weights), and `row kernels` (`lora_kernel.rows_add`: tiles of
+a row's tokens sharing each read of A and B). --adapter-dtype float32 is what `mlx_lm lora` saves.
 Rows of --row-tokens tokens share an adapter, as a prefill pass's prompts do.
 
     python3 bench/lora_kernel.py --preset llama-3.1-8b --tokens 64 --adapters 8 --rank 16 \
@@ -173,6 +174,15 @@ def gather_add(row_tokens: int) -> FusedAdd:
             base = part.base()
             out.append(base + d.astype(base.dtype).reshape(base.shape))
         return out
+
+    return add
+
+
+def rows_add(row_tokens: int) -> FusedAdd:
+    """`lora_kernel.rows_add`: tiles of one row's tokens sharing each read of A and B."""
+
+    def add(x: mx.array, parts: list[lora_kernel.Part], scale: mx.array) -> list[mx.array]:
+        return lora_kernel.rows_add(x, parts, scale, row_tokens)
 
     return add
 
@@ -335,6 +345,7 @@ def main() -> None:
         kernels["dense (all slots)"] = dense_add
         kernels["gather_mm (sorted)"] = sorted_add(False)
         kernels["gather_mm (sorted, transposed views)"] = sorted_add(True)
+        kernels[f"row kernels ({args.row_tokens}-token rows)"] = rows_add(args.row_tokens)
     checks = {}
     for name, k in list(kernels.items()):
         if k is None:

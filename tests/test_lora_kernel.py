@@ -701,3 +701,104 @@ def test_the_benchs_launch_floor_is_the_kernel_with_every_block_copying() -> Non
     assert callable(bench_kernel.copy_floor())
     with pytest.raises(SystemExit, match="zero-update branch"):
         bench_kernel.floor_source("no such branch")
+
+
+# -- passes of many tokens a row -------------------------------------------------------------------
+
+
+def rows_case(
+    rows: int,
+    length: int,
+    width: int,
+    outs: list[int],
+    rank: int,
+    dtype: mx.Dtype,
+    per_token: bool = False,
+    seed: int = 0,
+) -> tuple[mx.array, list[lora_kernel.Part], mx.array]:
+    """x [rows, length, in] and parts as `fused_case`'s (float32 stacks of 5 local slots, zero
+    padded ranks, three slot maps), with one adapter a row (a prefill pass's prompts) or, with
+    `per_token`, one a token; the tokens' scales."""
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    tokens = rows * length
+    x = mx.random.normal((rows, length, width)).astype(dtype)
+    glob = rng.integers(0, 6, tokens if per_token else rows).astype(np.int32)
+    glob[: min(len(glob), 6)] = (np.arange(min(len(glob), 6)) + 1) % 6
+    if not per_token:
+        glob = np.repeat(glob, length)
+    scale = mx.array([0.0, 1.0, 2.0, 0.5, 1.5, 1.0], dtype=mx.float32)[mx.array(glob)]
+    maps = [[0, 1, 2, 3, 4, 4], [0, 2, 1, 0, 3, 4], [0, 4, 0, 1, 2, 3]]
+    parts = []
+    for p, out in enumerate(outs):
+        a_t = mx.random.normal((5, rank, width)) * width**-0.5
+        b = mx.random.normal((5, rank, out)) * rank**-0.5
+        a_t[0] = 0
+        b[0] = 0
+        a_t[4, rank // 2 :] = 0
+        b[4, rank // 2 :] = 0
+        y = mx.random.normal((rows, length, out)).astype(dtype)
+        parts.append(lora_kernel.Part(y, a_t, b, mx.array(np.array(maps[p % 3], np.int32)[glob])))
+    return x, parts, scale
+
+
+def test_the_row_kernels_give_the_fused_update_in_rows_shape() -> None:
+    """`rows_add` (a prefill pass's form, `bench/lora_kernel.py --prefill`): each part's output
+    in [rows, length, out], equal to the reference's, also for parts reading columns of one y
+    (on the CPU both are the MLX-op reference; the kernels are held to it on CUDA below)."""
+    x, parts, scale = rows_case(3, 5, 64, [48, 16, 16], 8, mx.float32)
+    for case in (parts, side_by_side(parts)):
+        want = lora_kernel.reference_fused_add(x, case, scale)
+        for got, w, part in zip(lora_kernel.rows_add(x, case, scale, 5), want, case):
+            assert got.shape == w.shape == (3, 5, part.width)
+            assert_close_rounded(got, w, part.base(), mx.float32)
+
+
+@cuda_only
+@pytest.mark.parametrize("rows,length", [(4, 32), (3, 21), (5, 1), (1, 40)])
+@pytest.mark.parametrize("shape", ["llama8b-qkv", "smol-gate-up", "odd"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["rows", "tokens"])
+def test_the_row_kernels_match_the_reference(
+    rows: int, length: int, shape: str, dtype: mx.Dtype, per_token: bool
+) -> None:
+    """`shrink_rows` and `expand_add_rows` against the MLX-op reference: rows of one adapter
+    (tiles sharing A and B), rows whose length is no multiple of a tile, one-token rows, and
+    tokens of different slots within a row (each token's own slot); base outputs as columns of
+    one y too; widths with and without vector loads."""
+    width, outs = {**SHAPES, "odd": (100, [36, 60])}[shape]
+    for rank in (8, 64):
+        x, parts, scale = rows_case(rows, length, width, outs, rank, dtype, per_token)
+        for case in (parts, side_by_side(parts)):
+            want = lora_kernel.reference_fused_add(x, case, scale)
+            for got, w, part in zip(lora_kernel.rows_add(x, case, scale, length), want, case):
+                assert got.shape == w.shape
+                assert_close_rounded(got, w, part.base(), dtype)
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
+def test_the_row_kernels_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shrink_rows` and `expand_add_rows`, from their own host code, compiled by nvcc as MLX
+    wraps them, for ranks from 8 to 256 and widths with and without vector loads: no error, no
+    spill, and few enough registers for a block of TILE_THREADS."""
+    recorder = cuda_source.Recorder(monkeypatch)
+    monkeypatch.setattr(lora_kernel, "available", lambda: True)
+    monkeypatch.setattr(lora_kernel, "_shrink_rows", lora_kernel._shrink_rows.__wrapped__)
+    monkeypatch.setattr(lora_kernel, "_expand_add_rows", lora_kernel._expand_add_rows.__wrapped__)
+    cases = [
+        (mx.bfloat16, mx.float32, 4096, 14336, 16),
+        (mx.bfloat16, mx.bfloat16, 14336, 4096, 8),
+        (mx.float32, mx.float32, 576, 100, 64),
+        (mx.float16, mx.float16, 100, 576, 256),
+    ]
+    for act, stacks, width, out, rank in cases:
+        idx = mx.zeros((64,), mx.int32)
+        z = lora_kernel.shrink_rows(
+            mx.zeros((64, width), act), mx.zeros((3, rank, width), stacks), idx, 32
+        )
+        y, b = mx.zeros((64, out), act), mx.zeros((3, rank, out), stacks)
+        lora_kernel.expand_add_rows(y, z, b, idx, mx.zeros((64,), mx.float32), 32)
+    compiled = recorder.compile(tmp_path)
+    assert len(compiled.registers) == len(recorder.launches) == 2 * len(cases), compiled.log
+    assert compiled.spills == 0, compiled.log
+    assert max(compiled.registers) * lora_kernel.TILE_THREADS <= 65536, compiled.registers

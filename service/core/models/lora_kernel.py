@@ -424,3 +424,303 @@ def _two_steps(
         z = shrink_fn(flat, part.a_t, part.idx)
         out.append(expand_fn(y, z, part.b, part.idx, scale).reshape(base.shape))
     return out
+
+
+# -- passes of many tokens a row (prefill) --------------------------------------------------------
+#
+# `fused_add` and the pair above read a token's A and B anew for each token, which at a prefill
+# pass's thousands of tokens is most of the update's cost, though a prompt's tokens share one
+# adapter. These kernels take tiles of up to TILE_TOKENS consecutive tokens of one row (rows of
+# `row_tokens` tokens, as a [B, L, in] forward's): a tile's z comes from one read of its slot's A,
+# staged in shared memory with the tile's inputs, and each output column of the tile from one read
+# of B. The row length is an input, not a template value, so a new prompt length compiles nothing.
+# A tile whose tokens hold different slots (not a forward's rows) takes each token's own slot.
+# Not yet on the serving path: `bench/lora_kernel.py --prefill` checks and times them.
+
+TILE_TOKENS = 16
+TILE_THREADS = 256
+
+_TILE_HEADER = """
+#ifndef MLXSERVE_TILE
+#define MLXSERVE_TILE
+// The tile of block `tile`: rows of L tokens, ceil(L / TT) tiles a row; its first token and
+// its number of tokens.
+__device__ __forceinline__ void mlxserve_tile(int tile, int L, int TT, size_t& t0, int& n) {
+  const int per_row = (L + TT - 1) / TT;
+  const int row = tile / per_row;
+  const int j = tile % per_row;
+  t0 = (size_t)row * L + (size_t)j * TT;
+  n = L - j * TT < TT ? L - j * TT : TT;
+}
+#endif
+"""
+
+_SHRINK_ROWS = """
+    // z[t] = x[t] @ A[s] for the tile's tokens (float32): pairs (token j, rank k) over the
+    // threads; inputs in chunks of CI staged in shared memory with A[s]'s chunk.
+    size_t t0;
+    int n;
+    mlxserve_tile(blockIdx.x, rows[0], TT, t0, n);
+    const int tid = threadIdx.x;
+    const int s0 = idx[t0];
+    bool uniform = true;
+    for (int j = 1; j < n; ++j) uniform = uniform && idx[t0 + j] == s0;
+    float acc[PAIRS];
+#pragma unroll
+    for (int q = 0; q < PAIRS; ++q) acc[q] = 0.0f;
+    if (uniform && s0 != 0) {
+        __shared__ float xs[TT * (CI + 1)];
+        __shared__ float at[R * (CI + 1)];
+        for (int i0 = 0; i0 < IN; i0 += CI) {
+            const int width = IN - i0 < CI ? IN - i0 : CI;
+            for (int e = tid; e < TT * CI; e += THREADS) {
+                const int j = e / CI, i = e % CI;
+                xs[j * (CI + 1) + i] =
+                    j < n && i < width ? static_cast<float>(x[(t0 + j) * IN + i0 + i]) : 0.0f;
+            }
+            for (int e = tid; e < R * CI; e += THREADS) {
+                const int k = e / CI, i = e % CI;
+                at[k * (CI + 1) + i] =
+                    i < width ? static_cast<float>(a_t[((size_t)s0 * R + k) * IN + i0 + i]) : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int q = 0; q < PAIRS; ++q) {
+                const int p = tid + q * THREADS;
+                if (p < TT * R) {
+                    const float* xr = xs + (p / R) * (CI + 1);
+                    const float* ar = at + (p % R) * (CI + 1);
+                    float v = acc[q];
+                    for (int i = 0; i < CI; ++i) v += xr[i] * ar[i];
+                    acc[q] = v;
+                }
+            }
+            __syncthreads();
+        }
+    } else if (!uniform) {
+        // Not one row's tokens: each token's own slot, read from global memory.
+#pragma unroll
+        for (int q = 0; q < PAIRS; ++q) {
+            const int p = tid + q * THREADS;
+            const int j = p / R, k = p % R;
+            if (p < TT * R && j < n) {
+                const size_t s = (size_t)idx[t0 + j];
+                const TX* xr = x + (t0 + j) * IN;
+                const TA* ar = a_t + (s * R + k) * IN;
+                float v = 0.0f;
+                for (int i = 0; i < IN; ++i) {
+                    v += static_cast<float>(xr[i]) * static_cast<float>(ar[i]);
+                }
+                acc[q] = v;
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < PAIRS; ++q) {
+        const int p = tid + q * THREADS;
+        const int j = p / R;
+        if (p < TT * R && j < n) z[(t0 + j) * R + p % R] = acc[q];
+    }
+"""
+
+_EXPAND_ADD_ROWS = """
+    // out[t, o] = y[t, COL + o] + (scale[t] * z[t] @ B[s])[o] cast to TY before the add, for the
+    // tile's tokens and this block's chunk of EO * THREADS columns: each B[s] element read once
+    // for the tile's tokens.
+    const int tile = blockIdx.x / CHUNKS;
+    const int chunk = blockIdx.x % CHUNKS;
+    size_t t0;
+    int n;
+    mlxserve_tile(tile, rows[0], TT, t0, n);
+    const int tid = threadIdx.x;
+    __shared__ float zs[TT * R];
+    __shared__ float sc[TT];
+    __shared__ int sl[TT];
+    for (int e = tid; e < TT * R; e += THREADS) {
+        const int j = e / R;
+        zs[e] = j < n ? z[(t0 + j) * R + e % R] : 0.0f;
+    }
+    for (int j = tid; j < TT; j += THREADS) {
+        sc[j] = j < n ? scale[t0 + j] : 0.0f;
+        sl[j] = j < n ? idx[t0 + j] : 0;
+    }
+    __syncthreads();
+    const int o = (chunk * THREADS + tid) * EO;
+    if (o >= OUT) {
+        return;
+    }
+    const int s0 = sl[0];
+    bool uniform = true;
+    for (int j = 1; j < n; ++j) uniform = uniform && sl[j] == s0;
+    float acc[TT][EO];
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+#pragma unroll
+        for (int e = 0; e < EO; ++e) acc[j][e] = 0.0f;
+    }
+    if (uniform) {
+        if (s0 != 0) {
+            for (int k = 0; k < R; ++k) {
+                float bv[EO];
+                mlxserve_load<TB, EO>(b + ((size_t)s0 * R + k) * OUT + o, bv);
+#pragma unroll
+                for (int j = 0; j < TT; ++j) {
+                    const float zk = zs[j * R + k];
+#pragma unroll
+                    for (int e = 0; e < EO; ++e) acc[j][e] += zk * bv[e];
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < TT; ++j) {
+            const int s = sl[j];
+            if (j < n && s != 0) {
+                for (int k = 0; k < R; ++k) {
+                    float bv[EO];
+                    mlxserve_load<TB, EO>(b + ((size_t)s * R + k) * OUT + o, bv);
+#pragma unroll
+                    for (int e = 0; e < EO; ++e) acc[j][e] += zs[j * R + k] * bv[e];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+        if (j < n) {
+            float yv[EO];
+            mlxserve_load<TY, EO>(y + (t0 + j) * YW + COL + o, yv);
+#pragma unroll
+            for (int e = 0; e < EO; ++e) {
+                const TY d = static_cast<TY>(sc[j] * acc[j][e]);
+                out[(t0 + j) * OUT + o + e] = static_cast<TY>(yv[e] + static_cast<float>(d));
+            }
+        }
+    }
+"""
+
+
+@cache
+def _shrink_rows() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_lora_shrink_rows",
+        input_names=["x", "a_t", "idx", "rows"],
+        output_names=["z"],
+        source=_SHRINK_ROWS,
+        header=_TILE_HEADER,
+    )
+
+
+@cache
+def _expand_add_rows() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_lora_expand_add_rows",
+        input_names=["y", "z", "b", "idx", "scale", "rows"],
+        output_names=["out"],
+        source=_EXPAND_ADD_ROWS,
+        header=_FUSED_HEADER + _TILE_HEADER,
+    )
+
+
+_ROW_LENGTHS: dict[int, mx.array] = {}
+
+
+def _row_length(row_tokens: int) -> mx.array:
+    """The row length as the kernels' input (kept: one array per length)."""
+    held = _ROW_LENGTHS.get(row_tokens)
+    if held is None:
+        held = _ROW_LENGTHS[row_tokens] = mx.array([row_tokens], mx.int32)
+    return held
+
+
+def _tiles(tokens: int, row_tokens: int) -> int:
+    return (tokens // row_tokens) * -(-row_tokens // TILE_TOKENS)
+
+
+def input_chunk(rank: int) -> int:
+    """Inputs staged per pass in `shrink_rows`: shared memory for about 4096 of (rank x chunk)."""
+    return max(16, min(128, 4096 // rank))
+
+
+def shrink_rows(x: mx.array, a_t: mx.array, idx: mx.array, row_tokens: int) -> mx.array:
+    """`shrink` over rows of `row_tokens` tokens (x [T, in], T a multiple of it), a tile of a
+    row's tokens reading its slot's A once."""
+    if not available():
+        return reference_shrink(x, a_t, idx)
+    tokens, width = x.shape
+    rank = a_t.shape[1]
+    (z,) = _shrink_rows()(
+        inputs=[x, a_t, idx, _row_length(row_tokens)],
+        template=[
+            ("TX", x.dtype),
+            ("TA", a_t.dtype),
+            ("IN", width),
+            ("R", rank),
+            ("TT", TILE_TOKENS),
+            ("CI", input_chunk(rank)),
+            ("THREADS", TILE_THREADS),
+            ("PAIRS", -(-TILE_TOKENS * rank // TILE_THREADS)),
+        ],
+        grid=(_tiles(tokens, row_tokens) * TILE_THREADS, 1, 1),
+        threadgroup=(TILE_THREADS, 1, 1),
+        output_shapes=[(tokens, rank)],
+        output_dtypes=[mx.float32],
+    )
+    return z
+
+
+def expand_add_rows(
+    y: mx.array,
+    z: mx.array,
+    b: mx.array,
+    idx: mx.array,
+    scale: mx.array,
+    row_tokens: int,
+    start: int = 0,
+) -> mx.array:
+    """`expand_add` over rows of `row_tokens` tokens: y [T, YW] whose columns [start, start +
+    out) are the base output (read in place), out [T, out]; each B element read once a tile."""
+    width = b.shape[-1]
+    if not available():
+        base = y if y.shape[-1] == width else y[:, start : start + width]
+        return reference_expand_add(base, z, b, idx, scale)
+    tokens = y.shape[0]
+    eo = 4 if width % 4 == 0 else 1
+    chunks = -(-width // (TILE_THREADS * eo))
+    (out,) = _expand_add_rows()(
+        inputs=[y, z, b, idx, scale, _row_length(row_tokens)],
+        template=[
+            ("TY", y.dtype),
+            ("TB", b.dtype),
+            ("R", b.shape[1]),
+            ("OUT", width),
+            ("YW", y.shape[-1]),
+            ("COL", start),
+            ("TT", TILE_TOKENS),
+            ("EO", eo),
+            ("THREADS", TILE_THREADS),
+            ("CHUNKS", chunks),
+        ],
+        grid=(_tiles(tokens, row_tokens) * chunks * TILE_THREADS, 1, 1),
+        threadgroup=(TILE_THREADS, 1, 1),
+        output_shapes=[(tokens, width)],
+        output_dtypes=[y.dtype],
+    )
+    return out
+
+
+def rows_add(
+    x: mx.array, parts: Sequence[Part], scale: mx.array, row_tokens: int
+) -> list[mx.array]:
+    """`fused_add`'s outputs from `shrink_rows` and `expand_add_rows` per part, for x's tokens
+    in rows of `row_tokens` (a [B, L, in] forward: L)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 0:
+        return [part.base() for part in parts]
+    out = []
+    for part in parts:
+        z = shrink_rows(flat, part.a_t, part.idx, row_tokens)
+        y = part.y.reshape(-1, part.y.shape[-1])
+        got = expand_add_rows(y, z, part.b, part.idx, scale, row_tokens, part.start)
+        out.append(got.reshape(*part.y.shape[:-1], part.width))
+    return out
