@@ -168,7 +168,7 @@ def gather_add(row_tokens: int) -> FusedAdd:
         out = []
         for part in parts:
             slots = part.idx.reshape(rows, row_tokens)[:, 0]
-            a, b = _a_of(part.a_t).astype(x3.dtype), part.b.astype(x3.dtype)
+            a, b = _swapped(part.a_t).astype(x3.dtype), part.b.astype(x3.dtype)
             z = mx.gather_mm(x3, a, rhs_indices=slots)
             d = per_token * mx.gather_mm(z, b, rhs_indices=slots)
             base = part.base()
@@ -190,11 +190,12 @@ def rows_add(row_tokens: int) -> FusedAdd:
 _A: dict[int, mx.array] = {}
 
 
-def _a_of(a_t: mx.array) -> mx.array:
-    """A as [S, in, r], made once (the server's stacks hold it so)."""
-    held = _A.get(id(a_t))
+def _swapped(stack: mx.array) -> mx.array:
+    """A stack [S, m, n] as a contiguous [S, n, m], made once per stack: A as [S, in, r] (the
+    server's stacks hold it so), B as [S, out, r]."""
+    held = _A.get(id(stack))
     if held is None:
-        held = _A[id(a_t)] = mx.contiguous(a_t.swapaxes(1, 2))
+        held = _A[id(stack)] = mx.contiguous(stack.swapaxes(1, 2))
         mx.eval(held)
     return held
 
@@ -216,9 +217,9 @@ def sorted_add(transposed: bool) -> FusedAdd:
             back = mx.argsort(order)
             slots = part.idx[order]
             if transposed:
-                a, b = part.a_t.swapaxes(1, 2), _b_t_of(part.b).swapaxes(1, 2)
+                a, b = part.a_t.swapaxes(1, 2), _swapped(part.b).swapaxes(1, 2)
             else:
-                a, b = _a_of(part.a_t), part.b
+                a, b = _swapped(part.a_t), part.b
             xs = flat[order][:, None, :]
             if xs.dtype != a.dtype:
                 xs = xs.astype(a.dtype)
@@ -230,15 +231,6 @@ def sorted_add(transposed: bool) -> FusedAdd:
         return out
 
     return add
-
-
-def _b_t_of(b: mx.array) -> mx.array:
-    """B as [S, out, r], made once."""
-    held = _A.get(id(b))
-    if held is None:
-        held = _A[id(b)] = mx.contiguous(b.swapaxes(1, 2))
-        mx.eval(held)
-    return held
 
 
 def dense_add(x: mx.array, parts: list[lora_kernel.Part], scale: mx.array) -> list[mx.array]:

@@ -122,19 +122,27 @@ def test_a_mixed_batch_on_the_kernel_path_is_mlx_lms(tmp_path: Path, fused: bool
 
 
 def fused_case(
-    tokens: int, width: int, outs: list[int], rank: int, dtype: mx.Dtype, seed: int = 0
+    tokens: int,
+    width: int,
+    outs: list[int],
+    rank: int,
+    dtype: mx.Dtype,
+    seed: int = 0,
+    row_tokens: int = 1,
 ) -> tuple[mx.array, list[lora_kernel.Part], mx.array, np.ndarray]:
     """x [T, in] and each part's y [T, out] in `dtype`; float32 stacks (as the trainer saves
     them) of 5 local slots per part, local slot 0 zeros as in every stack, the last part's slot
     4 of half the rank (zero padding); 6 global slots over the tokens (0: no adapter), mapped to
     local slots per part (a part's 0: an adapter that does not target it); the tokens' scales
-    and global slots. The update is of y's size, so that a wrong index shows above rounding."""
+    and global slots. The update is of y's size, so that a wrong index shows above rounding.
+    `row_tokens`: consecutive tokens in rows of this many share a slot (a prefill pass's)."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     x = mx.random.normal((tokens, width)).astype(dtype)
-    glob = rng.integers(0, 6, tokens).astype(np.int32)
-    head = min(tokens, 6)
+    glob = rng.integers(0, 6, tokens // row_tokens).astype(np.int32)
+    head = min(len(glob), 6)
     glob[:head] = (np.arange(head) + 1) % 6  # every slot (0: no adapter), an adapter first
+    glob = np.repeat(glob, row_tokens)
     scale = mx.array([0.0, 1.0, 2.0, 0.5, 1.5, 1.0], dtype=mx.float32)[mx.array(glob)]
     maps = [[0, 1, 2, 3, 4, 4], [0, 2, 1, 0, 3, 4], [0, 4, 0, 1, 2, 3]]
     parts = []
@@ -714,32 +722,15 @@ def rows_case(
     rank: int,
     dtype: mx.Dtype,
     per_token: bool = False,
-    seed: int = 0,
 ) -> tuple[mx.array, list[lora_kernel.Part], mx.array]:
-    """x [rows, length, in] and parts as `fused_case`'s (float32 stacks of 5 local slots, zero
-    padded ranks, three slot maps), with one adapter a row (a prefill pass's prompts) or, with
-    `per_token`, one a token; the tokens' scales."""
-    mx.random.seed(seed)
-    rng = np.random.default_rng(seed)
+    """`fused_case`'s x, parts and scales as [rows, length, ...], with one adapter a row (a
+    prefill pass's prompts) or, with `per_token`, one a token."""
     tokens = rows * length
-    x = mx.random.normal((rows, length, width)).astype(dtype)
-    glob = rng.integers(0, 6, tokens if per_token else rows).astype(np.int32)
-    glob[: min(len(glob), 6)] = (np.arange(min(len(glob), 6)) + 1) % 6
-    if not per_token:
-        glob = np.repeat(glob, length)
-    scale = mx.array([0.0, 1.0, 2.0, 0.5, 1.5, 1.0], dtype=mx.float32)[mx.array(glob)]
-    maps = [[0, 1, 2, 3, 4, 4], [0, 2, 1, 0, 3, 4], [0, 4, 0, 1, 2, 3]]
-    parts = []
-    for p, out in enumerate(outs):
-        a_t = mx.random.normal((5, rank, width)) * width**-0.5
-        b = mx.random.normal((5, rank, out)) * rank**-0.5
-        a_t[0] = 0
-        b[0] = 0
-        a_t[4, rank // 2 :] = 0
-        b[4, rank // 2 :] = 0
-        y = mx.random.normal((rows, length, out)).astype(dtype)
-        parts.append(lora_kernel.Part(y, a_t, b, mx.array(np.array(maps[p % 3], np.int32)[glob])))
-    return x, parts, scale
+    x, parts, scale, _ = fused_case(
+        tokens, width, outs, rank, dtype, row_tokens=1 if per_token else length
+    )
+    shaped = [lora_kernel.Part(p.y.reshape(rows, length, -1), p.a_t, p.b, p.idx) for p in parts]
+    return x.reshape(rows, length, width), shaped, scale
 
 
 def test_the_row_kernels_give_the_fused_update_in_rows_shape() -> None:
