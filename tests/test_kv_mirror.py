@@ -134,3 +134,30 @@ def test_over_the_byte_limit_decode_steps_gather(model):
     reference = generate(make_engine(model, paged()), PROMPTS, steps=4)[1]
     assert out == reference
     assert storage.mirror.rebuilds == 0 and storage.mirror.nbytes == 0
+
+
+def test_a_batch_that_changes_every_step_gathers(model):
+    """Churn (the rows change every step): after the first batch's rebuild, no rebuild while
+    the batch keeps changing (each would cost more than the gather it replaced); a batch that
+    steps twice is mirrored from its second step. No token changes."""
+    prompts = [prompt(5, 9), prompt(6, 3), prompt(7, 12), prompt(8, 6)]
+    plan = [[0, 1, 2], [1, 2, 3]] * 4 + [[0, 1, 2, 3]] * 3
+
+    def run(engine, storage):
+        seqs = [engine.add_sequence(f"r{i}", SamplingParams(), p) for i, p in enumerate(prompts)]
+        first = engine.prefill([StepRow(s, p) for s, p in zip(seqs, prompts)])
+        out = {i: [first[i].token_id] for i in range(4)}
+        rebuilds = []
+        for active in plan:
+            for i, r in zip(active, engine.step([StepRow(seqs[i]) for i in active])):
+                out[i].append(r.token_id)
+            rebuilds.append(storage.mirror.rebuilds if storage.mirror is not None else 0)
+        for s in seqs:
+            engine.release(s)
+        return out, rebuilds
+
+    storage = paged()
+    gathered, _ = run(make_engine(model, storage), storage)
+    mirror_out, rebuilds = run(*mirrored(model))
+    assert mirror_out == gathered
+    assert rebuilds == [1] * 9 + [2, 2]  # the full batch's first step gathers

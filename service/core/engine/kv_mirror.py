@@ -13,7 +13,11 @@ The paged pool stays the source of truth (every step still writes it). The mirro
 only while the batch is the same rows in the same order, each exactly one token further than
 at the last mirrored step; anything else (a row joins or leaves, a prefill or mixed step in
 between, capacity reached) rebuilds it from the pool with one gather: what a gathering step
-pays every time, paid once per change of the batch.
+pays every time, paid once per change of the batch. Except under churn: when the batch
+changed at the step before too (closed-loop serving at many rows, where some row ends nearly
+every step), a copy rebuilt every step would cost more than the gather it replaces (its
+headroom columns, its table), so such a step gathers and the mirror waits for a batch that
+steps twice.
 
 The CPU decode path (service.core.engine.config) for models without sliding windows. Left lazy, a
 rebuild's gather is consumed by the step's first append; evaluating it at once would stall the
@@ -73,19 +77,33 @@ class DecodeMirror:
     values: list[mx.array] = field(default_factory=list)
     rebuilds: int = 0
     step: MirrorStep | None = None
+    # The rows of the last decode step that asked (mirrored or not), and whether they were
+    # the rows of the step before it.
+    previous: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    previous_repeated: bool = True
 
     def begin_step(self, source: MirrorSource, layout: StepLayout) -> MirrorStep | None:
         """Make the mirror hold every row's positions before this decode step; returns where
-        the step writes and its mask, or None (gather instead: a single row, or too large).
+        the step writes and its mask, or None (gather instead: a single row, churn, or too
+        large).
         A lone row gathers only itself, which costs less than keeping a copy of it
         (bench/cpu_mirror.py measures the mirror against the gather)."""
+        repeated = np.array_equal(layout.rows, self.previous)
+        churn = not repeated and not self.previous_repeated  # changed twice in a row
+        self.previous, self.previous_repeated = layout.rows.copy(), repeated
         if layout.batch_size < 2:
             if len(self.rows):
                 self.clear()
             return None
-        if not self._continues(layout) and not self._rebuild(source, layout):
-            self.step = None
-            return None
+        if not self._continues(layout):
+            if churn:  # gather; rebuild once a batch steps twice
+                if len(self.rows):
+                    self.clear()
+                self.step = None
+                return None
+            if not self._rebuild(source, layout):
+                self.step = None
+                return None
         column = self.column
         self.column += 1
         mask = None
