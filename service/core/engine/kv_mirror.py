@@ -95,15 +95,10 @@ class DecodeMirror:
             if len(self.rows):
                 self.clear()
             return None
-        if not self._continues(layout):
-            if churn:  # gather; rebuild once a batch steps twice
-                if len(self.rows):
-                    self.clear()
-                self.step = None
-                return None
-            if not self._rebuild(source, layout):
-                self.step = None
-                return None
+        if not self._continues(layout) and (churn or not self._rebuild(source, layout)):
+            # Gather: under churn (rebuild once a batch steps twice), or the copy too large.
+            self.clear()
+            return None
         column = self.column
         self.column += 1
         mask = None
