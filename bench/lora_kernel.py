@@ -19,7 +19,8 @@ token times all the stacks' A and B in float32, the other adapters' ranks masked
 a module) and `gather_mm (sorted)` (tokens sorted by slot, mlx-lm's products as one grouped
 `gather_mm` each, as mlx-lm's MoE layers run theirs; with stacks in our layout, and as transposed
 views, the layout of mlx-lm's MoE weights), and `row kernels` (`lora_kernel.rows_add`: tiles of
-a row's tokens sharing each read of A and B). --adapter-dtype float32 is what `mlx_lm lora` saves.
+a row's tokens sharing each read of A and B; --rows times them without the MLX-op forms).
+--adapter-dtype float32 is what `mlx_lm lora` saves.
 Rows of --row-tokens tokens share an adapter, as a prefill pass's prompts do.
 
     python3 bench/lora_kernel.py --preset llama-3.1-8b --tokens 64 --adapters 8 --rank 16 \
@@ -306,6 +307,9 @@ def main() -> None:
         "--prefill", action="store_true", help="also the MLX-op forms: gather_mm per row, dense"
     )
     parser.add_argument(
+        "--rows", action="store_true", help="also the row kernels (lora_kernel.rows_add)"
+    )
+    parser.add_argument(
         "--row-tokens", type=int, default=1, help="tokens per row (one adapter a row)"
     )
     parser.add_argument(
@@ -337,6 +341,7 @@ def main() -> None:
         kernels["dense (all slots)"] = dense_add
         kernels["gather_mm (sorted)"] = sorted_add(False)
         kernels["gather_mm (sorted, transposed views)"] = sorted_add(True)
+    if args.prefill or args.rows:
         kernels[f"row kernels ({args.row_tokens}-token rows)"] = rows_add(args.row_tokens)
     checks = {}
     for name, k in list(kernels.items()):
