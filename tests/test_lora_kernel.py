@@ -351,19 +351,21 @@ def test_projections_that_read_one_input_share_one_kernel(
 ) -> None:
     """q, k, v and gate, up of a layer take one kernel per group of those adapted, and every
     row's logits are the ones a kernel per projection gives, bit for bit (the reference's
-    numbers on the CPU), in a multi-token forward, a one-token one, and a compiled one."""
+    numbers on the CPU), in a one-token forward and a compiled one. A forward of several tokens
+    a row (prefill) takes no kernel: its products are mlx-lm's, grouped by slot."""
     specs, per_layer = GROUPINGS[grouping]
     model, aset = adapted_llama(tmp_path, specs)
     names = [*specs, None, *specs]
     rows = aset.rows(np.array([aset.slot(n) if n else 0 for n in names], np.int32))
     tokens = mx.array(np.random.default_rng(1).integers(3, 200, (len(names), 5)), mx.int32)
     for part in (tokens, tokens[:, -1:]):
+        one = part.shape[1] == 1
         with lora.use_adapters(rows), kernel_calls(monkeypatch) as calls:
             got = model(part)
-        assert calls == per_layer * len(model.layers)
+        assert calls == (per_layer * len(model.layers) if one else [])
         with lora.use_adapters(rows), one_kernel_each(aset), kernel_calls(monkeypatch) as calls:
             want = model(part)
-        assert calls == [1] * sum(per_layer) * len(model.layers)
+        assert calls == ([1] * sum(per_layer) * len(model.layers) if one else [])
         assert mx.array_equal(got, want), part.shape
 
     def forward(tokens: mx.array, slots: mx.array) -> mx.array:
@@ -386,7 +388,7 @@ def test_a_projection_left_without_adapters_leaves_its_group(
     )
     aset.remove("all7")
     rows = aset.rows(np.array([aset.slot("qv"), 0], np.int32))
-    tokens = mx.array([[5, 6, 7], [8, 9, 10]], mx.int32)
+    tokens = mx.array([[7], [10]], mx.int32)  # decode: the kernels serve one-token rows
     with lora.use_adapters(rows), kernel_calls(monkeypatch) as calls:
         got = model(tokens)
     assert calls == [2] * len(model.layers)
@@ -414,7 +416,7 @@ def test_held_outputs_serve_the_same_input_only(tmp_path: Path) -> None:
     had, in any order; a member called with another input (equal values, another array)
     computes anew, and after two such calls in a row the group turns itself off; later calls
     are per projection too."""
-    x = mx.random.normal((3, 4, 64))
+    x = mx.random.normal((3, 1, 64))
     aset, (q, k, v), rows = adapted_qkv(tmp_path)
     with lora.use_adapters(rows):
         got = {"k": k(x), "q": q(x), "v": v(x)}
@@ -428,7 +430,7 @@ def test_held_outputs_serve_the_same_input_only(tmp_path: Path) -> None:
     assert not q._shared.enabled
     for m, out, inp in zip((q, k, v), outs, (x, copy, x)):
         assert mx.array_equal(out, alone(aset, m, inp, rows))
-    other = mx.random.normal((3, 4, 64))
+    other = mx.random.normal((3, 1, 64))
     with lora.use_adapters(rows):
         outs = [q(other), k(x), v(other)]
     for m, out, inp in zip((q, k, v), outs, (other, x, other)):
@@ -437,7 +439,7 @@ def test_held_outputs_serve_the_same_input_only(tmp_path: Path) -> None:
 
 def test_held_outputs_serve_the_same_rows_only(tmp_path: Path) -> None:
     """A member called with the first one's input but under other rows computes its own."""
-    x = mx.random.normal((3, 2, 64))
+    x = mx.random.normal((3, 1, 64))
     aset, (q, k, _), rows = adapted_qkv(tmp_path)
     swapped = aset.rows(np.array([aset.slot("qv"), 0, aset.slot("all7")], np.int32))
     with lora.use_adapters(rows):
@@ -452,7 +454,7 @@ def test_a_member_never_called_turns_the_group_off(tmp_path: Path) -> None:
     """A family that calls q and v but not k on an input (as layers that reuse another layer's
     K/V do): the next computations find k's output untaken, and after two the group stops;
     every output is still the per-projection one."""
-    x, later = mx.random.normal((3, 2, 64)), mx.random.normal((3, 2, 64))
+    x, later = mx.random.normal((3, 1, 64)), mx.random.normal((3, 1, 64))
     aset, (q, k, v), rows = adapted_qkv(tmp_path)
     with lora.use_adapters(rows):
         first = [q(x), v(x)]
@@ -470,7 +472,7 @@ def test_a_member_never_called_turns_the_group_off(tmp_path: Path) -> None:
 def test_a_forward_cut_short_leaves_the_group_on(tmp_path: Path) -> None:
     """q alone (the forward failed after it), then a whole forward: the group computes anew,
     serves it and stays on."""
-    x, later = mx.random.normal((3, 2, 64)), mx.random.normal((3, 2, 64))
+    x, later = mx.random.normal((3, 1, 64)), mx.random.normal((3, 1, 64))
     aset, (q, k, v), rows = adapted_qkv(tmp_path)
     with lora.use_adapters(rows):
         q(x)
@@ -484,7 +486,8 @@ def test_fused_projections_take_one_kernel_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """phi3's fused qkv_proj and gate_up_proj read one input each: no groups, a kernel per
-    adapted module, and each row has mlx-lm's logits with its adapter."""
+    adapted module in a one-token forward (none in a prompt's, which takes mlx-lm's products
+    grouped by slot), and each row has mlx-lm's logits with its adapter either way."""
     from mlx_lm.models import phi3
     from mlx_lm.tuner.utils import load_adapters
 
@@ -517,13 +520,18 @@ def test_fused_projections_take_one_kernel_each(
     assert all(w._shared is None for w in aset.wrappers.values())
     rows = aset.rows(np.array([aset.slot("a"), 0], np.int32))
     tokens = mx.array([[5, 6, 7, 8], [9, 10, 11, 12]], mx.int32)
-    with lora.use_adapters(rows), kernel_calls(monkeypatch) as calls:
-        got = model(tokens)
-    assert calls == [1] * len(keys) * len(model.layers)
+    got = {}
+    for part in (tokens, tokens[:, -1:]):
+        with lora.use_adapters(rows), kernel_calls(monkeypatch) as calls:
+            got[part.shape[1]] = model(part)
+        one = part.shape[1] == 1
+        assert calls == ([1] * len(keys) * len(model.layers) if one else [])
     ref = tiny_phi3()
-    assert mx.abs(got[1] - ref(tokens[1:])[0]).max().item() < 1e-4
+    for part in (tokens, tokens[:, -1:]):
+        assert mx.abs(got[part.shape[1]][1] - ref(part[1:])[0]).max().item() < 1e-4
     load_adapters(ref, str(tmp_path / "a"))
-    assert mx.abs(got[0] - ref(tokens[:1])[0]).max().item() < 1e-4
+    for part in (tokens, tokens[:, -1:]):
+        assert mx.abs(got[part.shape[1]][0] - ref(part[:1])[0]).max().item() < 1e-4
 
 
 def test_the_gathered_per_rank_products_are_each_rows_own(tmp_path: Path) -> None:

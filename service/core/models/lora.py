@@ -7,8 +7,10 @@ targets is wrapped once by `MultiLoRALinear`, which keeps its base layer as the 
 and the adapters' weights stacked by *adapter slot* (slot 0, `NO_ADAPTER`, is all zeros). The
 engine publishes each row's slot for the forward it builds (`row_adapters`); the base projection
 then runs once for all rows and each row adds its own adapter's update, gathered per row with
-`mx.gather_mm`; on CUDA (`EngineConfig.lora_kernel`) with a custom kernel instead
-(`lora_kernel.fused_add`), one kernel for the projections that read the same input (`_Group`).
+`mx.gather_mm`; on CUDA (`EngineConfig.lora_kernel`) with custom kernels instead: in a decode
+step `lora_kernel.fused_add`, one kernel for the projections that read the same input
+(`_Group`); in a pass of several tokens a row `lora_kernel.rows_add`, whose tiles of a row's
+tokens share each read of the adapter's A and B.
 With no adapter row in the forward the wrapper is the base layer alone.
 
 What mlx-lm computes (`mlx_lm/tuner/lora.py`, `dora.py`), reproduced op for op:
@@ -691,6 +693,13 @@ class MultiLoRALinear(nn.Module):
         stack = self._stack
         if rows is None or stack is None:
             return self.linear(x)
+        if self.fusable() and x.ndim == 3 and x.shape[1] > 1:
+            # Several tokens a row (prefill, verification): tiles of a row's tokens share
+            # each read of A and B (`lora_kernel.rows_add`).
+            ((y, start),) = projections.columns([self.linear], x)
+            part, scale = self.part(x, y, start, rows)
+            (out,) = lora_kernel.rows_add(x, [part], scale, x.shape[1])
+            return out
         if self.fusable():
             # One kernel: this layer's alone, or its siblings' too (_Group).
             out = None if self._shared is None else self._shared(self, x, rows)
