@@ -301,9 +301,12 @@ class Part:
 
     def base(self) -> mx.array:
         """The base layer's output [..., out]."""
-        if self.y.shape[-1] == self.width:
-            return self.y
-        return self.y[..., self.start : self.start + self.width]
+        return _columns(self.y, self.start, self.width)
+
+
+def _columns(y: mx.array, start: int, width: int) -> mx.array:
+    """y's columns [start, start + width): y itself when that is all of it."""
+    return y if y.shape[-1] == width else y[..., start : start + width]
 
 
 @cache
@@ -398,32 +401,45 @@ def reference_expand_add(
 
 def reference_fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
     """`fused_add` from MLX ops: each part's `shrink` and `expand_add` references."""
-    return _two_steps(x, parts, scale, reference_shrink, reference_expand_add)
+    return _two_steps(x, parts, scale, reference_shrink, _on_columns(reference_expand_add))
 
 
 def shrink_expand_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
     """`fused_add`'s update from two kernels a part (`shrink`, then `expand_add`), which compute
     each token's x @ A once where `fused_add` computes it in every block of the token's outputs
     (bench/lora_kernel.py --pair times the two forms)."""
-    return _two_steps(x, parts, scale, shrink, expand_add)
+    return _two_steps(x, parts, scale, shrink, _on_columns(expand_add))
+
+
+Shrink = Callable[[mx.array, mx.array, mx.array], mx.array]  # (x [T, in], A as [S, r, in], idx)
+Expand = Callable[[mx.array, mx.array, Part, mx.array], mx.array]  # (y [T, YW], z, part, scale)
 
 
 def _two_steps(
-    x: mx.array,
-    parts: Sequence[Part],
-    scale: mx.array,
-    shrink_fn: Callable[[mx.array, mx.array, mx.array], mx.array],
-    expand_fn: Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], mx.array],
+    x: mx.array, parts: Sequence[Part], scale: mx.array, shrink_fn: Shrink, expand_fn: Expand
 ) -> list[mx.array]:
-    """Each part's z = x @ A[idx], then its base output plus scale * z @ B[idx]."""
+    """Each part's z = x @ A[idx], then its base output plus scale * z @ B[idx]. `expand_fn`
+    takes the part's y whole, as [T, YW] (the base output its columns from `part.start`)."""
     flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 0:
+        return [part.base() for part in parts]
     out = []
     for part in parts:
-        base = part.base()
-        y = base.reshape(-1, part.width)
+        y = part.y.reshape(-1, part.y.shape[-1])
         z = shrink_fn(flat, part.a_t, part.idx)
-        out.append(expand_fn(y, z, part.b, part.idx, scale).reshape(base.shape))
+        out.append(expand_fn(y, z, part, scale).reshape(*part.y.shape[:-1], part.width))
     return out
+
+
+def _on_columns(
+    expand: Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], mx.array],
+) -> Expand:
+    """An expand_add form that takes the base output alone, given it sliced out of y."""
+
+    def run(y: mx.array, z: mx.array, part: Part, scale: mx.array) -> mx.array:
+        return expand(_columns(y, part.start, part.width), z, part.b, part.idx, scale)
+
+    return run
 
 
 # -- passes of many tokens a row (prefill) --------------------------------------------------------
@@ -689,8 +705,7 @@ def expand_add_rows(
     out) are the base output (read in place), out [T, out]; each B element read once a tile."""
     width = b.shape[-1]
     if not available():
-        base = y if y.shape[-1] == width else y[:, start : start + width]
-        return reference_expand_add(base, z, b, idx, scale)
+        return reference_expand_add(_columns(y, start, width), z, b, idx, scale)
     tokens = y.shape[0]
     eo = 4 if width % 4 == 0 else 1
     chunks = -(-width // (TILE_THREADS * eo))
@@ -721,13 +736,10 @@ def rows_add(
 ) -> list[mx.array]:
     """`fused_add`'s outputs from `shrink_rows` and `expand_add_rows` per part, for x's tokens
     in rows of `row_tokens` (a [B, L, in] forward: L)."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] == 0:
-        return [part.base() for part in parts]
-    out = []
-    for part in parts:
-        z = shrink_rows(flat, part.a_t, part.idx, row_tokens)
-        y = part.y.reshape(-1, part.y.shape[-1])
-        got = expand_add_rows(y, z, part.b, part.idx, scale, row_tokens, part.start)
-        out.append(got.reshape(*part.y.shape[:-1], part.width))
-    return out
+    return _two_steps(
+        x,
+        parts,
+        scale,
+        lambda flat, a_t, idx: shrink_rows(flat, a_t, idx, row_tokens),
+        lambda y, z, part, s: expand_add_rows(y, z, part.b, part.idx, s, row_tokens, part.start),
+    )
