@@ -12,6 +12,8 @@
 #   engine core alone and the raw mlx-lm loop in the same process;
 # - server: `bench/gpu_run.sh` with RUNS="PRESET:1:raw:90" at CONC (64,256): ours through gRPC
 #   beside the raw loop; summarize with `python -m bench.rounds OUT/PRESET-{a,b}-N.json`.
+# ENV_A / ENV_B: extra environment for that side's processes (A=B=DIR with ENV_B=
+# "MLX_MAX_OPS_PER_BUFFER=400" compares an MLX setting on one tree; the raw loop gets it too).
 # Results: OUT/{core,server}-{a,b}-N.json (server: OUT/PRESET-{a,b}-N.json). Expects MLX
 # installed under /tmp/site (docs/offline-gpu-install.md). Env: PRESET (smollm2-135m), BUDGET_S
 # (580: pairs that would not finish in time are skipped), DTYPE (bfloat16).
@@ -27,16 +29,17 @@ need=$([ "$MODE" = server ] && echo 140 || echo 60)
 for n in $(seq 1 "$PAIRS"); do
   for side in b a; do
     dir=$([ $side = a ] && echo "$A" || echo "$B")
+    extra=$([ $side = a ] && echo "${ENV_A:-}" || echo "${ENV_B:-}")
     left=$((BUDGET_S - ($(date +%s) - start)))
     if [ "$left" -lt "$need" ]; then echo "== stop: ${left}s left"; break 2; fi
-    echo "== $MODE $side pair $n (${left}s left)"
+    echo "== $MODE $side pair $n (${left}s left)${extra:+ with $extra}"
     export PYTHONPATH=/tmp/site${TOK:+:$TOK}:$dir
     if [ "$MODE" = core ]; then
-      (cd "$dir" && timeout $((left - 5)) python3 bench/step_anatomy.py --preset "$PRESET" --dtype "$DTYPE" \
+      (cd "$dir" && env $extra timeout $((left - 5)) python3 bench/step_anatomy.py --preset "$PRESET" --dtype "$DTYPE" \
         --paths raw,core --batch "$BATCH" --steps 64 --rounds "$ROUNDS" \
         --out "$OUT/core-$side-$n.json" 2>&1 | grep median)
     else
-      (cd "$dir" && CHECK=0 RUNS="$PRESET:1:raw:90" CONC="$CONC" BUDGET_S=135 \
+      (cd "$dir" && env $extra CHECK=0 RUNS="$PRESET:1:raw:90" CONC="$CONC" BUDGET_S=135 \
         OUT="$OUT/server-$side-$n" TAG="-$side-$n" bash bench/gpu_run.sh 2>&1 | grep "ours C=")
       cp "$OUT/server-$side-$n/$PRESET-$side-$n.json" "$OUT/" 2>/dev/null
       rm -rf "$OUT/server-$side-$n"

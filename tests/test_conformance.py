@@ -143,7 +143,7 @@ def test_embedded_model_quantized_by_mlx_lm_answers_paris(zoo_root) -> None:
     )
 
     def served() -> tuple[pb.TokenizeResponse, pb.GenerateResponse]:
-        flags = ("--model", str(path), "--parallel", "4", "--log-format", "json")
+        flags = model_zoo.server_flags(path)
         with running_server(*flags) as s, grpc.insecure_channel(s.target) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
             tokenized = stub.Tokenize(pb.TokenizeRequest(chat=request.chat), timeout=10)
@@ -215,7 +215,7 @@ def test_a_model_the_views_cannot_serve_runs_one_sequence_at_a_time(zoo_root) ->
     path = model_zoo.build(LLAMA4, zoo_root)
     prompts = {k: v for k, v in model_zoo.prompts(LLAMA4).items() if k in ("short", "long")}
     expected = model_zoo.reference(path, prompts)
-    with running_server("--model", str(path), "--parallel", "4", "--log-format", "json") as s:
+    with running_server(*model_zoo.server_flags(path)) as s:
         line = s.wait_for_record(lambda r: "does not support batched decode" in r["event"])
         assert "clamping max_batch_size from 4 to 1" in line["event"]
         assert "ChunkedKVCache" in line["reason"]

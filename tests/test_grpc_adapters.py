@@ -44,7 +44,7 @@ def server(work: Path) -> Iterator[ServerProcess]:
     with running_server(
         "--model", str(work / "f"), *flags, "--max-batch-size", "4", "--enable-preemption",
         "--draft-kind", "prompt-lookup", "--metrics-port", str(free_port()),
-        "--log-format", "json",
+        "--log-format", "json", "--dtype", "float32",
     ) as s:  # fmt: skip
         yield s
 

@@ -61,7 +61,7 @@ def tp2_server(tp_model) -> Iterator[ServerProcess]:
     ends it: the test right after)."""
     with running_server(
         "--model", str(tp_model), "--tensor-parallel", "2", "--parallel", "4",
-        "--log-format", "json",
+        "--log-format", "json", "--dtype", "float32",
     ) as server:  # fmt: skip
         yield server
 
@@ -131,7 +131,7 @@ def test_tp2_cancellation_and_preemption(tp_model) -> None:
     with (
         running_server(
             "--model", str(tp_model), "--tensor-parallel", "2", "--max-batch-size", "1",
-            "--enable-preemption", "--log-format", "json",
+            "--enable-preemption", "--log-format", "json", "--dtype", "float32",
         ) as server,
         grpc.insecure_channel(server.target) as channel,
     ):  # fmt: skip
@@ -167,7 +167,7 @@ def test_tp2_serves_lora_adapters_sharded_like_their_layers(tiny_adapters) -> No
     with (
         running_server(
             "--model", str(work / "f"), "--tensor-parallel", "2", "--max-batch-size", "4",
-            *flags,
+            *flags, "--dtype", "float32",
         ) as server,
         grpc.insecure_channel(server.target) as channel,
     ):  # fmt: skip

@@ -1069,9 +1069,9 @@ class Run:
     seconds: float = 0.0
 
 
-def _server_flags(path: Path) -> list[str]:
-    # float32 whatever the device: the reference is mlx-lm's float32 generation (on a GPU the
-    # server's own default is bfloat16).
+def server_flags(path: Path) -> list[str]:
+    """A conformance server's flags. float32 whatever the device: the reference is mlx-lm's
+    generation from the float32 checkpoint (on a GPU the server's own default is bfloat16)."""
     return ["--model", str(path), "--parallel", "4", "--dtype", "float32", "--log-format", "json"]
 
 
@@ -1114,7 +1114,7 @@ class ServerPrefetch:
 
     def start(self, path: Path) -> None:
         if path not in self._starting:
-            self._starting[path] = self._pool.submit(start_server, *_server_flags(path))
+            self._starting[path] = self._pool.submit(start_server, *server_flags(path))
 
     def take(self, path: Path) -> concurrent.futures.Future:
         """The server of `path`, started now unless it was already."""
@@ -1143,7 +1143,7 @@ def conformance(
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         if starting is None:
-            starting = pool.submit(start_server, *_server_flags(path))
+            starting = pool.submit(start_server, *server_flags(path))
         try:
             expected = reference(path, prompts(family))
             if then is not None:
