@@ -397,6 +397,27 @@ def test_the_slot_table_maps_each_position_through_its_rows_blocks():
         storage.slot_table(step_layout([None], [8], [1], [tables[0]]))  # 9 positions, one block
 
 
+def test_a_steps_write_slots_are_the_slot_tables_at_its_new_positions():
+    """Each new token is written to the slot the table maps its position to; positions past a
+    row's new tokens (a padded width) and padding rows write only the scratch slot."""
+    size = 8
+    storage = paged(num_blocks=64, block_size=size)
+    rng = np.random.default_rng(4)
+    starts, lengths = [0, 7, 16, 30], [5, 2, 1, 10]
+    tables = [
+        rng.choice(64, -(-(s + n) // size), replace=False).tolist() for s, n in zip(starts, lengths)
+    ]
+    step = step_layout([None] * 4, starts, lengths, tables).padded_rows(1)
+    step.pad_width = 12
+    read = storage.slot_table(step)
+    write = storage._step_plan(0, step).write_slots.reshape(5, step.width)
+    for i, (start, n) in enumerate(zip(starts, lengths)):
+        for j in range(step.width):
+            want = read[i, start + j] if j < n else storage.scratch_slot
+            assert write[i, j] == want, (i, j)
+    assert (write[4] == storage.scratch_slot).all()  # the padding row
+
+
 def test_decode_inputs_pack_each_rows_block_table():
     """The compiled decode step's packed plan: offset, length, the new token's slot and the
     block table, which maps each position as the slot table does; padding rows and columns

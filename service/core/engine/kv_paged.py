@@ -24,9 +24,9 @@ positions run past its rows' block tables is refused (`SlotsNotReservedError`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import mlx.core as mx
@@ -60,11 +60,16 @@ class _StepPlan:
     gathering step reads `read`, a direct decode step `slots` and `lengths`."""
 
     write_slots: np.ndarray  # [B * N] slot of each new token position (padding -> scratch)
-    slot_table: np.ndarray  # [B, T] slot of each position (padding -> scratch slot)
+    table_of: Callable[[], np.ndarray]  # makes slot_table: only gathers and kernels read it
     totals: list[int]  # positions each row attends to
     kv_heads: int
     written: dict[int, mx.array] = field(default_factory=dict)  # layer -> its in-place write
     metas: dict[int | None, mx.array] = field(default_factory=dict)
+
+    @cached_property
+    def slot_table(self) -> np.ndarray:
+        """[B, T] slot of each position (padding -> scratch slot)."""
+        return self.table_of()
 
     @cached_property
     def write(self) -> mx.array:
@@ -344,16 +349,24 @@ class PagedKVStorage:
         self._plan_layer = layer
         if cached is batch and self._plan is not None and not fresh_pass:
             return self._plan
-        read = self.slot_table(batch)
+        self._check_covered(batch)
         b, n = batch.batch_size, batch.width
-        write = np.full((b, n), self.scratch_slot, dtype=np.int32)
-        cols = batch.starts[:, None] + np.arange(n, dtype=np.int32)[None, :]  # [B, N]
+        size = self.block_size
+        # Each new token's slot straight from its block: the [B, T] table of every position
+        # is made only for the steps that read it (gathers, the decode kernel).
+        pos = batch.starts[:, None] + np.arange(n, dtype=np.int32)[None, :]  # [B, N]
         new = np.arange(n)[None, :] < batch.lengths[:, None]
-        rows = np.broadcast_to(np.arange(b)[:, None], (b, n))
-        write[new] = read[rows[new], cols[new]]
+        cols = np.minimum(pos // size, batch.block_table.shape[1] - 1)
+        write = np.take_along_axis(batch.block_table, cols, axis=1) * size + pos % size
+        write[~new] = self.scratch_slot
         if batch.padding_rows:
             write[b - batch.padding_rows :] = self.scratch_slot
-        self._plan = _StepPlan(write.reshape(-1), read, batch.total_lengths.tolist(), self.kv_heads)
+        self._plan = _StepPlan(
+            write.reshape(-1).astype(np.int32, copy=False),
+            partial(self.slot_table, batch),
+            batch.total_lengths.tolist(),
+            self.kv_heads,
+        )
         self._plan_layout = weakref.ref(batch)
         return self._plan
 
