@@ -363,7 +363,7 @@ class PagedKVStorage:
             write[b - batch.padding_rows :] = self.scratch_slot
         self._plan = _StepPlan(
             write.reshape(-1).astype(np.int32, copy=False),
-            partial(self.slot_table, batch),
+            partial(self._slot_table, batch),
             batch.total_lengths.tolist(),
             self.kv_heads,
         )
@@ -374,6 +374,10 @@ class PagedKVStorage:
         """[B, span] slot of each row's positions 0..end-1 under its block table; the scratch
         slot past each row's end. Refuses positions the tables do not cover."""
         self._check_covered(batch)
+        return self._slot_table(batch)
+
+    def _slot_table(self, batch: StepLayout) -> np.ndarray:
+        """`slot_table` of a batch already checked (a step's plan checks it once)."""
         totals = batch.total_lengths
         size = self.block_size
         table = batch.block_table

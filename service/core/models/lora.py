@@ -693,20 +693,19 @@ class MultiLoRALinear(nn.Module):
         stack = self._stack
         if rows is None or stack is None:
             return self.linear(x)
-        if self.fusable() and x.ndim == 3 and x.shape[1] > 1:
-            # Several tokens a row (prefill, verification): tiles of a row's tokens share
-            # each read of A and B (`lora_kernel.rows_add`).
-            ((y, start),) = projections.columns([self.linear], x)
-            part, scale = self.part(x, y, start, rows)
-            (out,) = lora_kernel.rows_add(x, [part], scale, x.shape[1])
-            return out
         if self.fusable():
-            # One kernel: this layer's alone, or its siblings' too (_Group).
-            out = None if self._shared is None else self._shared(self, x, rows)
+            # Several tokens a row (prefill, verification): this layer's row kernels, whose
+            # tiles of a row's tokens share each read of A and B (`lora_kernel.rows_add`).
+            # One token a row: one kernel, this layer's alone or its siblings' too (_Group).
+            several = x.ndim == 3 and x.shape[1] > 1
+            out = None if several or self._shared is None else self._shared(self, x, rows)
             if out is None:
                 ((y, start),) = projections.columns([self.linear], x)
                 part, scale = self.part(x, y, start, rows)
-                (out,) = lora_kernel.fused_add(x, [part], scale)
+                if several:
+                    (out,) = lora_kernel.rows_add(x, [part], scale, x.shape[1])
+                else:
+                    (out,) = lora_kernel.fused_add(x, [part], scale)
             return out
         y = self.linear(x)
         # The LM head sees [rows, H]: one token per row.
