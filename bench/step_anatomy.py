@@ -72,6 +72,32 @@ def raw_round(model: Any, batch: int, steps: int) -> dict[str, float]:
     return _summary("raw", batch, steps, started, cpu)
 
 
+def raw_prefill(model: Any, batch: int, width: int) -> list[dict[str, Any]]:
+    """The raw loop's prefill of `batch` prompts of `width` tokens in one forward (every prompt
+    the same length, so no padding): the anchor for the runner's prefill passes."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = []
+    for attempt in ("cold", "warm"):
+        cache = make_prompt_cache(model)
+        prompt = mx.random.randint(17, 500, (batch, width))
+        mx.eval(prompt)
+        started = time.perf_counter()
+        mx.eval(mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1))
+        seconds = time.perf_counter() - started
+        out.append(
+            {
+                "path": f"rawprefill-{attempt}",
+                "batch": batch,
+                "width": width,
+                "total_ms": seconds * 1e3,
+                "step_ms": seconds * 1e3,
+            }
+        )
+        _print(out[-1])
+    return out
+
+
 class _Rows:
     """B rows joined and prefilled once, then decoded step after step by the runner alone."""
 
@@ -254,7 +280,8 @@ def main() -> None:
     parser.add_argument(
         "--prefill",
         default="",
-        help="runner prefill timings, cold then warm: ROWSxPER_PASSxWIDTH,... (e.g. 256x16x32)",
+        help="prefill timings, cold then warm: ROWSxPER_PASSxWIDTH,... (e.g. 256x16x32); the "
+        "runner in passes of PER_PASS rows, the raw loop (with --paths raw) in one forward",
     )
     parser.add_argument(
         "--no-compile",
@@ -280,6 +307,9 @@ def main() -> None:
     if "raw" in paths:
         model, _ = dummy_model(args.preset, parse_dtype(args.dtype))
         mx.eval(model.parameters())
+        for spec in filter(None, args.prefill.split(",")):
+            batch, _, width = (int(x) for x in spec.split("x"))
+            rows.extend(raw_prefill(model, batch, width))
     for batch in batches:
         for _ in range(args.rounds):
             if "raw" in paths:
