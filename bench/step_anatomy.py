@@ -289,6 +289,18 @@ def main() -> None:
         help="mx.disable_compile() first: every path builds its graph op by op (an A/B of "
         "mx.compile per batch size)",
     )
+    parser.add_argument(
+        "--span-floor",
+        type=int,
+        help="the runner's fewest key positions a padded pass attends over (runner."
+        "MIN_PADDED_SPAN), to see what the floor costs a burst of short prompts",
+    )
+    parser.add_argument(
+        "--exact-width",
+        action="store_true",
+        help="the runner pads a pass's width and span to multiples of 16 instead of powers of "
+        "two (runner.shape_bucket), to see what the padding costs",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.no_compile:
@@ -301,6 +313,11 @@ def main() -> None:
     from service.core.runtime import Runtime
 
     configure_logging("warning", "console")
+    # Exploration only: what the runner's padding of multi-token passes costs.
+    if args.span_floor is not None:
+        runner_module.MIN_PADDED_SPAN = args.span_floor
+    if args.exact_width:
+        runner_module.shape_bucket = lambda n: -(-n // 16) * 16
     paths = args.paths.split(",")
     batches = [int(b) for b in args.batch.split(",")]
     rows: list[dict[str, Any]] = []
