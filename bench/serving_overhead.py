@@ -44,7 +44,6 @@ import platform
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -56,6 +55,7 @@ from typing import Any
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from client.bench.cli import git_state
 from client.bench.server import ServerProcess, free_port
 from client.client import GenerationClient, build_request, to_stream_request
 from mlxserve.v1 import generation_pb2 as pb
@@ -253,14 +253,6 @@ def client_process(plan: ClientPlan, conn: Connection) -> None:
 
 
 # -- orchestration ----------------------------------------------------------------------------
-
-
-def _git_state() -> dict[str, Any]:
-    def git(*argv: str) -> str:
-        done = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -500,7 +492,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "meta": {
             "timestamp": stamp,
             "argv": sys.argv,
-            "git": _git_state(),
+            "git": git_state(),
             "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "grpc_version": grpc.__version__,
             "workload": {

@@ -274,7 +274,7 @@ def _server_snapshot(target: str, connection: dict[str, Any]) -> dict[str, Any]:
     return snapshot
 
 
-def _git_state() -> dict[str, Any]:
+def git_state() -> dict[str, Any]:
     """The checkout's commit (the server's code when it is spawned from here); {} outside one."""
     if CHECKOUT_ROOT is None:
         return {}
@@ -362,7 +362,7 @@ def run_bench(args: argparse.Namespace, peers: Mapping[str, PeerRun] | None = No
             "loadavg_start": os.getloadavg(),
         },
         "grpc_version": grpc.__version__,
-        "git": _git_state(),
+        "git": git_state(),
         "load_format": args.load_format,
         "dtype": args.dtype,
     }
