@@ -10,7 +10,6 @@ import pytest
 from mlx_lm.models import llama
 
 from service.core import warm_up
-from service.core.engine.batch_view import make_views
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import SlotsNotReservedError
 from service.core.engine.runner import shape_bucket
@@ -148,9 +147,38 @@ def _forward_logits(model, storage, handles, tables, starts, rows):
     width = max(len(r) for r in rows)
     tokens = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
     layout = step_layout(list(handles), list(starts), [len(r) for r in rows], tables)
-    logits = model(tokens, cache=make_views(storage, layout_of(model), layout))
+    logits = model(tokens, cache=storage.views(layout, layout_of(model), None, False))
     mx.eval(logits)
     return logits
+
+
+def test_rows_that_start_at_zero_attend_over_their_own_tokens_without_a_gather(model):
+    stores = {"dense": dense(), "paged": paged(block_size=4)}
+    manager = KVCacheManager(64, 4)
+    blocks = [manager.new_sequence() for _ in PROMPTS]
+    handles = {k: [s.new_sequence() for _ in PROMPTS] for k, s in stores.items()}
+    rows = [list(p) for p in PROMPTS]
+    assert len({len(r) for r in rows}) > 1  # right padding in the pass
+    for b, r in zip(blocks, rows):
+        assert manager.ensure_slots(b, len(r) + 1)
+    storage = stores["paged"]
+    storage.apply(manager.take_update())
+    tables = [b.block_ids for b in blocks]
+    gathers = []
+    gather = storage.write_and_gather
+    storage.write_and_gather = lambda *a: gathers.append(a) or gather(*a)
+    first = _forward_logits(model, storage, handles["paged"], tables, [0, 0, 0], rows)
+    assert not gathers
+    want = _forward_logits(model, stores["dense"], handles["dense"], [], [0, 0, 0], rows)
+    for i, r in enumerate(rows):
+        assert mx.abs(first[i, : len(r)] - want[i, : len(r)]).max().item() < 1e-5
+    # The pool holds the pass's K/V: the next token of each row attends over them.
+    nxt = [[7], [8], [9]]
+    starts = [len(r) for r in rows]
+    logits = _forward_logits(model, storage, handles["paged"], tables, starts, nxt)
+    assert gathers  # a row with tokens cached gathers them
+    want = _forward_logits(model, stores["dense"], handles["dense"], [], starts, nxt)
+    assert mx.abs(logits[:, 0] - want[:, 0]).max().item() < 1e-5
 
 
 def test_paged_matches_dense_logits(model):

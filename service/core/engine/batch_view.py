@@ -8,7 +8,8 @@ per entry of the model's cache list (service.core.models.layout):
 
 - `AttentionView`: the storage writes each row's new K/V into that row's own memory and
   returns the rows' K/V right-padded to the longest; the boolean mask hides the padding and,
-  for a sliding-window layer, the positions older than its window.
+  for a sliding-window layer, the positions older than its window. Rows that all start at 0
+  get their own new K/V back and a lone prompt's causal mask.
 - `StateView` (service.core.engine.state_store): the rows' recurrent state, stacked.
 - `ListView`: a layer with several caches (`CacheList`).
 
@@ -115,6 +116,8 @@ class AttentionView:
         mode = self._shared.mode
         if mode == "direct":
             return self._storage.write(self._layer, self._layout, keys, values)
+        if mode == "fresh":
+            return self._storage.write_fresh(self._layer, self._layout, keys, values)
         if mode == "mirror":
             return self._storage.write_mirrored(self._layer, self._layout, keys, values)
         return self._storage.write_and_gather(self._layer, self._layout, keys, values)
@@ -154,7 +157,7 @@ class _StepShared:
     def __init__(
         self, layout: StepLayout, mode: str, mirror_mask: mx.array | None, grouped: bool
     ) -> None:
-        self.mode = mode  # "gather", "direct" or "mirror"
+        self.mode = mode  # "gather", "direct", "mirror" or "fresh"
         self._layout = layout
         self._grouped = grouped
         self._mirror_mask = mirror_mask
@@ -184,7 +187,10 @@ class _StepShared:
         if self.mode == "mirror":  # left padding of shorter rows; no window (see EngineConfig)
             mask = self._mirror_mask
             return mask[:, None] if self._grouped and mask is not None else mask
-        if self.single:
+        if self.single or self.mode == "fresh":
+            # A lone row, or rows that all start at position 0 and attend over their own
+            # tokens: the mask mlx-lm's own cache gives a lone forward, one for every row.
+            # A row's right padding comes after its tokens, where no query of its own looks.
             start = int(layout.starts[0])
             if window is not None or (return_array and n > 1):
                 return create_causal_mask(n, start, window_size=window)
@@ -209,8 +215,9 @@ def make_views(
     grouped_mask: bool = False,
 ) -> list[Any]:
     """One view per entry of the model's cache list. `mode`: "gather" (K/V gathered from the
-    storage, masked), "direct" (decode attention reads the paged pool itself), or "mirror"
-    (decode attention over the storage's contiguous copy; `mirror_mask` hides left padding).
+    storage, masked), "direct" (decode attention reads the paged pool itself), "mirror"
+    (decode attention over the storage's contiguous copy; `mirror_mask` hides left padding),
+    or "fresh" (rows that all start at 0 attend over their own new K/V, causally).
     `grouped_mask`: batched masks get a heads-repeat axis (service.core.models.families)."""
     shared = _StepShared(layout, mode, mirror_mask, grouped_mask)
 

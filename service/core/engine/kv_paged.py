@@ -170,8 +170,9 @@ class PagedKVStorage:
         gather: bool = False,
     ) -> list[Any]:
         """The model's cache views for one forward. A decode step (one token per row,
-        unpadded) attends as `decode_attention` says, unless `gather`; everything else
-        gathers."""
+        unpadded) attends as `decode_attention` says, unless `gather`; a multi-token forward
+        whose rows all start at position 0 attends over its own new K/V (`write_fresh`);
+        everything else gathers."""
         mode, mirror_mask = "gather", None
         if not gather and layout.width == 1 and not layout.padded:
             if self.decode_attention == "direct":
@@ -180,6 +181,8 @@ class PagedKVStorage:
                 step = self.mirror.begin_step(self, layout)
                 if step is not None:
                     mode, mirror_mask = "mirror", step.mask
+        elif not gather and not layout.starts.any():
+            mode = "fresh"
         return make_views(self, cache, layout, states, mode, mirror_mask, grouped_mask)
 
     # -- stats -----------------------------------------------------------------------
@@ -257,6 +260,16 @@ class PagedKVStorage:
         # attention a strided K/V view, which it reads far slower.
         k_rows, v_rows = self.pool_rows(layer)
         return mx.take(k_rows, plan.read, axis=0), mx.take(v_rows, plan.read, axis=0)
+
+    def write_fresh(
+        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """`_scatter`, then the rows' own new K/V ([B, kv_heads, N, head_dim]): rows with
+        nothing cached before this forward attend over their own tokens, as mlx-lm's lone
+        prefill does, and gathering them back from the pool would only copy them. The
+        returned arrays depend on the write, so evaluating the forward writes the pool."""
+        k_store, v_store = self._scatter(layer, batch, keys, values)
+        return tuple(mx.depends([keys, values], [k_store, v_store]))
 
     def write_mirrored(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
