@@ -1,7 +1,9 @@
 """Forwards run on throwaway rows before the server says SERVING, so that no request waits for
 what MLX builds on a shape's first use: attention plans, the decode kernels, the compiled
 decode graphs and, on a GPU, the CUDA graphs and matmul plans of every prefill pass shape the
-scheduler can plan (a cold shape costs several times a warm pass)."""
+scheduler can plan (a cold shape costs several times a warm pass). The passes are built as a
+burst runs them, rows with nothing cached (paged storage attends over their own K/V); a chunk
+after a cached prefix gathers, a graph of the same matmul shapes that is built on first use."""
 
 from __future__ import annotations
 
