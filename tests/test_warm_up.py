@@ -31,9 +31,16 @@ def test_warm_prefill_passes_run_each_shape_and_leave_the_pool_as_it_was():
             return submit(plan, *args, **kwargs)
 
         runner.submit = recording
+        storage = runner.storage
+        gathered = []
+        gather = storage.write_and_gather
+        storage.write_and_gather = lambda *a: gathered.append(a[1].starts.min()) or gather(*a)
         shapes = warm_up.pass_shapes(max_rows=4, max_tokens=128)
         assert warm_up.warm_prefill_passes(runner, kv, shapes) == len(shapes)
-        assert seen == shapes
+        # Each shape twice: rows with nothing cached, then the same rows after it (they gather).
+        assert seen == [shape for shape in shapes for _ in range(2)]
+        assert len(gathered) == len(shapes) * storage.num_layers and min(gathered) > 0
+        storage.write_and_gather = gather
         assert kv.num_free_blocks == free
         assert all(row is None for row in runner.rows)
         # A spent budget builds nothing more (the rest is built on first use).

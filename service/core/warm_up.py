@@ -1,9 +1,10 @@
 """Forwards run on throwaway rows before the server says SERVING, so that no request waits for
 what MLX builds on a shape's first use: attention plans, the decode kernels, the compiled
 decode graphs and, on a GPU, the CUDA graphs and matmul plans of every prefill pass shape the
-scheduler can plan (a cold shape costs several times a warm pass). The passes are built as a
-burst runs them, rows with nothing cached (paged storage attends over their own K/V); a chunk
-after a cached prefix gathers, a graph of the same matmul shapes that is built on first use."""
+scheduler can plan (a cold shape costs several times a warm pass). Each pass shape is built
+twice: as a burst runs it, rows with nothing cached (paged storage attends over their own K/V),
+and as a chunk after a cached prefix runs it (the K/V gathered under a mask: another attention
+graph on the same matmul shapes)."""
 
 from __future__ import annotations
 
@@ -63,9 +64,10 @@ def pass_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
 def warm_prefill_passes(
     runner: Any, kv: KVManager, shapes: list[tuple[int, int]], budget_s: float = PASS_BUDGET_S
 ) -> int:
-    """Run one prefill pass of each shape on throwaway rows (every row sampling, as a burst of
-    whole prompts does), in order, until `budget_s` has passed; returns how many ran (a pool
-    too small for the next stops there too)."""
+    """Run prefill passes of each shape on throwaway rows (every row sampling, as a burst of
+    whole prompts does), in order, until `budget_s` has passed: one with nothing cached, then
+    one more on the same rows after it (a chunk after a cached prefix). Returns how many shapes
+    ran (a pool too small for the next stops there too)."""
     done = 0
     started = time.monotonic()
     for rows, width in shapes:
@@ -77,9 +79,11 @@ def warm_prefill_passes(
                 budget_s=budget_s,
             )
             return done
-        seqs = _prefill_rows(runner, kv, rows, width, width)
+        seqs = _prefill_rows(runner, kv, rows, width, 2 * width)
         if seqs is None:
             return done
+        after = [Chunk(s, [0] * width, True) for s in range(rows)]
+        runner.collect(runner.submit(StepPlan(STEP, prefill=[after])))
         _leave(runner, kv, seqs)
         done += 1
         if done % 8 == 0:
