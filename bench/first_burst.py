@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import random
@@ -39,6 +40,12 @@ from client.client import AsyncGenerationClient, build_request
 NAN = float("nan")
 
 
+def _percentile(values: list[float], q: float) -> float:
+    """client.bench.metrics.percentile, NaN for no values (the JSON keeps a number)."""
+    value = percentile(values, q)
+    return NAN if value is None else value
+
+
 def prompts(count: int, shortest: int, longest: int, vocab: int, seed: int) -> list[list[int]]:
     """Token-id prompts with lengths spread evenly over [shortest, longest]."""
     rng = random.Random(seed)
@@ -51,9 +58,6 @@ async def burst(
     target: str, ids: list[list[int]], max_tokens: int, channels: int, tag: str
 ) -> dict[str, Any]:
     """Every prompt at once over `channels` gRPC channels; each stream's token arrival times."""
-    clients = [AsyncGenerationClient(target) for _ in range(channels)]
-    for client in clients:
-        await client.__aenter__()
     arrivals: list[list[float]] = [[] for _ in ids]
     in_core: list[float] = []  # the server's own TTFT (from the request's arrival in the core)
     queued: list[float] = []  # from arrival in the core to admission into the batch
@@ -74,12 +78,12 @@ async def burst(
         except Exception as exc:  # counted and reported, never hidden
             failures.append(f"{tag}-{i}: {exc}")
 
-    sent = time.monotonic()
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(AsyncGenerationClient(target)) for _ in range(channels)
+        ]
+        sent = time.monotonic()
         await asyncio.gather(*(one(i) for i in range(len(ids))))
-    finally:
-        for client in clients:
-            await client.__aexit__(None, None, None)
     done = time.monotonic()
     ttfts = [times[0] - sent for times in arrivals if times]
     gaps = [b - a for times in arrivals for a, b in itertools.pairwise(times) if b > a]
@@ -92,12 +96,12 @@ async def burst(
         "tokens": tokens,
         "seconds": done - sent,
         "tok_s": tokens / (done - sent),
-        "ttft_p50_s": percentile(ttfts, 50) or NAN,
+        "ttft_p50_s": _percentile(ttfts, 50),
         "ttft_max_s": max(ttfts, default=NAN),
-        "ttft_in_core_p50_s": percentile(in_core, 50) or NAN,
-        "queue_in_core_p50_s": percentile(queued, 50) or NAN,
-        "gap_p50_s": percentile(gaps, 50) or NAN,
-        "gap_p99_s": percentile(gaps, 99) or NAN,
+        "ttft_in_core_p50_s": _percentile(in_core, 50),
+        "queue_in_core_p50_s": _percentile(queued, 50),
+        "gap_p50_s": _percentile(gaps, 50),
+        "gap_p99_s": _percentile(gaps, 99),
         "gap_max_s": max(gaps, default=NAN),
     }
 

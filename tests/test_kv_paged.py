@@ -152,42 +152,19 @@ def _forward_logits(model, storage, handles, tables, starts, rows):
     return logits
 
 
-def test_rows_that_start_at_zero_attend_over_their_own_tokens_without_a_gather(model):
-    stores = {"dense": dense(), "paged": paged(block_size=4)}
-    manager = KVCacheManager(64, 4)
-    blocks = [manager.new_sequence() for _ in PROMPTS]
-    handles = {k: [s.new_sequence() for _ in PROMPTS] for k, s in stores.items()}
-    rows = [list(p) for p in PROMPTS]
-    assert len({len(r) for r in rows}) > 1  # right padding in the pass
-    for b, r in zip(blocks, rows):
-        assert manager.ensure_slots(b, len(r) + 1)
-    storage = stores["paged"]
-    storage.apply(manager.take_update())
-    tables = [b.block_ids for b in blocks]
-    gathers = []
-    gather = storage.write_and_gather
-    storage.write_and_gather = lambda *a: gathers.append(a) or gather(*a)
-    first = _forward_logits(model, storage, handles["paged"], tables, [0, 0, 0], rows)
-    assert not gathers
-    want = _forward_logits(model, stores["dense"], handles["dense"], [], [0, 0, 0], rows)
-    for i, r in enumerate(rows):
-        assert mx.abs(first[i, : len(r)] - want[i, : len(r)]).max().item() < 1e-5
-    # The pool holds the pass's K/V: the next token of each row attends over them.
-    nxt = [[7], [8], [9]]
-    starts = [len(r) for r in rows]
-    logits = _forward_logits(model, storage, handles["paged"], tables, starts, nxt)
-    assert gathers  # a row with tokens cached gathers them
-    want = _forward_logits(model, stores["dense"], handles["dense"], [], starts, nxt)
-    assert mx.abs(logits[:, 0] - want[:, 0]).max().item() < 1e-5
-
-
 def test_paged_matches_dense_logits(model):
+    """Step 0 (rows of different lengths, nothing cached) attends over the rows' own tokens
+    without gathering them from the pool; every later step gathers what the steps wrote."""
     stores = {"dense": dense(), "paged": paged(block_size=4)}
     manager = KVCacheManager(64, 4)
     blocks = [manager.new_sequence() for _ in PROMPTS]
     handles = {k: [s.new_sequence() for _ in PROMPTS] for k, s in stores.items()}
     starts = [0, 0, 0]
     rows = [list(p) for p in PROMPTS]
+    assert len({len(r) for r in rows}) > 1  # right padding in the first pass
+    gathers: list[int] = []
+    gather = stores["paged"].write_and_gather
+    stores["paged"].write_and_gather = lambda *a: gathers.append(step) or gather(*a)
     for step in range(4):
         for b, s, r in zip(blocks, starts, rows):
             assert manager.ensure_slots(b, s + len(r))
@@ -197,6 +174,7 @@ def test_paged_matches_dense_logits(model):
             k: _forward_logits(model, s, handles[k], tables[k], starts, rows)
             for k, s in stores.items()
         }
+        assert (step in gathers) == (step > 0), f"step {step}"
         for i, r in enumerate(rows):
             a, b = logits["dense"][i, : len(r)], logits["paged"][i, : len(r)]
             assert mx.abs(a - b).max().item() < 1e-5, f"step {step} row {i}"
