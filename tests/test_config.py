@@ -166,17 +166,26 @@ def test_cuda_path_of_a_plain_attention_family():
         shape_buckets=True,
         lora_kernel=True,
         fused_projections=True,
+        fold_quantized_rows=True,
     )
 
 
 def test_cuda_path_narrowed_by_the_model():
     # Attention sinks: the kernel cannot read them, so decode steps gather.
     assert resolve(family("gpt_oss"), LLAMA, paged=True, batched=True, cuda=True) == (
-        EngineConfig(shape_buckets=True, lora_kernel=True, fused_projections=True)
+        EngineConfig(
+            shape_buckets=True, lora_kernel=True, fused_projections=True, fold_quantized_rows=True
+        )
     )
     # Dense storage: no pool to read directly.
     assert resolve(family("llama"), LLAMA, paged=False, batched=True, cuda=True) == (
-        EngineConfig(storage="dense", shape_buckets=True, lora_kernel=True, fused_projections=True)
+        EngineConfig(
+            storage="dense",
+            shape_buckets=True,
+            lora_kernel=True,
+            fused_projections=True,
+            fold_quantized_rows=True,
+        )
     )
     # A head size the kernel does not take.
     config = resolve(

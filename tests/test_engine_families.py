@@ -26,7 +26,7 @@ from service.core.engine.paged_attention import kernel_available, kernel_support
 from service.core.engine.runner import ModelRunner
 from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import PoolShape, make_storage
-from service.core.models import projections, rope
+from service.core.models import projections, quantized, rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import materialize, model_family
@@ -178,12 +178,14 @@ def serve(
     paged: bool = True,
     direct: bool = False,
     fused: bool | None = None,
+    folded: bool | None = None,
 ):
     """Our engine: prefill the prompts (together unless the model keeps recurrent state, which
     prefills one row per forward), then decode every row together, pipelined as the scheduler
     does (step N+1 queued before N is read where the platform overlaps steps). `direct`: decode
     attention read from the pool, through the MLX-ops reference of the CUDA kernel; `fused`:
-    sibling projections as one matmul (None: where the platform fuses them, as the server)."""
+    sibling projections as one matmul (None: where the platform fuses them, as the server);
+    `folded`: quantized projections fold the rows into one product (None: as the platform)."""
     model = build(name)
     rope.install(model)
     materialize(model)
@@ -203,6 +205,8 @@ def serve(
         config = replace(config, decode_attention="direct")
     if config.fused_projections if fused is None else fused:
         projections.fuse(model)
+    if config.fold_quantized_rows if folded is None else folded:
+        quantized.fold_rows(model)
     storage = make_storage(config, model, layout, PoolShape(num_blocks=256))
     runner = ModelRunner(
         model,
@@ -294,6 +298,29 @@ def test_fused_projections_give_mlx_lm_alone(name):
     assert all(g.enabled for g in groups)
     if name not in ("mamba", "mamba2", "phi3-longrope"):  # no projections; phi3's come fused
         assert groups, "no sibling projections fused"
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["alone", "fused"])
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_folded_quantized_rows_give_mlx_lm_alone(name, fused):
+    """Quantized projections (and a tied quantized head) taking the batch's rows as one
+    product (the CUDA path's; here on the CPU too): mlx-lm's tokens, and in a decode-shaped
+    forward every quantized product sees a 2-D input."""
+    prompts = prompts_for()
+    want = [alone(name, p, 8) for p in prompts]
+    engine, got = serve(name, prompts, 8, fused=fused, folded=True)
+    assert_same(want, got)
+    seen: list[int] = []
+    product = mx.quantized_matmul
+
+    def recording(x, *args, **kwargs):
+        seen.append(x.ndim)
+        return product(x, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mx, "quantized_matmul", recording)
+        mx.eval(engine.engine.model(mx.array([[5], [6], [7]], dtype=mx.int32)))
+    assert seen and set(seen) == {2}, f"quantized products saw inputs of {set(seen)} dims"
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "falcon_h1"])

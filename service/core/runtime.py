@@ -33,7 +33,7 @@ from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
 from service.core.kv.block_pool import KVCacheManager, KVCacheStats, KVManager, UnpagedKV
 from service.core.kv.budget import parse_budget
 from service.core.loop import CoreLoop, slot_views
-from service.core.models import activations, lora, projections, rope
+from service.core.models import activations, lora, projections, quantized, rope
 from service.core.models.families import Family, family
 from service.core.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.core.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
@@ -199,6 +199,8 @@ class Runtime:
         fused_groups = projections.fuse(lm.model) if engine_config.fused_projections else 0
         if fused_groups:
             release_freed_memory()  # the members' own weights, now views of their groups'
+        if engine_config.fold_quantized_rows:
+            quantized.fold_rows(lm.model)  # after fusing: the fused members fold in their group
         # After the MLPs' swap (it recognizes the projections as plain nn.Linear) and the fusing
         # (adapters wrap the fused members, whose base products their group computes once).
         adapters = self._load_adapters(lm, engine_config.lora_kernel)

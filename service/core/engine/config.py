@@ -10,7 +10,9 @@ One decode path per platform:
   matmul, split (service.core.models.projections): a matmul costs MLX's host work the most of
   any primitive, where on the CPU the split costs more than it saves. LoRA rows' updates come
   from two custom kernels per adapted layer: MLX's CUDA gather_mm runs a row's product at a
-  time, and every extra primitive costs host work.
+  time, and every extra primitive costs host work. Quantized projections fold a batch's rows
+  into one product (service.core.models.quantized): MLX's CUDA quantized matmul reads the whole
+  weight once per row of a [B, 1, D] input.
 - Elsewhere: MLX ops. Decode steps of two or more rows attend over a contiguous copy of the
   batch's K/V (service.core.engine.kv_mirror) instead of gathering it from the pool every step, and
   float32 SwiGLU MLPs use the multiply-add exp (service.core.models.activations).
@@ -63,6 +65,9 @@ class EngineConfig:
     lora_kernel: bool = False
     # q/k/v and gate/up each one matmul, split (service.core.models.projections).
     fused_projections: bool = False
+    # Quantized projections fold a forward's rows into one product
+    # (service.core.models.quantized).
+    fold_quantized_rows: bool = False
 
     @property
     def paged(self) -> bool:
@@ -142,6 +147,7 @@ def resolve(
             grouped_query_mask=grouped_query_mask,
             lora_kernel=True,
             fused_projections=True,
+            fold_quantized_rows=True,
         )
     mirror = paged and batched and not layout.sliding
     return EngineConfig(

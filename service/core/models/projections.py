@@ -23,6 +23,8 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from service.core.models import quantized
+
 # mlx-lm's attention blocks call q, k and v, and its MLPs gate and up, with one input array.
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -129,12 +131,11 @@ class _Fused(SharedInput):
         """Every member's output for x, side by side: [..., sum of the members' sizes]."""
         p = self.params
         if self.quantized:
-            y = mx.quantized_matmul(
+            y = quantized.folded_product(
                 x,
                 p["weight"],
                 scales=p["scales"],
                 biases=p.get("biases"),
-                transpose=True,
                 group_size=self.group_size,
                 bits=self.bits,
                 mode=self.mode,
@@ -198,7 +199,7 @@ class FusedLinear(_Member, nn.Linear):
     pass
 
 
-class FusedQuantizedLinear(_Member, nn.QuantizedLinear):
+class FusedQuantizedLinear(_Member, quantized.FoldedQuantizedLinear):
     pass
 
 

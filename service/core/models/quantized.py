@@ -1,0 +1,70 @@
+"""Quantized projections that take a forward's rows as one matrix.
+
+A batched decode forward hands each projection x of shape [B, 1, D]: B matrices of one row
+each. MLX's CUDA quantized matmul runs that as B matrix-vector products, each reading the whole
+quantized weight, so a decode step's weight traffic grows with its batch; a dense matmul folds
+the leading axes into one product instead. `fold_rows` gives each quantized linear layer (and a
+tied model's quantized LM head) that folding: [..., D] becomes [rows, D] for the product and is
+shaped back after, so one weight read serves every row. Each row's product is the same
+quantized matmul; only the kernel MLX picks for the batch changes.
+
+Sibling projections fused into one product (service.core.models.projections) fold their input
+in that product, and their class chain ends here for the case where the group gives up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+
+
+def folded_product(x: mx.array, w: mx.array, **quantization: Any) -> mx.array:
+    """`mx.quantized_matmul(x, w, transpose=True, **quantization)` with x's leading axes folded
+    into one: the same numbers per row, in x's leading shape."""
+    if x.ndim <= 2:
+        return mx.quantized_matmul(x, w, transpose=True, **quantization)
+    lead = x.shape[:-1]
+    y = mx.quantized_matmul(x.reshape(-1, x.shape[-1]), w, transpose=True, **quantization)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def _quantization(module: nn.Module) -> dict[str, Any]:
+    return dict(
+        scales=module["scales"],
+        biases=module.get("biases"),
+        group_size=module.group_size,
+        bits=module.bits,
+        mode=module.mode,
+    )
+
+
+class FoldedQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = folded_product(x, self["weight"], **_quantization(self))
+        return y + self["bias"] if "bias" in self else y
+
+
+class FoldedQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return folded_product(x, self["weight"], **_quantization(self))
+
+
+_FOLDED: dict[type[nn.Module], type[nn.Module]] = {
+    nn.QuantizedLinear: FoldedQuantizedLinear,
+    nn.QuantizedEmbedding: FoldedQuantizedEmbedding,
+}
+
+
+def fold_rows(model: nn.Module) -> int:
+    """Give the model's quantized linear layers and embeddings (mlx-lm's own classes, not
+    subclasses such as fused or sharded ones) the folded product; returns how many changed.
+    Names, arrays and parameter counts stay as they were."""
+    changed = 0
+    for _, module in model.named_modules():
+        folded = _FOLDED.get(type(module))
+        if folded is not None:
+            module.__class__ = folded
+            changed += 1
+    return changed
