@@ -2,11 +2,11 @@
 
 A batched decode forward hands each projection x of shape [B, 1, D]: B matrices of one row
 each. MLX's CUDA quantized matmul runs that as B matrix-vector products, each reading the whole
-quantized weight, so a decode step's weight traffic grows with its batch; a dense matmul folds
-the leading axes into one product instead. `fold_rows` gives each quantized linear layer (and a
-tied model's quantized LM head) that folding: [..., D] becomes [rows, D] for the product and is
-shaped back after, so one weight read serves every row. Each row's product is the same
-quantized matmul; only the kernel MLX picks for the batch changes.
+quantized weight, so a decode step's weight traffic grows with its batch (a dense matmul folds
+the leading axes into one product instead). `fold_rows` gives each quantized linear layer
+(sharded ones too) and a tied model's quantized LM head that folding: [..., D] becomes
+[rows, D] for the product and is shaped back after, so one weight read serves every row. Each
+row's product is the same quantized matmul; only the kernel MLX picks for the batch changes.
 
 Sibling projections fused into one product (service.core.models.projections) fold their input
 in that product, and their class chain ends here for the case where the group gives up.
@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
 
 def folded_product(x: mx.array, w: mx.array, **quantization: Any) -> mx.array:
@@ -46,6 +47,20 @@ class FoldedQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+class FoldedQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
+    # Serving takes no gradients: the forward is the product alone.
+    def __call__(self, x: mx.array) -> mx.array:
+        y = folded_product(x, self["weight"], **_quantization(self))
+        return y + self["bias"] if "bias" in self else y
+
+
+class FoldedQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = folded_product(x, self["weight"], **_quantization(self))
+        y = mx.distributed.all_sum(y, group=self.group)
+        return y + self["bias"] if "bias" in self else y
+
+
 class FoldedQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         return folded_product(x, self["weight"], **_quantization(self))
@@ -53,13 +68,15 @@ class FoldedQuantizedEmbedding(nn.QuantizedEmbedding):
 
 _FOLDED: dict[type[nn.Module], type[nn.Module]] = {
     nn.QuantizedLinear: FoldedQuantizedLinear,
+    QuantizedAllToShardedLinear: FoldedQuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear: FoldedQuantizedShardedToAllLinear,
     nn.QuantizedEmbedding: FoldedQuantizedEmbedding,
 }
 
 
 def fold_rows(model: nn.Module) -> int:
-    """Give the model's quantized linear layers and embeddings (mlx-lm's own classes, not
-    subclasses such as fused or sharded ones) the folded product; returns how many changed.
+    """Give the model's quantized linear layers (plain or sharded) and embeddings (MLX's own
+    classes, not subclasses such as fused ones) the folded product; returns how many changed.
     Names, arrays and parameter counts stay as they were."""
     changed = 0
     for _, module in model.named_modules():
