@@ -1,13 +1,14 @@
 """What a quantized projection costs for a batch's rows, by the shape MLX's quantized matmul
 sees them in: [B, 1, D] (as mlx-lm's models carry decode activations), [B, D] (the rows folded
-into one matrix, as service.core.models.quantized does on CUDA), and the same product dense in
-the activations' dtype, for reference.
+into one matrix, as service.core.models.quantized does on CUDA), [B, D] against the weight
+dequantized in the same graph (a dense product with the dequantization's cost), and the same
+product dense in the activations' dtype, for reference.
 
 Each timing is the median over --reps of `mx.eval` on --chain products in a row (chained, so
 one product's output is the next one's input scale, keeping them in order), divided by the
 chain: the per-call sync cost is shared out. Prints milliseconds per product and writes JSON.
 
-    python bench/quantized_rows.py --batch 1,8,64,256 --shapes 14336x4096,4096x14336
+    python bench/quantized_rows.py --batch 1,8,64,256,2048 --shapes 14336x4096,4096x14336
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def measure(out_dim: int, in_dim: int, batch: int, args, dtype: mx.Dtype) -> dic
     forms = {
         "rows_3d": (qmm, rows[:, None, :]),
         "rows_2d": (qmm, rows),
+        "dequantized": (lambda x: x @ mx.dequantize(wq, scales, biases, **quant).T, rows),
         "dense": (lambda x: x @ w.T, rows),
     }
     return {
@@ -69,7 +71,7 @@ def measure(out_dim: int, in_dim: int, batch: int, args, dtype: mx.Dtype) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", default="1,8,64,256", help="rows, comma-separated")
+    parser.add_argument("--batch", default="1,8,64,256,512,2048", help="rows, comma-separated")
     parser.add_argument(
         "--shapes",
         default="14336x4096,4096x14336,4096x4096",
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"out": out_dim, "in": in_dim, "batch": batch, "ms": ms})
             print(
                 f"{shape:>12} B={batch:<4} [B,1,D] {ms['rows_3d']:8.3f} ms  "
-                f"[B,D] {ms['rows_2d']:8.3f} ms  dense {ms['dense']:8.3f} ms",
+                f"[B,D] {ms['rows_2d']:8.3f} ms  dequantized {ms['dequantized']:8.3f} ms  "
+                f"dense {ms['dense']:8.3f} ms",
                 flush=True,
             )
     if args.out:

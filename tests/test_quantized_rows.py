@@ -27,5 +27,5 @@ def test_a_run_writes_each_shape_and_batch(tmp_path) -> None:
     results = json.loads(out.read_text())["results"]
     assert [(r["out"], r["in"], r["batch"]) for r in results] == [(64, 64, 1), (64, 64, 3)]
     for r in results:
-        assert set(r["ms"]) == {"rows_3d", "rows_2d", "dense"}
+        assert set(r["ms"]) == {"rows_3d", "rows_2d", "dequantized", "dense"}
         assert all(ms > 0 for ms in r["ms"].values())
