@@ -201,8 +201,20 @@ def test_a_rope_that_reads_offsets_on_the_host_is_not_compiled():
 
 def test_the_reference_path_can_be_forced(monkeypatch):
     monkeypatch.setenv(DEBUG_REFERENCE_ENV, "1")
-    config = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=True, float32=True)
+    config = resolve(
+        family("llama"), LLAMA, paged=True, batched=True, cuda=True, cpu=False, float32=True
+    )
     assert config == EngineConfig(decode_attention="mirror")
+
+
+def test_only_the_cpu_dequantizes_quantized_weights():
+    cpu = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=False, cpu=True)
+    assert cpu == EngineConfig(decode_attention="mirror", dequantize_weights=True)
+    metal = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=False, cpu=False)
+    assert metal == EngineConfig(decode_attention="mirror")
+    assert not resolve(
+        family("llama"), LLAMA, paged=True, batched=True, cuda=True
+    ).dequantize_weights
 
 
 def test_unverified_families_run_each_row_alone():

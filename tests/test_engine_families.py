@@ -179,14 +179,18 @@ def serve(
     direct: bool = False,
     fused: bool | None = None,
     folded: bool | None = None,
+    dequantized: bool = False,
 ):
     """Our engine: prefill the prompts (together unless the model keeps recurrent state, which
     prefills one row per forward), then decode every row together, pipelined as the scheduler
     does (step N+1 queued before N is read where the platform overlaps steps). `direct`: decode
     attention read from the pool, through the MLX-ops reference of the CUDA kernel; `fused`:
     sibling projections as one matmul (None: where the platform fuses them, as the server);
-    `folded`: quantized projections fold the rows into one product (None: as the platform)."""
+    `folded`: quantized projections fold the rows into one product (None: as the platform);
+    `dequantized`: quantized layers made float at load (the CPU server's form)."""
     model = build(name)
+    if dequantized:
+        assert quantized.dequantize(model) > 0
     rope.install(model)
     materialize(model)
     layout = probe_layout(model)
@@ -321,6 +325,15 @@ def test_folded_quantized_rows_give_mlx_lm_alone(name, fused):
         patch.setattr(mx, "quantized_matmul", recording)
         mx.eval(engine.engine.model(mx.array([[5], [6], [7]], dtype=mx.int32)))
     assert seen and set(seen) == {2}, f"quantized products saw inputs of {set(seen)} dims"
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_dequantized_weights_give_mlx_lm_alone(name):
+    """The CPU server's form of a quantized checkpoint (float layers holding the dequantized
+    weights) against mlx-lm running the quantized model: mlx-lm's tokens."""
+    prompts = prompts_for()
+    want = [alone(name, p, 8) for p in prompts]
+    assert_same(want, serve(name, prompts, 8, dequantized=True)[1])
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "falcon_h1"])

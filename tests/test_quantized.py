@@ -133,3 +133,21 @@ def test_float_layers_are_left_alone():
     model = Block()
     assert quantized.fold_rows(model) == 0
     assert type(model.o_proj) is nn.Linear
+
+
+def test_dequantize_gives_float_layers_with_the_same_numbers():
+    mx.random.seed(6)
+    model = Block()
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    x = mx.random.normal((5, 1, 64))
+    want = model(x)
+    packed = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    extra = quantized.dequantized_extra_bytes(model)
+    assert quantized.dequantize(model) == 5  # four projections and the embedding
+    assert type(model.o_proj) is nn.Linear and type(model.embed) is nn.Embedding
+    assert model.o_proj.weight.dtype == mx.float32
+    assert sum(v.nbytes for _, v in tree_flatten(model.parameters())) == packed + extra
+    np.testing.assert_allclose(np.array(model(x)), np.array(want), rtol=1e-4, atol=1e-4)
+    assert quantized.dequantized_extra_bytes(model) == 0
+    assert quantized.dequantize(model) == 0

@@ -31,7 +31,7 @@ from service.core.engine.runner import FaultInjector, ModelRunner, Row
 from service.core.engine.sampler import apply_token_masks
 from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
 from service.core.kv.block_pool import KVCacheManager, KVCacheStats, KVManager, UnpagedKV
-from service.core.kv.budget import parse_budget
+from service.core.kv.budget import available_memory_bytes, parse_budget
 from service.core.loop import CoreLoop, slot_views
 from service.core.models import activations, lora, projections, quantized, rope
 from service.core.models.families import Family, family
@@ -201,6 +201,8 @@ class Runtime:
             release_freed_memory()  # the members' own weights, now views of their groups'
         if engine_config.fold_quantized_rows:
             quantized.fold_rows(lm.model)  # after fusing: the fused members fold in their group
+        if engine_config.dequantize_weights:
+            self._dequantize(lm)
         # After the MLPs' swap (it recognizes the projections as plain nn.Linear) and the fusing
         # (adapters wrap the fused members, whose base products their group computes once).
         adapters = self._load_adapters(lm, engine_config.lora_kernel)
@@ -298,6 +300,25 @@ class Runtime:
         self.served_adapters = [runner.adapters.describe(n) for n in scheduler.adapters.served]
         if self.on_adapters_changed is not None:
             self.on_adapters_changed(self.served_adapters)
+
+    def _dequantize(self, lm: LoadedModel) -> None:
+        """Dequantize the model's quantized layers if their float weights take at most half the
+        free memory; otherwise keep them, and say what that costs."""
+        extra = quantized.dequantized_extra_bytes(lm.model)
+        if extra <= 0:
+            return
+        available = available_memory_bytes()
+        if extra > available // 2:
+            log.warning(
+                "quantized weights kept: dequantized they would take more than half the free"
+                " memory, and MLX's CPU quantized matmul computes one row at a time",
+                extra_bytes=extra,
+                available_bytes=available,
+            )
+            return
+        layers = quantized.dequantize(lm.model)
+        release_freed_memory()  # the packed weights
+        log.info("quantized weights dequantized for the CPU", layers=layers, extra_bytes=extra)
 
     def _engine_config(self, lm: LoadedModel, fam: Family) -> EngineConfig:
         cfg = self.config

@@ -15,7 +15,9 @@ One decode path per platform:
   weight once per row of a [B, 1, D] input.
 - Elsewhere: MLX ops. Decode steps of two or more rows attend over a contiguous copy of the
   batch's K/V (service.core.engine.kv_mirror) instead of gathering it from the pool every step, and
-  float32 SwiGLU MLPs use the multiply-add exp (service.core.models.activations).
+  float32 SwiGLU MLPs use the multiply-add exp (service.core.models.activations). On the CPU
+  quantized weights are dequantized at load where they fit: MLX's CPU quantized matmul computes
+  a row at a time.
 
 The model narrows this: a family not verified against mlx-lm runs each row alone; a family
 whose attention the kernel cannot read (sinks, soft-capping) gathers; recurrent state forbids
@@ -68,6 +70,9 @@ class EngineConfig:
     # Quantized projections fold a forward's rows into one product
     # (service.core.models.quantized).
     fold_quantized_rows: bool = False
+    # Quantized layers dequantized at load, where their float weights fit
+    # (service.core.models.quantized).
+    dequantize_weights: bool = False
 
     @property
     def paged(self) -> bool:
@@ -114,6 +119,7 @@ def resolve(
     paged: bool,
     batched: bool,
     cuda: bool | None = None,
+    cpu: bool | None = None,
     head_dim_supported: bool = True,
     float32: bool = False,
     grouped_heads: bool = False,
@@ -123,11 +129,16 @@ def resolve(
     paged pool, else dense (a model whose caches the views cannot serve keeps mlx-lm's own);
     `batched`: rows may share a forward (not --no-batch, and a verified family);
     `grouped_heads`: several query heads share each K/V head; `compilable`: the forward can
-    be traced (not when a layer reads array values on the host, service.core.models.rope)."""
+    be traced (not when a layer reads array values on the host, service.core.models.rope);
+    `cuda` / `cpu`: the platform (None: MLX's default device)."""
     grouped_query_mask = family.grouped_mask and grouped_heads
     storage = "paged" if paged else "dense"
+    if cpu is None:
+        cpu = mx.default_device() == mx.cpu
     if layout.native:
-        return EngineConfig(storage="native", batched=False, single_row_prefill=True)
+        return EngineConfig(
+            storage="native", batched=False, single_row_prefill=True, dequantize_weights=cpu
+        )
     if cuda is None:
         cuda = mx.cuda.is_available()
     if reference_path_forced():
@@ -157,4 +168,5 @@ def resolve(
         single_row_prefill=layout.stateful,
         fast_swiglu=float32 and not reference_path_forced(),
         grouped_query_mask=grouped_query_mask,
+        dequantize_weights=cpu,
     )

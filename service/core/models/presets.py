@@ -76,6 +76,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                          intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                          vocab_size=49152, rms_norm_eps=1e-5, tie_word_embeddings=True,
                          rope_theta=100000.0, max_position_embeddings=8192),
+    # the same at 4 bits, group 64 (as `mlx_lm.convert -q` writes it)
+    "smollm2-135m-4bit": dict(model_type="llama", hidden_size=576, num_hidden_layers=30,
+                              intermediate_size=1536, num_attention_heads=9,
+                              num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
+                              tie_word_embeddings=True, rope_theta=100000.0,
+                              max_position_embeddings=8192,
+                              quantization={"group_size": 64, "bits": 4}),
     # meta-llama/Llama-3.2-1B-Instruct
     "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16,
                          intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,

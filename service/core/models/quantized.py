@@ -10,6 +10,10 @@ row's product is the same quantized matmul; only the kernel MLX picks for the ba
 
 Sibling projections fused into one product (service.core.models.projections) fold their input
 in that product, and their class chain ends here for the case where the group gives up.
+
+MLX's CPU quantized matmul is worse: it computes a row at a time, far slower than the dense
+product with OpenBLAS at any batch. On the CPU `dequantize` turns the quantized layers into
+float ones at load (when the float weights fit: the runtime checks `dequantized_extra_bytes`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+from mlx_lm.utils import dequantize_model
 
 
 def folded_product(x: mx.array, w: mx.array, **quantization: Any) -> mx.array:
@@ -85,3 +91,30 @@ def fold_rows(model: nn.Module) -> int:
             module.__class__ = folded
             changed += 1
     return changed
+
+
+def _quantized_modules(model: nn.Module) -> list[nn.Module]:
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
+    return [m for _, m in model.named_modules() if isinstance(m, kinds)]
+
+
+def dequantized_extra_bytes(model: nn.Module) -> int:
+    """The memory `dequantize` would add: each quantized weight in its scales' dtype, less what
+    the packed weight, scales and biases take now."""
+    extra = 0
+    for module in _quantized_modules(model):
+        packed = module["weight"]
+        values = packed.size * 32 // module.bits
+        now = sum(module[k].nbytes for k in ("weight", "scales", "biases") if k in module)
+        extra += values * module["scales"].dtype.size - now
+    return extra
+
+
+def dequantize(model: nn.Module) -> int:
+    """Replace the model's quantized layers with float ones holding the dequantized weights
+    (mlx-lm's `dequantize_model`, as `mlx_lm.convert --dequantize` does); returns how many."""
+    count = len(_quantized_modules(model))
+    if count:
+        dequantize_model(model)
+        mx.eval(model.parameters())
+    return count
