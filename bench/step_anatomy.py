@@ -151,29 +151,42 @@ class _Rows:
             self.runtime.kv.free_sequence(seq)
 
 
-def prefill_rounds(runtime: Any, batch: int, per_pass: int, width: int) -> list[dict[str, Any]]:
+def prefill_rounds(
+    runtime: Any, batch: int, per_pass: int, width: int, prefix: int = 0
+) -> list[dict[str, Any]]:
     """Prefill `batch` rows of `width` tokens in forwards of `per_pass` rows, twice: the first
-    time meets every new shape, the second replays them."""
+    time meets every new shape, the second replays them. `prefix`: each row first prefills that
+    many tokens (untimed), so the timed passes are chunks after a cached prefix, as a burst of
+    prompts sharing a chat template's blocks runs them."""
     from service.core.scheduler.plan import Chunk, RowJoin, RowLeave, StepPlan
     from service.protocol import SamplingParams
 
     runner, kv, out = runtime.runner, runtime.kv, []
+
+    def passes(chunks: list[Chunk]) -> None:
+        for i in range(0, batch, per_pass):
+            runner.collect(runner.submit(StepPlan(-1, prefill=[chunks[i : i + per_pass]])))
+
     for attempt in ("cold", "warm"):
-        joins, tables, chunks, seqs = [], [], [], []
+        joins, tables, chunks, firsts, seqs = [], [], [], [], []
         for slot in range(batch):
             seq = kv.new_sequence(False)
-            kv.ensure_slots(seq, width + 64)
+            kv.ensure_slots(seq, prefix + width + 64)
             seqs.append(seq)
-            joins.append(RowJoin(slot, f"p{attempt}{slot}", SamplingParams(), [1] * width, 0))
+            prompt = [1] * (prefix + width)
+            joins.append(RowJoin(slot, f"p{attempt}{slot}", SamplingParams(), prompt, 0))
             tables.append((slot, list(seq.block_ids)))
-            chunks.append(Chunk(slot, [17 + (slot + i) % 400 for i in range(width)], True))
+            ids = [17 + (slot + i) % 400 for i in range(prefix + width)]
+            firsts.append(Chunk(slot, ids[:prefix], False))
+            chunks.append(Chunk(slot, ids[prefix:], True))
         update = kv.take_update()
         runner.collect(
             runner.submit(StepPlan(-1, joins=joins, tables=tables, capacity=update.capacity))
         )
+        if prefix:
+            passes(firsts)
         started = time.perf_counter()
-        for i in range(0, batch, per_pass):
-            runner.collect(runner.submit(StepPlan(-1, prefill=[chunks[i : i + per_pass]])))
+        passes(chunks)
         seconds = time.perf_counter() - started
         out.append(
             {
@@ -181,6 +194,7 @@ def prefill_rounds(runtime: Any, batch: int, per_pass: int, width: int) -> list[
                 "batch": batch,
                 "per_pass": per_pass,
                 "width": width,
+                "prefix": prefix,
                 "total_ms": seconds * 1e3,
                 "step_ms": seconds * 1e3 / -(-batch // per_pass),
             }
@@ -280,8 +294,10 @@ def main() -> None:
     parser.add_argument(
         "--prefill",
         default="",
-        help="prefill timings, cold then warm: ROWSxPER_PASSxWIDTH,... (e.g. 256x16x32); the "
-        "runner in passes of PER_PASS rows, the raw loop (with --paths raw) in one forward",
+        help="prefill timings, cold then warm: ROWSxPER_PASSxWIDTH[+PREFIX],... (e.g. "
+        "256x16x32, or 256x256x24+16: chunks of 24 after 16 cached tokens a row); the runner in "
+        "passes of PER_PASS rows, the raw loop (with --paths raw) in one forward of the whole "
+        "prompts",
     )
     parser.add_argument(
         "--no-compile",
@@ -325,8 +341,10 @@ def main() -> None:
         model, _ = dummy_model(args.preset, parse_dtype(args.dtype))
         mx.eval(model.parameters())
         for spec in filter(None, args.prefill.split(",")):
-            batch, _, width = (int(x) for x in spec.split("x"))
-            rows.extend(raw_prefill(model, batch, width))
+            # The raw loop caches nothing: it runs a prompt's prefix and chunk as one.
+            shape, _, prefix = spec.partition("+")
+            batch, _, width = (int(x) for x in shape.split("x"))
+            rows.extend(raw_prefill(model, batch, width + int(prefix or 0)))
     for batch in batches:
         for _ in range(args.rounds):
             if "raw" in paths:
@@ -348,8 +366,9 @@ def main() -> None:
             _wrap(runner, "_read", "read")
             if args.prefill:
                 for spec in args.prefill.split(","):
-                    batch, per_pass, width = (int(x) for x in spec.split("x"))
-                    rows.extend(prefill_rounds(runtime, batch, per_pass, width))
+                    shape, _, prefix = spec.partition("+")
+                    batch, per_pass, width = (int(x) for x in shape.split("x"))
+                    rows.extend(prefill_rounds(runtime, batch, per_pass, width, int(prefix or 0)))
             for batch in batches:
                 rows_ = _Rows(runtime, batch)
                 for _ in range(args.rounds):
