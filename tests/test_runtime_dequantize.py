@@ -9,6 +9,7 @@ from mlx import nn
 from structlog.testing import capture_logs
 
 from service.core import runtime as runtime_module
+from service.core.models.activations import FastSwiGLUMLP
 from tests.helpers.runtime import loaded_runtime
 
 pytestmark = [
@@ -27,6 +28,8 @@ def test_a_quantized_model_is_served_dequantized_on_the_cpu():
         model = runtime.runner.model
         assert quantized_layers(model) == 0
         assert model.layers[0].mlp.down_proj.weight.dtype == mx.float32
+        # Dequantized first, the float32 MLPs take the CPU's fast SwiGLU like any float model.
+        assert isinstance(model.layers[0].mlp, FastSwiGLUMLP)
     events = [e for e in logs if e["event"] == "quantized weights dequantized for the CPU"]
     assert len(events) == 1 and events[0]["layers"] > 0 and events[0]["extra_bytes"] > 0
 

@@ -195,14 +195,14 @@ class Runtime:
         lm = self._load_model()
         fam = family(lm.family)
         engine_config = self._engine_config(lm, fam)
+        if engine_config.dequantize_weights:
+            self._dequantize(lm)  # first: the float layers then take the swaps below
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
         fused_groups = projections.fuse(lm.model) if engine_config.fused_projections else 0
         if fused_groups:
             release_freed_memory()  # the members' own weights, now views of their groups'
         if engine_config.fold_quantized_rows:
             quantized.fold_rows(lm.model)  # after fusing: the fused members fold in their group
-        if engine_config.dequantize_weights:
-            self._dequantize(lm)
         # After the MLPs' swap (it recognizes the projections as plain nn.Linear) and the fusing
         # (adapters wrap the fused members, whose base products their group computes once).
         adapters = self._load_adapters(lm, engine_config.lora_kernel)
