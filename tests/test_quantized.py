@@ -106,13 +106,18 @@ class Block(nn.Module):
         return self.embed.as_linear(self.norm(self.o_proj(q + mx.concatenate([k, v], -1))))
 
 
-def test_fold_rows_swaps_mlx_classes_only_and_keeps_the_arrays(product_inputs):
-    """After fusing (as the runtime orders them): the fused members keep their class and fold in
-    their group's product; the rest become folded classes; nothing else changes."""
-    mx.random.seed(5)
+def quantized_block(seed: int) -> Block:
+    mx.random.seed(seed)
     model = Block()
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
+    return model
+
+
+def test_fold_rows_swaps_mlx_classes_only_and_keeps_the_arrays(product_inputs):
+    """After fusing (as the runtime orders them): the fused members keep their class and fold in
+    their group's product; the rest become folded classes; nothing else changes."""
+    model = quantized_block(5)
     x = mx.random.normal((7, 1, 64))
     want = model(x)
     assert projections.fuse(model) == 1
@@ -136,10 +141,7 @@ def test_float_layers_are_left_alone():
 
 
 def test_dequantize_gives_float_layers_with_the_same_numbers():
-    mx.random.seed(6)
-    model = Block()
-    nn.quantize(model, group_size=32, bits=4)
-    mx.eval(model.parameters())
+    model = quantized_block(6)
     x = mx.random.normal((5, 1, 64))
     want = model(x)
     packed = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
