@@ -132,7 +132,11 @@ CONFIGS: dict[str, dict] = {
                              mamba_proj_bias=False, mamba_d_state=16, mamba_d_conv=4,
                              mamba_n_groups=1, mamba_conv_bias=True, tie_word_embeddings=False),
 }  # fmt: skip
-QUANTIZED = {"llama3-4bit": ("llama3", 4, 64), "qwen3-8bit": ("qwen3", 8, 32)}
+QUANTIZED = {
+    "llama3-4bit": ("llama3", 4, 64),
+    "qwen3-8bit": ("qwen3", 8, 32),
+    "qwen3_moe-4bit": ("qwen3_moe", 4, 32),  # the experts quantized too (QuantizedSwitchLinear)
+}
 
 
 def model_family_of(config: dict) -> str:
