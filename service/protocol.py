@@ -223,6 +223,7 @@ class Quantization(msgspec.Struct):
     bits: int = 0
     group_size: int = 0
     overrides: int = 0
+    dequantized: bool = False  # served as float weights (the CPU)
 
 
 class Speculation(msgspec.Struct):

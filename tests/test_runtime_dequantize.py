@@ -30,6 +30,8 @@ def test_a_quantized_model_is_served_dequantized_on_the_cpu():
         assert model.layers[0].mlp.down_proj.weight.dtype == mx.float32
         # Dequantized first, the float32 MLPs take the CPU's fast SwiGLU like any float model.
         assert isinstance(model.layers[0].mlp, FastSwiGLUMLP)
+        info = runtime.model_info()
+        assert info.quantization.dequantized and info.quantization.bits == 4
     events = [e for e in logs if e["event"] == "quantized weights dequantized for the CPU"]
     assert len(events) == 1 and events[0]["layers"] > 0 and events[0]["extra_bytes"] > 0
 
@@ -38,5 +40,6 @@ def test_weights_that_would_not_fit_stay_quantized(monkeypatch):
     monkeypatch.setattr(runtime_module, "available_memory_bytes", lambda: 1 << 20)
     with capture_logs() as logs, loaded_runtime("tiny-4bit") as runtime:
         assert quantized_layers(runtime.runner.model) > 0
+        assert not runtime.model_info().quantization.dequantized
     (event,) = [e for e in logs if e["event"].startswith("quantized weights kept")]
     assert event["log_level"] == "warning" and event["available_bytes"] == 1 << 20

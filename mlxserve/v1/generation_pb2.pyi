@@ -447,16 +447,18 @@ class Speculation(_message.Message):
     def __init__(self, draft_kind: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., max_batch: _Optional[int] = ..., min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ...) -> None: ...
 
 class Quantization(_message.Message):
-    __slots__ = ("mode", "bits", "group_size", "overrides")
+    __slots__ = ("mode", "bits", "group_size", "overrides", "dequantized")
     MODE_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    DEQUANTIZED_FIELD_NUMBER: _ClassVar[int]
     mode: str
     bits: int
     group_size: int
     overrides: int
-    def __init__(self, mode: _Optional[str] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., overrides: _Optional[int] = ...) -> None: ...
+    dequantized: bool
+    def __init__(self, mode: _Optional[str] = ..., bits: _Optional[int] = ..., group_size: _Optional[int] = ..., overrides: _Optional[int] = ..., dequantized: _Optional[bool] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "count_only")

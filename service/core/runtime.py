@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -317,6 +317,7 @@ class Runtime:
             )
             return
         layers = quantized.dequantize(lm.model)
+        lm.quantization = replace(lm.quantization, dequantized=True)
         release_freed_memory()  # the packed weights
         log.info("quantized weights dequantized for the CPU", layers=layers, extra_bytes=extra)
 
@@ -702,6 +703,7 @@ class Runtime:
                 lm.quantization.bits,
                 lm.quantization.group_size,
                 lm.quantization.overrides,
+                lm.quantization.dequantized,
             ),
             cache_layers=self.layout.describe() if self.layout is not None else "",
             tensor_parallel=self.group.size() if self.group is not None else 1,

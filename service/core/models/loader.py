@@ -28,18 +28,20 @@ TokenizerHook = Callable[[Tokenizer], object]
 
 @dataclass(frozen=True)
 class Quantization:
-    """How the served weights are quantized (mlx-lm's `quantization` config block)."""
+    """How the checkpoint's weights are quantized (mlx-lm's `quantization` config block)."""
 
     mode: str = ""  # "" = not quantized; "affine", "mxfp4", ...
     bits: int = 0
     group_size: int = 0
     overrides: int = 0  # modules quantized differently from the default (or left float)
+    dequantized: bool = False  # served as float weights (dequantized at load)
 
     def describe(self) -> str:
         if not self.mode:
             return "none"
         extra = f", {self.overrides} per-layer overrides" if self.overrides else ""
-        return f"{self.mode} {self.bits}-bit, group {self.group_size}{extra}"
+        served = ", served dequantized" if self.dequantized else ""
+        return f"{self.mode} {self.bits}-bit, group {self.group_size}{extra}{served}"
 
 
 @dataclass
