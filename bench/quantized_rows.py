@@ -71,7 +71,9 @@ def measure(out_dim: int, in_dim: int, batch: int, args, dtype: mx.Dtype) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", default="1,2,4,8,16,64,256,512,2048", help="rows, comma-separated")
+    parser.add_argument(
+        "--batch", default="1,2,4,8,16,64,256,512,2048", help="rows, comma-separated"
+    )
     parser.add_argument(
         "--shapes",
         default="14336x4096,4096x14336,4096x4096",
