@@ -51,7 +51,7 @@ def test_a_v1_memory_cgroup_and_its_unlimited_parent(tmp_path):
         memory__usage_in_bytes=256 * MIB,
         memory__stat="cache 0\ntotal_inactive_file 0",
     )
-    self_cgroup = membership(tmp_path, "5:cpu:/\n4:memory:/docker/abc\n0::/\n")
+    self_cgroup = membership(tmp_path, "5:cpu:/\n\n4:memory:/docker/abc\n0::/\n")
     assert budget.cgroup_memory_left(root, self_cgroup) == GIB - 256 * MIB
 
 

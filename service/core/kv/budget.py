@@ -56,6 +56,8 @@ def cgroup_memory_left(root: Path | None = None, membership: Path | None = None)
         lines = []
     leaves = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             leaves.append((root, root / path.lstrip("/"), _V2))
