@@ -37,8 +37,11 @@ def folded_product(x: mx.array, w: mx.array, **quantization: Any) -> mx.array:
     return y.reshape(*lead, y.shape[-1])
 
 
-def _quantization(module: nn.Module) -> dict[str, Any]:
-    return dict(
+def _folded(module: nn.Module, x: mx.array) -> mx.array:
+    """A quantized layer's product (no bias) with x's rows folded."""
+    return folded_product(
+        x,
+        module["weight"],
         scales=module["scales"],
         biases=module.get("biases"),
         group_size=module.group_size,
@@ -49,27 +52,26 @@ def _quantization(module: nn.Module) -> dict[str, Any]:
 
 class FoldedQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
-        y = folded_product(x, self["weight"], **_quantization(self))
+        y = _folded(self, x)
         return y + self["bias"] if "bias" in self else y
 
 
 class FoldedQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
     # Serving takes no gradients: the forward is the product alone.
     def __call__(self, x: mx.array) -> mx.array:
-        y = folded_product(x, self["weight"], **_quantization(self))
+        y = _folded(self, x)
         return y + self["bias"] if "bias" in self else y
 
 
 class FoldedQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
     def __call__(self, x: mx.array) -> mx.array:
-        y = folded_product(x, self["weight"], **_quantization(self))
-        y = mx.distributed.all_sum(y, group=self.group)
+        y = mx.distributed.all_sum(_folded(self, x), group=self.group)
         return y + self["bias"] if "bias" in self else y
 
 
 class FoldedQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
-        return folded_product(x, self["weight"], **_quantization(self))
+        return _folded(self, x)
 
 
 _FOLDED: dict[type[nn.Module], type[nn.Module]] = {
