@@ -151,6 +151,13 @@ class _Rows:
             self.runtime.kv.free_sequence(seq)
 
 
+def prefill_spec(spec: str) -> tuple[int, int, int, int]:
+    """--prefill's ROWSxPER_PASSxWIDTH[+PREFIX] as (rows, per_pass, width, prefix)."""
+    shape, _, prefix = spec.partition("+")
+    rows, per_pass, width = (int(x) for x in shape.split("x"))
+    return rows, per_pass, width, int(prefix or 0)
+
+
 def prefill_rounds(
     runtime: Any, batch: int, per_pass: int, width: int, prefix: int = 0
 ) -> list[dict[str, Any]]:
@@ -336,21 +343,20 @@ def main() -> None:
         runner_module.shape_bucket = lambda n: -(-n // 16) * 16
     paths = args.paths.split(",")
     batches = [int(b) for b in args.batch.split(",")]
+    prefills = [prefill_spec(spec) for spec in args.prefill.split(",") if spec]
     rows: list[dict[str, Any]] = []
     if "raw" in paths:
         model, _ = dummy_model(args.preset, parse_dtype(args.dtype))
         mx.eval(model.parameters())
-        for spec in filter(None, args.prefill.split(",")):
+        for batch, _, width, prefix in prefills:
             # The raw loop caches nothing: it runs a prompt's prefix and chunk as one.
-            shape, _, prefix = spec.partition("+")
-            batch, _, width = (int(x) for x in shape.split("x"))
-            rows.extend(raw_prefill(model, batch, width + int(prefix or 0)))
+            rows.extend(raw_prefill(model, batch, width + prefix))
     for batch in batches:
         for _ in range(args.rounds):
             if "raw" in paths:
                 rows.append(raw_round(model, batch, args.steps))
                 _print(rows[-1])
-    widest = batches + [int(spec.split("x")[0]) for spec in args.prefill.split(",") if spec]
+    widest = batches + [batch for batch, *_ in prefills]
     if "runner" in paths or "core" in paths:
         config = CoreConfig(
             model=ModelConfig(load_format=f"dummy:{args.preset}", dtype=args.dtype),
@@ -364,11 +370,8 @@ def main() -> None:
                 _wrap(runner.decode_graph, "logits", "build")
             _wrap(runner_module.mx, "async_eval", "async_eval")
             _wrap(runner, "_read", "read")
-            if args.prefill:
-                for spec in args.prefill.split(","):
-                    shape, _, prefix = spec.partition("+")
-                    batch, per_pass, width = (int(x) for x in shape.split("x"))
-                    rows.extend(prefill_rounds(runtime, batch, per_pass, width, int(prefix or 0)))
+            for batch, per_pass, width, prefix in prefills:
+                rows.extend(prefill_rounds(runtime, batch, per_pass, width, prefix))
             for batch in batches:
                 rows_ = _Rows(runtime, batch)
                 for _ in range(args.rounds):
