@@ -30,6 +30,7 @@ from service.core.models import projections, quantized, rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import materialize, model_family
+from tests.helpers.quantized import quantized_product_inputs
 from tests.helpers.tiny import Driven, StepRow
 
 V = 512
@@ -318,17 +319,10 @@ def test_folded_quantized_rows_give_mlx_lm_alone(name, fused):
     want = [alone(name, p, 8) for p in prompts]
     engine, got = serve(name, prompts, 8, fused=fused, folded=True)
     assert_same(want, got)
-    seen: list[int] = []
-    product = mx.quantized_matmul
-
-    def recording(x, *args, **kwargs):
-        seen.append(x.ndim)
-        return product(x, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mx, "quantized_matmul", recording)
+    with quantized_product_inputs() as seen:
         mx.eval(engine.engine.model(mx.array([[5], [6], [7]], dtype=mx.int32)))
-    assert seen and set(seen) == {2}, f"quantized products saw inputs of {set(seen)} dims"
+    dims = {len(shape) for shape in seen}
+    assert seen and dims == {2}, f"quantized products saw inputs of {dims} dims"
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

@@ -15,20 +15,13 @@ from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShar
 from mlx.utils import tree_flatten
 
 from service.core.models import projections, quantized
+from tests.helpers.quantized import quantized_product_inputs
 
 
 @pytest.fixture
 def product_inputs() -> Iterator[list[tuple[int, ...]]]:
     """The shapes of the inputs every `mx.quantized_matmul` call sees while the test runs."""
-    seen: list[tuple[int, ...]] = []
-    product = mx.quantized_matmul
-
-    def recording(x: mx.array, *args, **kwargs) -> mx.array:
-        seen.append(tuple(x.shape))
-        return product(x, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mx, "quantized_matmul", recording)
+    with quantized_product_inputs() as seen:
         yield seen
 
 
