@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from service.core import warm_up
+from service.core.engine.runner import GATHERED_SPAN_CAP, MIN_PADDED_SPAN, gathered_spans
 from tests.helpers.runtime import loaded_runtime
 
 
@@ -16,6 +17,14 @@ def test_pass_shapes_are_powers_of_two_of_rows_within_the_token_cap():
     assert (2, 512) in shapes and (4, 256) in shapes and (8, 128) in shapes
     assert (4, 512) not in shapes
     assert warm_up.pass_shapes(max_rows=1, max_tokens=1024) == []
+
+
+def test_gathered_spans_run_from_the_floor_to_the_cap():
+    assert gathered_spans(16) == [64, 128, 256]
+    assert gathered_spans(32) == [64, 128, 256]
+    assert gathered_spans(128) == [256]
+    # Wider than the cap: only the narrowest span such a chunk can have.
+    assert gathered_spans(256) == [512]
 
 
 @pytest.mark.model  # the dummy preset takes the embedded model's tokenizer
@@ -34,12 +43,22 @@ def test_warm_prefill_passes_run_each_shape_and_leave_the_pool_as_it_was():
         storage = runner.storage
         gathered = []
         gather = storage.write_and_gather
-        storage.write_and_gather = lambda *a: gathered.append(a[1].starts.min()) or gather(*a)
+        storage.write_and_gather = lambda *a: gathered.append(
+            (a[1].batch_size, a[1].width, int(a[1].starts.min()), a[1].span)
+        ) or gather(*a)
         shapes = warm_up.pass_shapes(max_rows=4, max_tokens=128)
         assert warm_up.warm_prefill_passes(runner, kv, shapes) == len(shapes)
-        # Each shape twice: rows with nothing cached, then the same rows after it (they gather).
-        assert seen == [shape for shape in shapes for _ in range(2)]
-        assert len(gathered) == len(shapes) * storage.num_layers and min(gathered) > 0
+        # Each shape with nothing cached, then after a cached prefix at each span it can pad
+        # to, the floor's up to the cap (the rows gather).
+        spans = {width: gathered_spans(width) for _, width in shapes}
+        assert spans[16] == [MIN_PADDED_SPAN, 2 * MIN_PADDED_SPAN, GATHERED_SPAN_CAP]
+        assert spans[64] == [128, GATHERED_SPAN_CAP]
+        assert seen == [shape for shape in shapes for _ in range(1 + len(spans[shape[1]]))]
+        passes = sorted(set(gathered))
+        assert passes == sorted(
+            (rows, width, span - width, span) for rows, width in shapes for span in spans[width]
+        )
+        assert len(gathered) == len(passes) * storage.num_layers
         storage.write_and_gather = gather
         assert kv.num_free_blocks == free
         assert all(row is None for row in runner.rows)

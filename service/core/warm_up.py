@@ -2,9 +2,9 @@
 what MLX builds on a shape's first use: attention plans, the decode kernels, the compiled
 decode graphs and, on a GPU, the CUDA graphs and matmul plans of every prefill pass shape the
 scheduler can plan (a cold shape costs several times a warm pass). Each pass shape is built
-twice: as a burst runs it, rows with nothing cached (paged storage attends over their own K/V),
-and as a chunk after a cached prefix runs it (the K/V gathered under a mask: another attention
-graph on the same matmul shapes)."""
+once as a burst runs it, rows with nothing cached (paged storage attends over their own K/V),
+then as a chunk after a cached prefix runs it at each span it can pad to (the K/V gathered under
+a mask: another attention graph on the same matmul shapes per span)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 from service.core.engine.compiled_decode import row_buckets
+from service.core.engine.runner import gathered_spans
 from service.core.kv.block_pool import KVManager
 from service.core.scheduler.plan import Chunk, RowJoin, RowLeave, StepPlan
 from service.protocol import SamplingParams
@@ -66,8 +67,10 @@ def warm_prefill_passes(
 ) -> int:
     """Run prefill passes of each shape on throwaway rows (every row sampling, as a burst of
     whole prompts does), in order, until `budget_s` has passed: one with nothing cached, then
-    one more on the same rows after it (a chunk after a cached prefix). Returns how many shapes
-    ran (a pool too small for the next stops there too)."""
+    one after a cached prefix at each span of runner.gathered_spans (the rows join with that
+    prefix counted as stored: what it holds does not matter to a shape). Returns how many
+    shapes ran (a pool too small for the next stops there; a span it lacks room for is left to
+    first use)."""
     done = 0
     started = time.monotonic()
     for rows, width in shapes:
@@ -79,12 +82,15 @@ def warm_prefill_passes(
                 budget_s=budget_s,
             )
             return done
-        seqs = _prefill_rows(runner, kv, rows, width, 2 * width)
+        seqs = _prefill_rows(runner, kv, rows, width, width)
         if seqs is None:
             return done
-        after = [Chunk(s, [0] * width, True) for s in range(rows)]
-        runner.collect(runner.submit(StepPlan(STEP, prefill=[after])))
         _leave(runner, kv, seqs)
+        for span in gathered_spans(width):
+            seqs = _prefill_rows(runner, kv, rows, width, span, cached=span - width)
+            if seqs is None:
+                break
+            _leave(runner, kv, seqs)
         done += 1
         if done % 8 == 0:
             log.info(
@@ -97,11 +103,12 @@ def warm_prefill_passes(
 
 
 def _prefill_rows(
-    runner: Any, kv: KVManager, rows: int, width: int, reserve: int
+    runner: Any, kv: KVManager, rows: int, width: int, reserve: int, cached: int = 0
 ) -> list[Any] | None:
-    """Join `rows` throwaway rows in slots 0.. with `reserve` positions each and run one
-    prefill pass of `width` tokens on every one (each sampling, as a whole prompt does); their
-    blocks, or None (nothing held) when the pool lacks the room."""
+    """Join `rows` throwaway rows in slots 0.. with `reserve` positions each, `cached` of them
+    counted as stored, and run one prefill pass of `width` tokens on every one (each sampling,
+    as a whole prompt does); their blocks, or None (nothing held) when the pool lacks the
+    room."""
     seqs = []
     for _ in range(rows):
         seqs.append(kv.new_sequence(cache_prefix=False))
@@ -111,9 +118,10 @@ def _prefill_rows(
             kv.take_update()
             return None
     update = kv.take_update()
+    prompt = [0] * (cached + width)
     plan = StepPlan(
         STEP,
-        joins=[RowJoin(s, f"warm-up-{s}", SamplingParams(), [0], 0) for s in range(rows)],
+        joins=[RowJoin(s, f"warm-up-{s}", SamplingParams(), prompt, cached) for s in range(rows)],
         tables=[(s, list(blocks.block_ids)) for s, blocks in enumerate(seqs)],
         capacity=update.capacity,
         copies=list(update.copies),

@@ -167,9 +167,15 @@ class Pending:
 FaultInjector = Callable[[Row, str], bool]
 
 
-# The fewest key positions a padded multi-token forward attends over: a chunk after a cached
-# prefix then has the shape of the same chunk without one (the shapes built at start).
-MIN_PADDED_SPAN = 256
+# The fewest key positions a padded multi-token forward attends over. A burst's prompts that
+# share a chat template's cached blocks start 16 or 32 positions in: their pass gathers and
+# attends over this many keys at least, so a low floor keeps such a pass near the cost of
+# one with nothing cached (bench/results: prefill after a prefix by span floor). The warm-up
+# builds every span from here to GATHERED_SPAN_CAP.
+MIN_PADDED_SPAN = 64
+# The widest span of a chunk after a cached prefix built at start; wider ones (long prompts'
+# later chunks) build on first use.
+GATHERED_SPAN_CAP = 256
 
 
 def shape_bucket(n: int) -> int:
@@ -178,6 +184,17 @@ def shape_bucket(n: int) -> int:
     if n <= 1024:
         return max(16, 1 << (n - 1).bit_length())
     return -(-n // 1024) * 1024
+
+
+def gathered_spans(width: int) -> list[int]:
+    """The padded spans a chunk of `width` tokens after a cached prefix can attend over, up
+    to GATHERED_SPAN_CAP (just the narrowest, where that is wider): each is a pass shape of
+    its own."""
+    least = max(MIN_PADDED_SPAN, shape_bucket(width + 1))
+    spans = [least]
+    while spans[-1] * 2 <= GATHERED_SPAN_CAP:
+        spans.append(spans[-1] * 2)
+    return spans
 
 
 class ModelRunner:
