@@ -309,12 +309,19 @@ def test_fused_projections_give_mlx_lm_alone(name):
         assert groups, "no sibling projections fused"
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["alone", "fused"])
+@pytest.mark.parametrize(
+    ("fused", "dequantize_rows"),
+    [(False, None), (True, None), (True, 16)],
+    ids=["alone", "fused", "wide-dequantized"],
+)
 @pytest.mark.parametrize("name", QUANTIZED)
-def test_folded_quantized_rows_give_mlx_lm_alone(name, fused):
+def test_folded_quantized_rows_give_mlx_lm_alone(name, fused, dequantize_rows, monkeypatch):
     """Quantized projections (and a tied quantized head) taking the batch's rows as one
     product (the CUDA path's; here on the CPU too): mlx-lm's tokens, and in a decode-shaped
-    forward every quantized product sees a 2-D input."""
+    forward every quantized product sees a 2-D input. `dequantize_rows`: products of that
+    many rows (here the prefill passes) run on the dequantized weight."""
+    if dequantize_rows is not None:
+        monkeypatch.setattr(quantized, "DEQUANTIZE_ROWS", dequantize_rows)
     prompts = prompts_for()
     want = [alone(name, p, 8) for p in prompts]
     engine, got = serve(name, prompts, 8, fused=fused, folded=True)
@@ -323,6 +330,11 @@ def test_folded_quantized_rows_give_mlx_lm_alone(name, fused):
         mx.eval(engine.engine.model(mx.array([[5], [6], [7]], dtype=mx.int32)))
     dims = {len(shape) for shape in seen}
     assert seen and dims == {2}, f"quantized products saw inputs of {dims} dims"
+    if dequantize_rows is not None:
+        with quantized_product_inputs() as seen:
+            rows = mx.arange(5, 5 + dequantize_rows, dtype=mx.int32)[:, None]
+            mx.eval(engine.engine.model(rows))
+        assert seen == [], "a forward of that many rows ran a quantized product"
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

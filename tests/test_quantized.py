@@ -53,6 +53,24 @@ def test_a_folded_linear_gives_mlx_numbers_through_one_2d_product(shape, bias, p
     assert product_inputs == [(rows, 64)]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_many_rows_take_the_dequantized_weight_with_mlx_numbers(bits, product_inputs):
+    """From DEQUANTIZE_ROWS rows (a prefill pass) the product is a dense one on the weight
+    dequantized for the call: no quantized matmul, the same numbers to float rounding."""
+    layer = quantized_linear(True, bits)
+    x = mx.random.normal((2, quantized.DEQUANTIZE_ROWS // 2, 64))
+    want = layer(x)
+    quantized.fold_rows(layer)
+    product_inputs.clear()
+    got = layer(x)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    assert product_inputs == []
+    # One row fewer stays on the quantized kernel.
+    layer(x.reshape(-1, 64)[1:])
+    assert product_inputs == [(quantized.DEQUANTIZE_ROWS - 1, 64)]
+
+
 def test_a_tied_quantized_head_folds(product_inputs):
     mx.random.seed(4)
     embedding = nn.QuantizedEmbedding.from_embedding(nn.Embedding(96, 64), group_size=32, bits=4)

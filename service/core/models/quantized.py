@@ -27,14 +27,23 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import dequantize_model
 
 
+# From this many rows a product runs faster on the weight dequantized for the call, then a
+# dense matmul: expanding the weight costs about one dense product's time, and MLX's CUDA
+# quantized kernel falls behind the dense one as rows grow (bench/quantized_rows.py). Prefill
+# passes and the widest decode batches take that path.
+DEQUANTIZE_ROWS = 256
+
+
 def folded_product(x: mx.array, w: mx.array, **quantization: Any) -> mx.array:
     """`mx.quantized_matmul(x, w, transpose=True, **quantization)` with x's leading axes folded
-    into one: the same numbers per row, in x's leading shape."""
-    if x.ndim <= 2:
-        return mx.quantized_matmul(x, w, transpose=True, **quantization)
-    lead = x.shape[:-1]
-    y = mx.quantized_matmul(x.reshape(-1, x.shape[-1]), w, transpose=True, **quantization)
-    return y.reshape(*lead, y.shape[-1])
+    into one, in x's leading shape; from DEQUANTIZE_ROWS rows, x @ the dequantized weight (the
+    same products to float rounding)."""
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x
+    if rows.shape[0] >= DEQUANTIZE_ROWS:
+        y = rows @ mx.dequantize(w, dtype=x.dtype, **quantization).T
+    else:
+        y = mx.quantized_matmul(rows, w, transpose=True, **quantization)
+    return y if x.ndim <= 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _folded(module: nn.Module, x: mx.array) -> mx.array:
