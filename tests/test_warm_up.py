@@ -43,9 +43,10 @@ def test_warm_prefill_passes_run_each_shape_and_leave_the_pool_as_it_was():
         storage = runner.storage
         gathered = []
         gather = storage.write_and_gather
-        storage.write_and_gather = lambda *a: gathered.append(
-            (a[1].batch_size, a[1].width, int(a[1].starts.min()), a[1].span)
-        ) or gather(*a)
+        storage.write_and_gather = lambda *a: (
+            gathered.append((a[1].batch_size, a[1].width, int(a[1].starts.min()), a[1].span))
+            or gather(*a)
+        )
         shapes = warm_up.pass_shapes(max_rows=4, max_tokens=128)
         assert warm_up.warm_prefill_passes(runner, kv, shapes) == len(shapes)
         # Each shape with nothing cached, then after a cached prefix at each span it can pad

@@ -26,7 +26,6 @@ from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShar
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import dequantize_model
 
-
 # From this many rows a product runs faster on the weight dequantized for the call, then a
 # dense matmul: expanding the weight costs about one dense product's time, and MLX's CUDA
 # quantized kernel falls behind the dense one as rows grow (bench/quantized_rows.py). Prefill
