@@ -44,6 +44,9 @@ def summarize(document: dict[str, Any], peer: str) -> list[dict[str, Any]]:
         if "server_ttft_p50" in level["summary"]:
             # Of it in the engine core: from a request's arrival there (the server's Timing).
             row["server_ttft_p50_ms"] = 1e3 * level["summary"]["server_ttft_p50"]
+        if "server_queue_p50" in level["summary"]:
+            # Of that, before admission (the rest: waiting for and running its prefill pass).
+            row["server_queue_p50_ms"] = 1e3 * level["summary"]["server_queue_p50"]
         if c in peers:
             theirs = round_rates(peers[c]["requests"], c)
             row[f"{peer}_tok_s"] = spread(theirs)
@@ -75,7 +78,9 @@ def main() -> None:
                 f"  TTFT p50 {row['ttft_p50_ms']:.0f}/{row[f'{args.peer}_ttft_p50_ms']:.0f} ms"
             )
         if "server_ttft_p50_ms" in row:
-            line += f" (ours in the core {row['server_ttft_p50_ms']:.0f} ms)"
+            queued = row.get("server_queue_p50_ms")
+            line += f" (ours in the core {row['server_ttft_p50_ms']:.0f} ms"
+            line += f", queued {queued:.0f})" if queued is not None else ")"
         print(line)
     if args.json:
         args.json.write_text(json.dumps(levels, indent=1))

@@ -27,15 +27,22 @@ def test_min_requests_adds_rounds_only_where_c_times_rounds_falls_short():
 
 def test_summary_reports_the_server_measured_ttft_next_to_the_client_one():
     records = [
-        RequestRecord("q", ttft=0.020 + i / 1000, server_ttft=0.010 + i / 1000, latency=1.0)
+        RequestRecord(
+            "q",
+            ttft=0.020 + i / 1000,
+            server_ttft=0.010 + i / 1000,
+            server_queue=0.002 + i / 1000,
+            latency=1.0,
+        )
         for i in range(3)
     ]
     summary = LevelResult("ours", 1, wall_seconds=3.0, requests=records).summary()
     assert summary["ttft_p50"] == 0.021
     assert summary["server_ttft_p50"] == 0.011
+    assert summary["server_queue_p50"] == 0.003
     # A peer's records carry no server TTFT: the key is absent rather than a made-up value.
     peer = LevelResult("raw", 1, wall_seconds=3.0, requests=[RequestRecord("q", ttft=0.02)])
-    assert "server_ttft_p50" not in peer.summary()
+    assert "server_ttft_p50" not in peer.summary() and "server_queue_p50" not in peer.summary()
 
 
 def test_a_checkout_finds_its_peers_and_their_options() -> None:

@@ -373,3 +373,5 @@ def test_bench_runs_against_a_secured_server(secured, tmp_path, processes: int) 
     assert summary["completion_tokens"] == 4 * summary["requests"]
     # Send times are relative to the level's start, whichever process sent them.
     assert all(0 <= r["start"] < 5 and r["ttft"] > 0 for r in level["requests"])
+    # The server's own timing of each request: its queueing is part of its first token's time.
+    assert all(0 <= r["server_queue"] <= r["server_ttft"] for r in level["requests"])

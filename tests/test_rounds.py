@@ -18,6 +18,7 @@ def burst(rates: list[float], c: int, server_ttft: float | None) -> dict:
     summary = {"concurrency": c, "ttft_p50": 0.05}
     if server_ttft is not None:
         summary["server_ttft_p50"] = server_ttft
+        summary["server_queue_p50"] = server_ttft / 4
     return {"summary": summary, "requests": requests}
 
 
@@ -30,6 +31,7 @@ def test_rounds_ratio_and_the_cores_share_of_ttft() -> None:
     assert row["ours_tok_s"] == pytest.approx({"median": 200.0, "min": 100.0, "max": 300.0})
     assert row["ours_over_raw"] == pytest.approx({"median": 1.0, "min": 0.5, "max": 1.5})
     assert row["ttft_p50_ms"] == 50.0 and row["server_ttft_p50_ms"] == 40.0
+    assert row["server_queue_p50_ms"] == 10.0
     assert (
         "server_ttft_p50_ms"
         not in rounds.summarize({"ours": [burst([1.0], 1, None)], "peers": {}}, "raw")[0]

@@ -90,6 +90,7 @@ class _Streamer:
             record.finish_reason = _FINISH.get(final.finish_reason, "unspecified")
             if final.HasField("timing"):
                 record.server_ttft = final.timing.time_to_first_token_seconds
+                record.server_queue = final.timing.queue_seconds
         else:
             record.completion_tokens = tokens_seen
         return record

@@ -40,6 +40,9 @@ class RequestRecord:
     # Arrival to first token as the server measured it (our server's final Timing; None for
     # peers): the rest of `ttft` is the RPC, request parsing and tokenization.
     server_ttft: float | None = None
+    # Of `server_ttft`, arrival to admission (the final Timing's queue_seconds): the rest is
+    # the request's prefill and its wait for a pass.
+    server_queue: float | None = None
     finish_reason: str | None = None
     error: str | None = None
 
@@ -126,6 +129,9 @@ class LevelResult(LevelKey):
         server_ttft = [r.server_ttft for r in ok if r.server_ttft is not None]
         if server_ttft:
             out["server_ttft_p50"] = percentile(server_ttft, 50)
+        server_queue = [r.server_queue for r in ok if r.server_queue is not None]
+        if server_queue:
+            out["server_queue_p50"] = percentile(server_queue, 50)
         out["latency_p50"] = percentile([r.latency for r in ok], 50)
         out.update(self.extra)
         return out
@@ -136,7 +142,7 @@ class LevelResult(LevelKey):
             item = asdict(record)
             # Microseconds are plenty, and keep the JSON files small.
             item["inter_token"] = [round(gap, 6) for gap in record.inter_token]
-            for key in ("start", "ttft", "server_ttft", "latency"):
+            for key in ("start", "ttft", "server_ttft", "server_queue", "latency"):
                 if item[key] is not None:
                     item[key] = round(item[key], 6)
             requests.append(item)
