@@ -98,6 +98,12 @@ def test_sharded_quantized_layers_fold(sharded, product_inputs):
     got = layer(x)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
     assert product_inputs == [(4, 64)]
+    # A prefill-sized input takes the shard's dequantized weight.
+    wide = mx.random.normal((quantized.DEQUANTIZE_ROWS, 64))
+    want = sharded.__call__(layer, wide)
+    product_inputs.clear()
+    np.testing.assert_allclose(np.array(layer(wide)), np.array(want), rtol=1e-4, atol=1e-4)
+    assert product_inputs == []
 
 
 class Block(nn.Module):
