@@ -37,8 +37,8 @@ from service.protocol import GenerationRequest
 
 log = structlog.get_logger(__name__)
 
-ROWS_PER_TICK = 64  # streams woken every tick before their messages start to carry more
-MAX_TICKS_PER_WAKE = 4
+ROWS_PER_TICK = 32  # streams woken every tick before their messages start to carry more
+MAX_TICKS_PER_WAKE = 8
 MAX_HOLD_S = 0.05  # held tokens go out after this when no tick comes (a paused core)
 RESEND_S = 0.005  # retry of a send the core's full queue refused
 
