@@ -115,3 +115,43 @@ def test_the_running_median_of_the_last_samples() -> None:
     assert median.value == 3.0
     median.add(20.0)
     assert median.value == 10.0
+
+
+def test_observing_fits_nothing_until_a_prediction_asks(monkeypatch) -> None:
+    """Every prefill pass is observed; the fit runs only when a prediction needs it, once for
+    all the passes observed since the last."""
+    from service.core.scheduler import prefill_cost
+
+    fits = []
+    fit = prefill_cost._fit
+    monkeypatch.setattr(prefill_cost, "_fit", lambda xs, ts: fits.append(len(xs)) or fit(xs, ts))
+    model = PrefillCostModel()
+    for n in (8, 64, 256):
+        model.observe([(n, 0)], true_cost([(n, 0)]))
+    assert fits == []
+    first = model.predict([(32, 0)])
+    assert model.predict([(32, 0)]) == first and fits == [3]
+    model.observe([(16, 100)], true_cost([(16, 100)]))
+    model.max_tokens([], 0, budget=1.0, limit=64)
+    assert fits == [3, 4]
+
+
+def test_a_full_window_refits_every_few_forwards(monkeypatch) -> None:
+    from service.core.scheduler import prefill_cost
+
+    fits = []
+    fit = prefill_cost._fit
+    monkeypatch.setattr(prefill_cost, "_fit", lambda xs, ts: fits.append(len(xs)) or fit(xs, ts))
+    model = PrefillCostModel()
+    shapes = [[(n, c)] for n in (8, 64, 256, 512) for c in (0, 2000)]
+    for shape in shapes * (WINDOW // len(shapes)):
+        model.observe(shape, true_cost(shape))
+    model.predict([(32, 0)])
+    assert fits == [WINDOW]
+    for shape in shapes[: prefill_cost.REFIT_AFTER - 1]:
+        model.observe(shape, 2 * true_cost(shape))
+        model.predict([(32, 0)])
+    assert fits == [WINDOW]
+    model.observe(shapes[0], 2 * true_cost(shapes[0]))
+    model.predict([(32, 0)])
+    assert fits == [WINDOW, WINDOW]

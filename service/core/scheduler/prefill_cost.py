@@ -30,6 +30,9 @@ from collections.abc import Sequence
 RowShape = tuple[int, int]  # (new tokens, tokens already cached) of one row of a forward
 
 WINDOW = 32  # forwards the fit looks at: recent enough to follow a change of load
+# A full window is refitted once this many forwards are new: one more of 32 barely moves the
+# fit, which costs a busy CPU step more Python than anything else the scheduler does.
+REFIT_AFTER = 4
 GROWTH = 2  # a planned forward's tokens are at most this many times the largest measured
 _RIDGE = 1e-6  # keeps the normal equations solvable when the window's shapes are all alike
 
@@ -49,18 +52,30 @@ class PrefillCostModel:
 
     def __init__(self, window: int = WINDOW) -> None:
         self._seen: deque[tuple[tuple[float, ...], float, int]] = deque(maxlen=window)
-        self.coefficients: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        self._coefficients: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        self._new = 0  # forwards observed since the last fit
 
     @property
     def observations(self) -> int:
         return len(self._seen)
 
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """The fit of the window, made when a prediction asks after new observations (every
+        prefill pass is observed): at once while the window fills, then every REFIT_AFTER
+        forwards."""
+        full = len(self._seen) == self._seen.maxlen
+        if self._new >= (REFIT_AFTER if full else 1):
+            self._coefficients = _fit([x for x, _, _ in self._seen], [t for _, t, _ in self._seen])
+            self._new = 0
+        return self._coefficients
+
     def observe(self, rows: Sequence[RowShape], seconds: float) -> None:
-        """Record one measured forward and refit."""
+        """Record one measured forward (a later prediction refits)."""
         if seconds <= 0 or not rows:
             return
         self._seen.append((features(rows), seconds, sum(n for n, _ in rows)))
-        self.coefficients = _fit([x for x, _, _ in self._seen], [t for _, t, _ in self._seen])
+        self._new += 1
 
     def predict(self, rows: Sequence[RowShape]) -> float:
         """Predicted seconds of a forward of these rows (0 before any observation)."""
@@ -107,7 +122,7 @@ def _fit(xs: list[tuple[float, ...]], ts: list[float]) -> tuple[float, float, fl
     the unconstrained fit on each subset, kept if no coefficient is negative; the best of those
     is the non-negative optimum. Columns are scaled to 1 first, so their units do not matter.
     Every subset's normal equations and residual come from one Gram matrix of the rows (the
-    fit runs after every prefill pass measured: one pass over the rows, not one per subset)."""
+    fit runs every few prefill passes: one pass over the rows, not one per subset)."""
     k = len(xs[0])
     n = len(xs)
     rows = [[x / t for x in xv] for xv, t in zip(xs, ts)]  # target: 1 for every row
