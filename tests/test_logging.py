@@ -72,6 +72,27 @@ def test_grpcs_per_call_debug_lines_stay_out_at_debug(
     assert events == ["a grpc warning", "prefill pass"]
 
 
+def test_grpcs_failed_send_to_a_call_just_ended_is_info_not_an_error(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cancellation races the servicer's next message: gRPC's error line for it is info."""
+    configure_logging("info", "json")
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    try:
+        raise RuntimeError('Failed "execute_batch": (<SendMessageOperation>,)')
+    except RuntimeError:
+        grpc_log.exception("ExecuteBatchError raised in core by servicer method [/a/B]")
+        grpc_log.exception("Unexpected [RuntimeError] raised by servicer method [/a/B]")
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["level"], "exception" in line) for line in lines] == [
+        ("info", False),
+        ("error", True),
+    ]
+    configure_logging("warning", "json")
+    grpc_log.error("ExecuteBatchError raised in core by servicer method [/a/B]")
+    assert capsys.readouterr().out == ""
+
+
 def test_the_level_filters_our_loggers(
     restore_logging: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -51,6 +51,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(out)
+    handler.addFilter(_ClientGoneWrite())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processor=renderer,
@@ -66,6 +67,21 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     # gRPC's own debug lines come once per call ("Loaded running loop"): at --log-level debug
     # they would outnumber ours and slow every RPC; its warnings and errors still show.
     logging.getLogger("grpc").setLevel(max(root.level, logging.INFO))
+
+
+class _ClientGoneWrite(logging.Filter):
+    """gRPC logs a send that fails because the call has just ended (the client cancelled, or
+    its deadline passed, before the server heard of it) as an error with a traceback. That race
+    comes with cancellations and loses nothing the client still wanted: info, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("grpc") and record.getMessage().startswith(
+            "ExecuteBatchError raised in core"
+        ):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+            return logging.getLogger().isEnabledFor(logging.INFO)
+        return True
 
 
 def exit_now(code: int) -> NoReturn:
