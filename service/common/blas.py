@@ -54,7 +54,7 @@ def blas_env() -> dict[str, str]:
     # OpenBLAS's worker threads spin for 2^28 cycles after each product before they sleep. A
     # decode step is many small products, so they spin through the whole step on cores the
     # engine's other threads and the front ends need; 2^4 puts them to sleep at once, and
-    # waking them costs a large product nothing that shows (bench/results: cpu/blas-spin-*).
+    # waking them costs a large product nothing that shows (docs/cpu-backend.md).
     env["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get("OPENBLAS_THREAD_TIMEOUT") or "4"
     return env
 

@@ -170,8 +170,8 @@ FaultInjector = Callable[[Row, str], bool]
 # The fewest key positions a padded multi-token forward attends over. A burst's prompts that
 # share a chat template's cached blocks start 16 or 32 positions in: their pass gathers and
 # attends over this many keys at least, so a low floor keeps such a pass near the cost of
-# one with nothing cached (bench/results: prefill after a prefix by span floor). The warm-up
-# builds every span from here to GATHERED_SPAN_CAP.
+# one with nothing cached (docs/kv-cache.md). The warm-up builds every span from here to
+# GATHERED_SPAN_CAP.
 MIN_PADDED_SPAN = 64
 # The widest span of a chunk after a cached prefix built at start; wider ones (long prompts'
 # later chunks) build on first use.
