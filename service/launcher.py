@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from multiprocessing.connection import Connection
@@ -44,6 +43,7 @@ from service.common.config import (
     visible_gpus,
 )
 from service.common.logging import configure_logging, exit_now
+from service.common.ports import free_port
 
 log = structlog.get_logger(__name__)
 CORE_STOP_TIMEOUT_S = 15.0
@@ -151,12 +151,6 @@ def _rank_environments(config: ServerConfig, run_dir: Path) -> list[dict[str, st
         {"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "OPENBLAS_NUM_THREADS": threads}
         for r in range(n)
     ]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(engine: mp.process.BaseProcess, timeout: float = CORE_STOP_TIMEOUT_S) -> None:

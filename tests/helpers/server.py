@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.common.ports import free_port
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.requests import chat_request, to_stream
 
@@ -60,12 +60,6 @@ servers_allowed = True
 def _check_allowed() -> None:
     if not servers_allowed:
         raise AssertionError("this test starts a server: mark it slow (pytest.mark.slow)")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
