@@ -1,10 +1,11 @@
 """The decode mirror (service.core.engine.kv_mirror) on a tiny random-weight llama: the same logits
 and tokens as gathering from the pool, through rows joining, leaving and outgrowing the mirror;
-appends in place between rebuilds; the byte limit falls back to gathering."""
+only the rows that changed are copied in; the byte limit falls back to gathering."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from service.core.engine import kv_mirror
@@ -50,7 +51,9 @@ def test_mirror_gives_the_gathered_tokens(model):
             engine = make_engine(model, storage)
         seqs, outs[kind] = generate(engine, PROMPTS)
         if kind == "mirror":
-            assert storage.mirror.rebuilds == 1  # built once, then appended in place
+            # Allocated and filled once, then appended in place.
+            assert storage.mirror.allocations == 1
+            assert storage.mirror.copied_rows == len(PROMPTS)
             assert storage.reserved_bytes > (storage._capacity_blocks + 1) * storage.bytes_per_block
         for s in seqs:
             engine.release(s)
@@ -86,13 +89,14 @@ def test_mirror_logits_match_gathered_logits_step_by_step(model):
         nxt = mx.argmax(want, axis=-1).tolist()
         starts = [s + len(r) for s, r in zip(starts, rows)]
         rows = [[t] for t in nxt]
-    assert stores["mirror"].mirror.rebuilds == 1  # step 0 was a prefill: no mirror there
+    assert stores["mirror"].mirror.allocations == 1  # step 0 was a prefill: no mirror there
 
 
 def test_rows_joining_leaving_and_outgrowing_the_mirror(model, monkeypatch):
     """A staggered batch: a row leaves, another joins mid-way, and the mirror runs out of
-    columns (small headroom): every change rebuilds it, and no token changes."""
+    columns (small headroom) and is reallocated; no token changes."""
     monkeypatch.setattr(kv_mirror, "HEADROOM", 7)
+    monkeypatch.setattr(kv_mirror, "COLUMN_ROUND", 1)
     prompts = [prompt(5, 9), prompt(6, 3), prompt(7, 21), prompt(8, 14)]
 
     def run(engine, storage):
@@ -117,7 +121,7 @@ def test_rows_joining_leaving_and_outgrowing_the_mirror(model, monkeypatch):
     gathered, _ = run(make_engine(model, storage), storage)
     mirror_out, storage = run(*mirrored(model))
     assert mirror_out == gathered
-    assert storage.mirror.rebuilds >= 4  # start, leave, join, and running out of columns
+    assert storage.mirror.allocations >= 2  # at the start, and on running out of columns
     assert storage.mirror.nbytes == 0  # released rows free the copy
 
 
@@ -125,7 +129,7 @@ def test_a_lone_row_gathers(model):
     engine, storage = mirrored(model)
     _, out = generate(engine, PROMPTS[:1], steps=4)
     assert out == generate(make_engine(model, paged()), PROMPTS[:1], steps=4)[1]
-    assert storage.mirror.rebuilds == 0
+    assert storage.mirror.allocations == 0
 
 
 def test_over_the_byte_limit_decode_steps_gather(model):
@@ -133,13 +137,13 @@ def test_over_the_byte_limit_decode_steps_gather(model):
     _, out = generate(engine, PROMPTS, steps=4)
     reference = generate(make_engine(model, paged()), PROMPTS, steps=4)[1]
     assert out == reference
-    assert storage.mirror.rebuilds == 0 and storage.mirror.nbytes == 0
+    assert storage.mirror.allocations == 0 and storage.mirror.nbytes == 0
 
 
-def test_a_batch_that_changes_every_step_gathers(model):
-    """Churn (the rows change every step): after the first batch's rebuild, no rebuild while
-    the batch keeps changing (each would cost more than the gather it replaced); a batch that
-    steps twice is mirrored from its second step. No token changes."""
+def test_a_batch_that_changes_every_step_copies_only_the_rows_that_changed(model):
+    """Churn (a row leaves and another takes its place every step): the newcomer takes the row
+    left free and is the only row copied in from the pool; the others stay where they are.
+    No token changes."""
     prompts = [prompt(5, 9), prompt(6, 3), prompt(7, 12), prompt(8, 6)]
     plan = [[0, 1, 2], [1, 2, 3]] * 4 + [[0, 1, 2, 3]] * 3
 
@@ -147,17 +151,33 @@ def test_a_batch_that_changes_every_step_gathers(model):
         seqs = [engine.add_sequence(f"r{i}", SamplingParams(), p) for i, p in enumerate(prompts)]
         first = engine.prefill([StepRow(s, p) for s, p in zip(seqs, prompts)])
         out = {i: [first[i].token_id] for i in range(4)}
-        rebuilds = []
+        copied = []
         for active in plan:
             for i, r in zip(active, engine.step([StepRow(seqs[i]) for i in active])):
                 out[i].append(r.token_id)
-            rebuilds.append(storage.mirror.rebuilds if storage.mirror is not None else 0)
+            copied.append(storage.mirror.copied_rows if storage.mirror is not None else 0)
         for s in seqs:
             engine.release(s)
-        return out, rebuilds
+        return out, copied
 
     storage = paged()
     gathered, _ = run(make_engine(model, storage), storage)
-    mirror_out, rebuilds = run(*mirrored(model))
+    engine, storage = mirrored(model)
+    mirror_out, copied = run(engine, storage)
     assert mirror_out == gathered
-    assert rebuilds == [1] * 9 + [2, 2]  # the full batch's first step gathers
+    # All three at first, then the one newcomer per step; the fourth row joins once.
+    assert copied == [3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11]
+    assert storage.mirror.allocations == 1
+
+
+def test_rows_keep_their_place_and_newcomers_fill_the_rows_left():
+    mirror = kv_mirror.DecodeMirror(1 << 20)
+    slots = np.array([3, 5, 9], np.int32)
+    assert mirror.order_rows(slots) is slots  # nothing held yet: the order given
+    mirror.order = np.array([5, 9, 3, -1], np.int32)
+    assert mirror.order_rows(slots).tolist() == [5, 9, 3]
+    # 9 left, 4 and 7 came: 5 and 3 stay in rows 0 and 2, the newcomers fill rows 1 and 3.
+    assert mirror.order_rows(np.array([3, 4, 5, 7], np.int32)).tolist() == [5, 4, 3, 7]
+    # The batch shrank: 3, held past the new batch size (row 2), moves to a row left free.
+    assert mirror.order_rows(np.array([3, 4], np.int32)).tolist() == [3, 4]
+    assert mirror.order_rows(np.array([8], np.int32)).tolist() == [8]

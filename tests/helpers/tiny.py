@@ -278,6 +278,8 @@ class Driven:
         return self.results(self.engine.collect(pending), pending.plan)
 
     def results(self, result: StepResult, plan: StepPlan) -> list[RowResult]:
+        """The rows' results in the plan's order (a decode forward may run them in the
+        storage's order)."""
         out = []
         for i, slot in enumerate(result.slots.tolist()):
             res = RowResult(self._live[slot], token_id=int(result.tokens[i]))
@@ -289,6 +291,9 @@ class Driven:
                     )
             out.append(res)
         out += [RowResult(self._live[s], error=e) for s, e in result.errors.items()]
+        if plan.decode:
+            rank = {slot: i for i, slot in enumerate(plan.decode)}
+            out.sort(key=lambda r: rank.get(r.seq.slot, len(rank)))
         return out
 
     def prefill(self, rows: list[StepRow]) -> list[RowResult]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from service.core.engine.batch_view import StepLayout, make_views
 from service.core.engine.state_store import StepStates
@@ -51,6 +52,9 @@ class DenseKVStorage:
         seq.keys = [None] * self.num_layers
         seq.values = [None] * self.num_layers
         seq.capacity = 0
+
+    def decode_order(self, slots: np.ndarray) -> np.ndarray:
+        return slots
 
     def apply(self, update: BlockUpdate) -> None:
         pass  # no blocks: each sequence's arrays grow as they are written

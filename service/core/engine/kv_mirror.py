@@ -2,26 +2,28 @@
 
 A gathering decode step copies every row's K/V out of the paged pool for every layer, which on
 the CPU costs about as much as the attention itself; attention over views of one contiguous
-array avoids it (`bench/cpu_mirror.py` measures the two through the scheduler). The mirror
-keeps, per layer, one
-`[B, kv_heads, capacity, head_dim]` array for the batch's rows, right-aligned like mlx-lm's
-batched cache: row i's positions end at the same column for every row, so a decode step
-appends all rows' new K/V with one slice update (in place) and attention reads
-`[:, :, :column + 1]`, a view; the left padding is masked.
+array avoids it (`bench/cpu_mirror.py` measures the two through the scheduler).
 
-The paged pool stays the source of truth (every step still writes it). The mirror is valid
-only while the batch is the same rows in the same order, each exactly one token further than
-at the last mirrored step; anything else (a row joins or leaves, a prefill or mixed step in
-between, capacity reached) rebuilds it from the pool with one gather: what a gathering step
-pays every time, paid once per change of the batch. Except under churn: when the batch
-changed at the step before too (closed-loop serving at many rows, where some row ends nearly
-every step), a copy rebuilt every step would cost more than the gather it replaces (its
-headroom columns, its table), so such a step gathers and the mirror waits for a batch that
-steps twice.
+The mirror keeps, per layer, one K and one V array of `rows x kv_heads x columns` vectors
+(`[rows * kv_heads * columns, head_dim]`, viewed as `[rows, kv_heads, columns, head_dim]`).
+Mirror row i holds one sequence's positions left-aligned: position p at column p. A decode
+step runs its rows in the mirror's order (`order_rows`: a row stays where the mirror holds it,
+newcomers take the rows left free), so attention reads `[:B, :, :span]`, a view, under a mask
+that hides each row's columns past its own position. Each step writes its new K/V with one
+scatter per array (column = each row's position).
 
-The CPU decode path (service.core.engine.config) for models without sliding windows. Left lazy, a
-rebuild's gather is consumed by the step's first append; evaluating it at once would stall the
-host while the previous step runs.
+The paged pool stays the source of truth (every step still writes it). A row is copied in
+from the pool (one take and one scatter per array, for all such rows of the step) when the
+mirror does not hold its positions up to this step: it joined, moved, or ran a forward that
+did not go through the mirror (its prefill, a verification). So a batch whose rows come and go
+every step (closed-loop serving at many rows) copies only the rows that changed. The arrays
+are reallocated, every row then copied in, only when the batch outgrows their rows or its
+longest row their columns; they are freed when no row they hold is live or the batch falls to
+one row (a lone row gathers only itself, which costs less than keeping a copy).
+
+The CPU decode path (service.core.engine.config) for models without sliding windows. The copies
+are left lazy: the step's own appends and attention consume them, so the host never waits
+here for the step in flight.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import numpy as np
 
 from service.core.engine.batch_view import StepLayout
 
-HEADROOM = 128  # columns allocated past the current one at each rebuild
+HEADROOM = 128  # columns allocated past the longest row at each allocation
+COLUMN_ROUND = 64
 
 
 def slot_head_rows(slot_table: np.ndarray, kv_heads: int) -> mx.array:
@@ -51,120 +54,185 @@ class MirrorSource(Protocol):
     kv_heads: int
     head_dim: int
     dtype: mx.Dtype
+    block_size: int
     scratch_slot: int
-
-    def pool_rows(self, layer: int) -> tuple[mx.array, mx.array]: ...
-    def slot_table(self, batch: StepLayout) -> np.ndarray: ...
 
 
 @dataclass
 class MirrorStep:
-    """What one mirrored decode step attends with (the same for every layer)."""
+    """What one mirrored decode step writes and attends with (the same for every layer)."""
 
-    column: int  # where this step's new K/V goes
-    mask: mx.array | None  # [B, 1, 1, column + 1], None when no row is padded
+    batch: int
+    span: int  # columns attention reads: the longest row's positions, this step's included
+    write: mx.array  # [B * kv_heads] mirror vectors of the rows' new K/V
+    mask: mx.array | None  # [B, 1, 1, span], None when every row is at the same position
+    # Rows copied in from the pool: their mirror vectors and the pool rows they copy.
+    fill_to: mx.array | None = None
+    fill_from: mx.array | None = None
 
 
 @dataclass
 class DecodeMirror:
     max_bytes: int
-    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # slots
-    handle_ids: set[int] = field(default_factory=set)  # the rows' storage handles
-    lefts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    column: int = 0  # the next column to write
-    capacity: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # slot per row
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # positions per row
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # handle per row
+    handles: dict[int, int] = field(default_factory=dict)  # id(storage handle) -> its row
+    row_capacity: int = 0
+    columns: int = 0
     keys: list[mx.array] = field(default_factory=list)
     values: list[mx.array] = field(default_factory=list)
-    rebuilds: int = 0
+    allocations: int = 0
+    copied_rows: int = 0  # rows copied in from the pool, allocations included
     step: MirrorStep | None = None
-    # The rows of the last decode step that asked (mirrored or not), and whether they were
-    # the rows of the step before it.
-    previous: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    previous_repeated: bool = True
+
+    def order_rows(self, slots: np.ndarray) -> np.ndarray:
+        """A decode step's slots in the mirror's order: a slot the mirror holds at a row below
+        len(slots) keeps it; the others fill the rows left, in the order given."""
+        b = len(slots)
+        if b < 2 or not len(self.order):
+            return slots
+        head = np.full(b, -1, np.int32)
+        n = min(b, len(self.order))
+        head[:n] = self.order[:n]
+        keep = np.isin(head, slots)
+        out = np.where(keep, head, -1).astype(np.int32)
+        out[~keep] = slots[~np.isin(slots, head[keep])]
+        return out
 
     def begin_step(self, source: MirrorSource, layout: StepLayout) -> MirrorStep | None:
-        """Make the mirror hold every row's positions before this decode step; returns where
-        the step writes and its mask, or None (gather instead: a single row, churn, or too
-        large).
-        A lone row gathers only itself, which costs less than keeping a copy of it
-        (bench/cpu_mirror.py measures the mirror against the gather)."""
-        repeated = np.array_equal(layout.rows, self.previous)
-        churn = not repeated and not self.previous_repeated  # changed twice in a row
-        self.previous, self.previous_repeated = layout.rows.copy(), repeated
-        if layout.batch_size < 2:
-            if len(self.rows):
-                self.clear()
-            return None
-        if not self._continues(layout) and (churn or not self._rebuild(source, layout)):
-            # Gather: under churn (rebuild once a batch steps twice), or the copy too large.
+        """Make the mirror hold every row's positions before this decode step (rows copied in
+        where it does not); returns where the step writes and its mask, or None (gather
+        instead: a single row, or a copy over the byte limit)."""
+        b = layout.batch_size
+        if b < 2:
             self.clear()
             return None
-        column = self.column
-        self.column += 1
-        mask = None
-        if self.lefts.any():
-            key_pos = mx.arange(column + 1)[None, :]
-            mask = (key_pos >= mx.array(self.lefts.astype(np.int32))[:, None])[:, None, None, :]
-        self.step = MirrorStep(column, mask)
-        return self.step
+        starts = layout.starts.astype(np.int64)
+        need = int(starts.max()) + 1
+        grow = b > self.row_capacity or need > self.columns
+        if grow and not self._allocate(source, b, need):
+            self.clear()
+            return None
+        rows = np.arange(b)
+        held = (self.order[:b] == layout.rows) & (self.held[:b] == starts)
+        stale = np.flatnonzero(~held)
+        step = MirrorStep(b, need, self._vectors(rows, starts), None)
+        if len(stale):
+            step.fill_to, step.fill_from = self._copy_plan(source, layout, stale)
+            self._register(layout, stale)
+            self.copied_rows += len(stale)
+        if (starts != starts[0]).any():
+            step.mask = mx.array(np.arange(need)[None, :] <= starts[:, None])[:, None, None, :]
+        self.order[:b] = layout.rows
+        self.held[:b] = starts + 1
+        self.step = step
+        return step
 
-    def append(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write the step's new K/V ([B, kv_heads, 1, head_dim]) at its column; returns views
-        of every row's K/V up to it."""
-        assert self.step is not None
-        c = self.step.column
-        k, v = self.keys[layer], self.values[layer]
-        k[:, :, c : c + 1, :] = keys.astype(k.dtype)
-        v[:, :, c : c + 1, :] = values.astype(v.dtype)
-        return k[:, :, : c + 1, :], v[:, :, : c + 1, :]
+    def append(
+        self,
+        layer: int,
+        keys: mx.array,
+        values: mx.array,
+        pools: tuple[mx.array, mx.array],
+    ) -> tuple[mx.array, mx.array]:
+        """Copy in the step's stale rows from `pools` (the layer's K and V pools as
+        [slots * kv_heads, head_dim]: MirrorSource.pool_rows), write the step's new K/V
+        ([B, kv_heads, 1, head_dim]) at each row's column; returns views of the rows' K/V up
+        to the longest. Each `mirror[...] = x` updates the list's array object in place."""
+        step = self.step
+        assert step is not None
+        out = []
+        for mirror, new, pool in zip((self.keys[layer], self.values[layer]), (keys, values), pools):
+            if step.fill_to is not None:
+                assert step.fill_from is not None
+                mirror[step.fill_to] = mx.take(pool, step.fill_from, axis=0)
+            mirror[step.write] = new.reshape(-1, self.head_dim).astype(mirror.dtype)
+            grid = mirror.reshape(self.row_capacity, self.kv_heads, self.columns, self.head_dim)
+            out.append(grid[: step.batch, :, : step.span, :])
+        return out[0], out[1]
+
+    def release(self, handle_id: int) -> None:
+        """The sequence left: its row holds nothing any more; no row held, the copy is freed."""
+        row = self.handles.pop(handle_id, None)
+        if row is None:
+            return
+        self.order[row], self.held[row], self.ids[row] = -1, -1, 0
+        if not self.handles:
+            self.clear()
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 
     def clear(self) -> None:
-        self.rows, self.keys, self.values, self.step = np.zeros(0, np.int32), [], [], None
-        self.handle_ids = set()
-        self.capacity = self.column = 0
+        self.keys, self.values, self.step = [], [], None
+        self.order, self.held = np.zeros(0, np.int32), np.zeros(0, np.int64)
+        self.ids = np.zeros(0, np.int64)
+        self.handles = {}
+        self.row_capacity = self.columns = 0
 
     # -- helpers ---------------------------------------------------------------------
-    def _continues(self, layout: StepLayout) -> bool:
+    def _register(self, layout: StepLayout, stale: np.ndarray) -> None:
+        """The stale rows now hold the step's sequences there; a row that held one of them
+        before (past the batch: it moved) holds nothing."""
+        for i in stale.tolist():  # their occupants leave these rows (some only move)
+            self.handles.pop(int(self.ids[i]), None)
+        for i in stale.tolist():
+            handle = id(layout.handles[i])
+            before = self.handles.get(handle)
+            if before is not None:
+                self.order[before], self.held[before], self.ids[before] = -1, -1, 0
+            self.ids[i] = handle
+            self.handles[handle] = i
+
+    def _vectors(self, rows: np.ndarray, columns: np.ndarray) -> mx.array:
+        """[len(rows) * kv_heads] mirror vectors of (row, head, column) for each row."""
+        heads = np.arange(self.kv_heads, dtype=np.int64)[None, :]
+        flat = (rows[:, None] * self.kv_heads + heads) * self.columns + columns[:, None]
+        return mx.array(flat.reshape(-1).astype(np.int32))
+
+    def _copy_plan(
+        self, source: MirrorSource, layout: StepLayout, stale: np.ndarray
+    ) -> tuple[mx.array, mx.array]:
+        """The mirror vectors of the stale rows' positions 0..start-1 and the pool rows they
+        come from (past a row's start, the scratch slot: masked until the row writes there)."""
+        starts = layout.starts[stale].astype(np.int64)
+        span = max(1, int(starts.max()))
+        size = source.block_size
+        pos = np.arange(span)
+        table = layout.block_table[stale]
+        blocks = table[:, np.minimum(pos // size, table.shape[1] - 1)]
+        slots = blocks * size + pos % size
+        slots[pos[None, :] >= starts[:, None]] = source.scratch_slot
+        heads = np.arange(self.kv_heads, dtype=np.int64)[None, :, None]
+        src = slots[:, None, :].astype(np.int64) * self.kv_heads + heads  # [n, kv, span]
+        dst = (stale[:, None, None] * self.kv_heads + heads) * self.columns + pos
         return (
-            self.column < self.capacity
-            and np.array_equal(layout.rows, self.rows)
-            and bool((layout.starts == self.column - self.lefts).all())
+            mx.array(dst.reshape(-1).astype(np.int32)),
+            mx.array(src.reshape(-1).astype(np.int32)),
         )
 
-    def _rebuild(self, source: MirrorSource, layout: StepLayout) -> bool:
-        starts = layout.starts.astype(np.int64)
-        column = int(starts.max())
-        capacity = column + HEADROOM
-        b = layout.batch_size
-        itemsize = source.dtype.size
-        size = 2 * source.num_layers * b * source.kv_heads * capacity * source.head_dim * itemsize
+    def _allocate(self, source: MirrorSource, batch: int, need: int) -> bool:
+        """Arrays for at least `batch` rows and `need` columns (every row copied in at its next
+        step); False when they would pass the byte limit."""
+        rows = max(batch, self.row_capacity, 2)
+        rows = 1 << (rows - 1).bit_length()
+        columns = -(-(need + HEADROOM) // COLUMN_ROUND) * COLUMN_ROUND
+        vectors = rows * source.kv_heads * columns
+        size = 2 * source.num_layers * vectors * source.head_dim * source.dtype.size
         if size > self.max_bytes:
-            self.clear()
             return False
-        lefts = column - starts
-        # Row i's positions 0..start-1, right-aligned to end at `column`.
-        read = source.slot_table(layout)
-        table = np.full((b, capacity), source.scratch_slot, dtype=np.int32)
-        positions = np.arange(column)[None, :]
-        held = positions < starts[:, None]
-        rows = np.broadcast_to(np.arange(b)[:, None], held.shape)
-        cols = positions + lefts[:, None]
-        table[rows[held], cols[held]] = read[:, :column][held]
-        gather = slot_head_rows(table, source.kv_heads)  # [B, kv_heads, capacity]
-        keys, values = [], []
-        for layer in range(source.num_layers):
-            k_pool, v_pool = source.pool_rows(layer)
-            keys.append(mx.take(k_pool, gather, axis=0))
-            values.append(mx.take(v_pool, gather, axis=0))
-        # Left lazy: the step's first append consumes each gather's output (its only user), so
-        # MLX updates it in place without the host waiting here for the step in flight.
-        self.rows = layout.rows.copy()
-        self.handle_ids = {id(h) for h in layout.handles}
-        self.lefts, self.column, self.capacity = lefts, column, capacity
-        self.keys, self.values = keys, values
-        self.rebuilds += 1
+        self.clear()
+        self.kv_heads, self.head_dim = source.kv_heads, source.head_dim
+        self.row_capacity, self.columns = rows, columns
+        shape = (vectors, source.head_dim)
+        self.keys = [mx.zeros(shape, source.dtype) for _ in range(source.num_layers)]
+        self.values = [mx.zeros(shape, source.dtype) for _ in range(source.num_layers)]
+        self.order = np.full(rows, -1, np.int32)
+        self.held = np.full(rows, -1, np.int64)
+        self.ids = np.zeros(rows, np.int64)
+        self.allocations += 1
         return True

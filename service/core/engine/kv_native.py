@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from service.core.engine.batch_view import StepLayout
@@ -34,6 +35,9 @@ class NativeCacheStorage:
 
     def release(self, caches: list[Any]) -> None:
         self._live.pop(id(caches), None)
+
+    def decode_order(self, slots: np.ndarray) -> np.ndarray:
+        return slots
 
     def apply(self, update: BlockUpdate) -> None:
         pass  # no blocks: mlx-lm's caches grow as they are written

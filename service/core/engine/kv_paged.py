@@ -152,8 +152,13 @@ class PagedKVStorage:
     def release(self, handle: PagedSequenceKV) -> None:
         """Forget the sequence (its blocks are the scheduler's to free)."""
         self._live.discard(id(handle))
-        if self.mirror is not None and id(handle) in self.mirror.handle_ids:
-            self.mirror.clear()  # the batch changed: free the copy now, rebuild when needed
+        if self.mirror is not None:
+            self.mirror.release(id(handle))
+
+    def decode_order(self, slots: np.ndarray) -> np.ndarray:
+        """A decode step's slots in the order its forward runs them: the mirror's, where
+        decode steps attend over it (kv_mirror.DecodeMirror.order_rows)."""
+        return slots if self.mirror is None else self.mirror.order_rows(slots)
 
     def apply(self, update: BlockUpdate) -> None:
         """Before a forward: grow the arrays to the manager's capacity, then copy blocks."""
@@ -277,7 +282,7 @@ class PagedKVStorage:
         """`_scatter`, then append to the mirror; returns views of the mirror up to this step."""
         self._scatter(layer, batch, keys, values)
         assert self.mirror is not None
-        return self.mirror.append(layer, keys, values)
+        return self.mirror.append(layer, keys, values, self.pool_rows(layer))
 
     def pool_rows(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V pools viewed as [slots * kv_heads, head_dim]."""

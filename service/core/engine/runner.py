@@ -458,6 +458,9 @@ class ModelRunner:
         return result
 
     def _decode(self, slots: np.ndarray, dispatch: bool) -> _Forward:
+        # Rows in the storage's order (the CPU mirror keeps each row where it holds it);
+        # results are by slot, so the order is the runner's own.
+        slots = self.storage.decode_order(slots)
         if not self.batched and len(slots) > 1:
             # The per-row path: each row alone, read at once (or at collect, with the
             # constrained rows' masks).

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from service.core.engine.batch_view import StepLayout
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_dense import DenseKVStorage
@@ -41,6 +43,10 @@ class KVStorage(Protocol):
         ...
 
     def release(self, handle: Any) -> None: ...
+
+    def decode_order(self, slots: np.ndarray) -> np.ndarray:
+        """The order a decode forward runs these rows in (the storage may prefer its own)."""
+        ...
 
     def apply(self, update: BlockUpdate) -> None:
         """Before a forward: what the scheduler's KV manager changed (growth, block copies)."""
