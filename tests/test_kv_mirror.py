@@ -13,6 +13,7 @@ from service.core.engine.config import EngineConfig
 from service.core.engine.sampler import SamplingParams
 from service.core.kv.block_pool import KVCacheManager
 from tests.helpers.tiny import (
+    LAYERS,
     PROMPTS,
     StepRow,
     generate,
@@ -25,6 +26,7 @@ from tests.helpers.tiny import (
 )
 
 MIRROR = EngineConfig(decode_attention="mirror")
+MIRROR_ATTENDS = EngineConfig(decode_attention="mirror", fast_mirror_attention=True)
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +34,11 @@ def model():
     return tiny_llama()
 
 
-def mirrored(model, max_bytes: int = 1 << 30, **kw):
-    """An engine whose decode steps attend over the mirror, and its storage."""
-    storage = paged(decode_attention="mirror", **kw)
-    engine = make_engine(model, storage, MIRROR)
+def mirrored(model, max_bytes: int = 1 << 30, attends: bool = False, **kw):
+    """An engine whose decode steps attend over the mirror, and its storage. `attends`: with
+    the mirror's own attention (kv_mirror.attend), as float32 models on the CPU run."""
+    storage = paged(decode_attention="mirror", mirror_attends=attends, **kw)
+    engine = make_engine(model, storage, MIRROR_ATTENDS if attends else MIRROR)
     storage.mirror.max_bytes = max_bytes
     return engine, storage
 
@@ -165,6 +168,7 @@ def test_a_batch_that_changes_every_step_copies_only_the_rows_that_changed(model
     engine, storage = mirrored(model)
     mirror_out, copied = run(engine, storage)
     assert mirror_out == gathered
+    assert run(*mirrored(model, attends=True))[0] == gathered
     # All three at first, then the one newcomer per step; the fourth row joins once.
     assert copied == [3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11]
     assert storage.mirror.allocations == 1
@@ -181,3 +185,35 @@ def test_rows_keep_their_place_and_newcomers_fill_the_rows_left():
     # The batch shrank: 3, held past the new batch size (row 2), moves to a row left free.
     assert mirror.order_rows(np.array([3, 4], np.int32)).tolist() == [3, 4]
     assert mirror.order_rows(np.array([8], np.int32)).tolist() == [8]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3), (9, 3)])
+def test_the_mirrors_attention_is_mlx_attention(heads, kv_heads):
+    """kv_mirror.attend against MLX's attention on strided views like the mirror's, with rows
+    of different lengths (mask) and without."""
+    b, dim, columns, span = 5, 32, 24, 17
+    mx.random.seed(heads)
+    keys = mx.random.normal((8, kv_heads, columns, dim))[:b, :, :span]
+    values = mx.random.normal((8, kv_heads, columns, dim))[:b, :, :span]
+    queries = mx.random.normal((b, heads, 1, dim)) * 3
+    lengths = np.array([17, 3, 9, 1, 12])
+    for mask in (mx.array(np.arange(span)[None, :] < lengths[:, None])[:, None, None, :], None):
+        got = kv_mirror.attend(queries, keys, values, dim**-0.5, mask)
+        want = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=dim**-0.5, mask=mask
+        )
+        assert got.shape == want.shape
+        assert mx.abs(got - want).max().item() < 1e-5
+
+
+def test_mirrored_steps_that_attend_themselves_give_the_gathered_tokens(model, monkeypatch):
+    storage = paged()
+    _, want = generate(make_engine(model, storage), PROMPTS)
+    engine, storage = mirrored(model, attends=True)
+    calls = []
+    attend = storage.attend_mirrored
+    monkeypatch.setattr(storage, "attend_mirrored", lambda *a: calls.append(1) or attend(*a))
+    _, got = generate(engine, PROMPTS, steps=20)
+    assert got == want
+    assert len(calls) == 20 * LAYERS  # every decode step's every layer
+    assert storage.mirror.allocations == 1

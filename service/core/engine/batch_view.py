@@ -108,9 +108,10 @@ class AttentionView:
 
     @property
     def direct(self) -> bool:
-        """True when this step's attention reads the pool directly (`attend`): then
-        `update_and_fetch` returns the written pool arrays, not gathered K/V."""
-        return self._shared.mode == "direct"
+        """True when this view computes the step's attention itself (`attend`): a direct step
+        (`update_and_fetch` then returns the written pool arrays, not gathered K/V) or a
+        mirrored one whose storage attends over the mirror."""
+        return self._shared.attends
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         mode = self._shared.mode
@@ -123,7 +124,10 @@ class AttentionView:
         return self._storage.write_and_gather(self._layer, self._layout, keys, values)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
-        """Attention for a direct step (called through service.core.engine.paged_attention)."""
+        """The step's attention, for a view that says `direct` (called through
+        service.core.engine.paged_attention)."""
+        if self._shared.mode == "mirror":
+            return self._storage.attend_mirrored(queries, keys, values, scale)
         return self._storage.attend(
             self._layer, self._layout, queries, keys, values, scale, self._window
         )
@@ -155,9 +159,15 @@ class _StepShared:
     """RoPE offsets and attention masks, computed once per step for all layers."""
 
     def __init__(
-        self, layout: StepLayout, mode: str, mirror_mask: mx.array | None, grouped: bool
+        self,
+        layout: StepLayout,
+        mode: str,
+        mirror_mask: mx.array | None,
+        grouped: bool,
+        mirror_attends: bool = False,
     ) -> None:
         self.mode = mode  # "gather", "direct", "mirror" or "fresh"
+        self.attends = mode == "direct" or (mode == "mirror" and mirror_attends)
         self._layout = layout
         self._grouped = grouped
         self._mirror_mask = mirror_mask
@@ -213,13 +223,15 @@ def make_views(
     mode: str = "gather",
     mirror_mask: mx.array | None = None,
     grouped_mask: bool = False,
+    mirror_attends: bool = False,
 ) -> list[Any]:
     """One view per entry of the model's cache list. `mode`: "gather" (K/V gathered from the
     storage, masked), "direct" (decode attention reads the paged pool itself), "mirror"
     (decode attention over the storage's contiguous copy; `mirror_mask` hides left padding),
     or "fresh" (rows that all start at 0 attend over their own new K/V, causally).
-    `grouped_mask`: batched masks get a heads-repeat axis (service.core.models.families)."""
-    shared = _StepShared(layout, mode, mirror_mask, grouped_mask)
+    `grouped_mask`: batched masks get a heads-repeat axis (service.core.models.families);
+    `mirror_attends`: a mirrored step's attention is the storage's (`attend_mirrored`)."""
+    shared = _StepShared(layout, mode, mirror_mask, grouped_mask, mirror_attends)
 
     def view(entry: AttentionEntry | StateEntry) -> Any:
         if isinstance(entry, AttentionEntry):

@@ -14,8 +14,9 @@ One decode path per platform:
   into one product (service.core.models.quantized): MLX's CUDA quantized matmul reads the whole
   weight once per row of a [B, 1, D] input.
 - Elsewhere: MLX ops. Decode steps of two or more rows attend over a contiguous copy of the
-  batch's K/V (service.core.engine.kv_mirror) instead of gathering it from the pool every step, and
-  float32 SwiGLU MLPs use the multiply-add exp (service.core.models.activations). On the CPU
+  batch's K/V (service.core.engine.kv_mirror) instead of gathering it from the pool every step;
+  in float32, that attention's softmax and SwiGLU MLPs use the multiply-add exp
+  (service.core.models.activations). On the CPU
   quantized weights are dequantized at load where they fit: MLX's CPU quantized matmul computes
   a row at a time.
 
@@ -61,6 +62,9 @@ class EngineConfig:
     shape_buckets: bool = False  # multi-token forwards padded to bucket lengths
     single_row_prefill: bool = False  # multi-token forwards carry one row (recurrent state)
     fast_swiglu: bool = False
+    # Mirrored decode steps compute attention themselves (kv_mirror.attend: the multiply-add
+    # exp in the softmax); the family's attention is mlx-lm's scaled_dot_product_attention.
+    fast_mirror_attention: bool = False
     grouped_query_mask: bool = False  # batched masks as [B, 1, 1, N, T] (families.grouped_mask)
     # LoRA rows' updates come from two CUDA kernels per adapted layer
     # (service.core.models.lora_kernel) rather than MLX's gathered products.
@@ -106,6 +110,8 @@ class EngineConfig:
             raise ValueError("reading a step beside the next one's dispatch needs overlapped steps")
         if self.compile_decode and self.decode_attention != "direct":
             raise ValueError("compiled decode steps need direct decode attention")
+        if self.fast_mirror_attention and self.decode_attention != "mirror":
+            raise ValueError("the mirror's own attention needs mirror decode attention")
 
 
 def reference_path_forced() -> bool:
@@ -161,12 +167,14 @@ def resolve(
             fold_quantized_rows=True,
         )
     mirror = paged and batched and not layout.sliding
+    fast_exp = float32 and not reference_path_forced()
     return EngineConfig(
         storage=storage,
         batched=batched,
         decode_attention="mirror" if mirror else "gather",
         single_row_prefill=layout.stateful,
-        fast_swiglu=float32 and not reference_path_forced(),
+        fast_swiglu=fast_exp,
+        fast_mirror_attention=mirror and fast_exp and family.direct_decode,
         grouped_query_mask=grouped_query_mask,
         dequantize_weights=cpu,
     )

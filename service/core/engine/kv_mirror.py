@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from service.core.engine.batch_view import StepLayout
+from service.core.models.activations import fast_exp
 
 HEADROOM = 128  # columns allocated past the longest row at each allocation
 COLUMN_ROUND = 64
@@ -236,3 +237,25 @@ class DecodeMirror:
         self.ids = np.zeros(rows, np.int64)
         self.allocations += 1
         return True
+
+
+_MASKED = -1e30  # a masked score: its fast_exp (clamped) is ~1e-38, nothing next to the max's 1
+
+
+def attend(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | None
+) -> mx.array:
+    """Decode attention over the mirror's views: queries [B, heads, 1, head_dim], keys and
+    values [B, kv_heads, T, head_dim], `mask` [B, 1, 1, T] (None: every column). MLX's CPU
+    attention is its unfused fallback, whose softmax exp is the costly part; here the
+    softmax takes the multiply-add exp (service.core.models.activations), and heads sharing a
+    K/V head are one product."""
+    b, heads, _, dim = queries.shape
+    kv_heads = keys.shape[1]
+    q = (queries * scale).reshape(b, kv_heads, heads // kv_heads, dim)
+    scores = q @ keys.swapaxes(-1, -2)  # [B, kv_heads, repeats, T]
+    if mask is not None:
+        scores = mx.where(mask, scores, _MASKED)
+    weights = fast_exp(scores - scores.max(axis=-1, keepdims=True))
+    weights = weights / weights.sum(axis=-1, keepdims=True)
+    return (weights @ values).reshape(b, heads, 1, dim)

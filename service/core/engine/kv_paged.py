@@ -34,6 +34,7 @@ import numpy as np
 
 from service.core.engine.batch_view import StepLayout, make_views
 from service.core.engine.kv_mirror import DecodeMirror, slot_head_rows
+from service.core.engine.kv_mirror import attend as mirror_attention
 from service.core.engine.memory import release_freed_memory
 from service.core.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
 from service.core.engine.state_store import StepStates
@@ -110,11 +111,13 @@ class PagedKVStorage:
         *,
         decode_attention: str = "gather",
         in_place: bool = False,
+        mirror_attends: bool = False,
     ) -> None:
         """decode_attention: how decode steps read K/V ("gather" from the pool, "mirror": a
         contiguous copy of the batch, service.core.engine.kv_mirror, "direct": the CUDA kernel reads
         the pool); in_place: direct decode steps write their K/V with the in-place CUDA kernel
-        (`store_decode_kv`), so steps can overlap. The engine config decides both."""
+        (`store_decode_kv`), so steps can overlap; mirror_attends: mirrored decode steps compute
+        attention themselves (kv_mirror.attend). The engine config decides all three."""
         if num_blocks < 1:
             raise ValueError(f"a paged pool needs at least one block, got {num_blocks}")
         if decode_attention not in ("gather", "mirror", "direct"):
@@ -142,6 +145,7 @@ class PagedKVStorage:
         self.decode_attention = decode_attention
         self.mirror = DecodeMirror(MIRROR_MAX_BYTES) if decode_attention == "mirror" else None
         self.write_in_place = in_place
+        self.mirror_attends = mirror_attends
 
     # -- sequences -------------------------------------------------------------------
     def new_sequence(self) -> PagedSequenceKV:
@@ -188,7 +192,9 @@ class PagedKVStorage:
                     mode, mirror_mask = "mirror", step.mask
         elif not gather and not layout.starts.any():
             mode = "fresh"
-        return make_views(self, cache, layout, states, mode, mirror_mask, grouped_mask)
+        return make_views(
+            self, cache, layout, states, mode, mirror_mask, grouped_mask, self.mirror_attends
+        )
 
     # -- stats -----------------------------------------------------------------------
     @property
@@ -283,6 +289,13 @@ class PagedKVStorage:
         self._scatter(layer, batch, keys, values)
         assert self.mirror is not None
         return self.mirror.append(layer, keys, values, self.pool_rows(layer))
+
+    def attend_mirrored(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float
+    ) -> mx.array:
+        """A mirrored decode step's attention over the views `write_mirrored` returned."""
+        assert self.mirror is not None and self.mirror.step is not None
+        return mirror_attention(queries, keys, values, scale, self.mirror.step.mask)
 
     def pool_rows(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V pools viewed as [slots * kv_heads, head_dim]."""

@@ -224,8 +224,9 @@ class ModelRunner:
         self.states = StateStore(cache.states) if cache.stateful else None
         if storage.name != config.storage:
             raise ValueError(f"the config runs {config.storage} storage, not {storage.name}")
-        if config.decode_attention == "direct" and not paged_attention.install(model):
-            raise ValueError("direct decode attention needs the model's attention function")
+        attends = config.decode_attention == "direct" or config.fast_mirror_attention
+        if attends and not paged_attention.install(model):
+            raise ValueError("decode attention of our own needs the model's attention function")
         self._fault_injector = fault_injector
         # Redo a failed step row by row, so only the failing rows end. Off under tensor
         # parallel, where the other ranks could not follow the redo.

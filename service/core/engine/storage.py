@@ -96,6 +96,7 @@ def make_storage(
         pool.initial_blocks,
         decode_attention=config.decode_attention,
         in_place=config.in_place_writes,
+        mirror_attends=config.fast_mirror_attention,
     )
 
 
