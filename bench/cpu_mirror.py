@@ -33,7 +33,12 @@ def build(decode_attention: str, parallel: int) -> Runtime:
         config = resolve(*args, **kwargs)
         if config.decode_attention not in ("mirror", "gather"):
             raise SystemExit(f"this platform resolves {config.decode_attention!r}: CPU only")
-        return dataclasses.replace(config, decode_attention=decode_attention)
+        mirror = decode_attention == "mirror"
+        return dataclasses.replace(
+            config,
+            decode_attention=decode_attention,
+            fast_mirror_attention=mirror and config.fast_mirror_attention,
+        )
 
     runtime_module.resolve = forced
     try:
