@@ -98,9 +98,15 @@ class DecodeMirror:
         head = np.full(b, -1, np.int32)
         n = min(b, len(self.order))
         head[:n] = self.order[:n]
-        keep = np.isin(head, slots)
+        # Membership by slot (a lookup table, not np.isin's sort): index 0 stands for -1.
+        size = int(max(slots.max(), head.max())) + 2
+        wanted = np.zeros(size, bool)
+        wanted[slots + 1] = True
+        keep = wanted[head + 1]
+        kept = np.zeros(size, bool)
+        kept[head[keep] + 1] = True
         out = np.where(keep, head, -1).astype(np.int32)
-        out[~keep] = slots[~np.isin(slots, head[keep])]
+        out[~keep] = slots[~kept[slots + 1]]
         return out
 
     def begin_step(self, source: MirrorSource, layout: StepLayout) -> MirrorStep | None:
