@@ -7,6 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from service.core.engine import kv_mirror
 from service.core.engine.config import EngineConfig
@@ -217,3 +219,24 @@ def test_mirrored_steps_that_attend_themselves_give_the_gathered_tokens(model, m
     assert got == want
     assert len(calls) == 20 * LAYERS  # every decode step's every layer
     assert storage.mirror.allocations == 1
+
+
+@given(
+    held=st.lists(st.integers(-1, 40), max_size=48),
+    slots=st.sets(st.integers(0, 40), min_size=2, max_size=40),
+)
+def test_the_row_order_is_a_permutation_that_keeps_held_rows(held, slots):
+    """Whatever the mirror holds, the order is the step's slots once each, and a slot held at
+    a row below the batch size stays in that row."""
+    mirror = kv_mirror.DecodeMirror(1 << 20)
+    rows = [-1] * len(held)  # a slot is held at one row at most
+    for row, slot in enumerate(held):
+        if slot not in rows:
+            rows[row] = slot
+    mirror.order = np.array(rows, np.int32)
+    given = np.array(sorted(slots), np.int32)
+    out = mirror.order_rows(given)
+    assert sorted(out.tolist()) == given.tolist()
+    for row, slot in enumerate(mirror.order[: len(given)].tolist()):
+        if slot in slots:
+            assert out[row] == slot
