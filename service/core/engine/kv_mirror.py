@@ -21,6 +21,10 @@ are reallocated, every row then copied in, only when the batch outgrows their ro
 longest row their columns; they are freed when no row they hold is live or the batch falls to
 one row (a lone row gathers only itself, which costs less than keeping a copy).
 
+In float32, for a family whose attention is mlx-lm's `scaled_dot_product_attention`, the step's
+attention over those views is `attend` (the engine config's `fast_mirror_attention`), whose
+softmax takes the multiply-add exp.
+
 The CPU decode path (service.core.engine.config) for models without sliding windows. The copies
 are left lazy: the step's own appends and attention consume them, so the host never waits
 here for the step in flight.
