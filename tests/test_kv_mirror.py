@@ -240,3 +240,27 @@ def test_the_row_order_is_a_permutation_that_keeps_held_rows(held, slots):
     for row, slot in enumerate(mirror.order[: len(given)].tolist()):
         if slot in slots:
             assert out[row] == slot
+
+
+def test_a_drained_burst_gives_the_mirror_back_its_rows(model):
+    """From 12 rows to 2: the arrays are reallocated for the rows left (16 rows -> 2), and
+    the tokens stay the gathered ones."""
+    prompts = [prompt(40 + i, 5 + i) for i in range(12)]
+
+    def run(engine):
+        seqs = [engine.add_sequence(f"b{i}", SamplingParams(), p) for i, p in enumerate(prompts)]
+        first = engine.prefill([StepRow(s, p) for s, p in zip(seqs, prompts)])
+        out = {i: [first[i].token_id] for i in range(12)}
+        for step in range(6):
+            if step == 3:
+                for s in seqs[2:]:
+                    engine.release(s)
+            active = range(12) if step < 3 else range(2)
+            for i, r in zip(active, engine.step([StepRow(seqs[i]) for i in active])):
+                out[i].append(r.token_id)
+        return out
+
+    gathered = run(make_engine(model, paged(), max_rows=16))
+    storage = paged(decode_attention="mirror")
+    assert run(make_engine(model, storage, MIRROR, max_rows=16)) == gathered
+    assert storage.mirror.allocations == 2 and storage.mirror.row_capacity == 2

@@ -18,8 +18,9 @@ mirror does not hold its positions up to this step: it joined, moved, or ran a f
 did not go through the mirror (its prefill, a verification). So a batch whose rows come and go
 every step (closed-loop serving at many rows) copies only the rows that changed. The arrays
 are reallocated, every row then copied in, only when the batch outgrows their rows or its
-longest row their columns; they are freed when no row they hold is live or the batch falls to
-one row (a lone row gathers only itself, which costs less than keeping a copy).
+longest row their columns, or falls to a quarter of their rows (memory back after a burst);
+they are freed when no row they hold is live or the batch falls to one row (a lone row gathers
+only itself, which costs less than keeping a copy).
 
 In float32, for a family whose attention is mlx-lm's `scaled_dot_product_attention`, the step's
 attention over those views is `attend` (the engine config's `fast_mirror_attention`), whose
@@ -124,7 +125,8 @@ class DecodeMirror:
         starts = layout.starts.astype(np.int64)
         need = int(starts.max()) + 1
         grow = b > self.row_capacity or need > self.columns
-        if grow and not self._allocate(source, b, need):
+        shrink = self.row_capacity > 8 and b * 4 <= self.row_capacity  # a burst has drained
+        if (grow or shrink) and not self._allocate(source, b, need):
             self.clear()
             return None
         rows = np.arange(b)
@@ -229,8 +231,7 @@ class DecodeMirror:
     def _allocate(self, source: MirrorSource, batch: int, need: int) -> bool:
         """Arrays for at least `batch` rows and `need` columns (every row copied in at its next
         step); False when they would pass the byte limit."""
-        rows = max(batch, self.row_capacity, 2)
-        rows = 1 << (rows - 1).bit_length()
+        rows = 1 << (max(batch, 2) - 1).bit_length()
         columns = -(-(need + HEADROOM) // COLUMN_ROUND) * COLUMN_ROUND
         vectors = rows * source.kv_heads * columns
         size = 2 * source.num_layers * vectors * source.head_dim * source.dtype.size
