@@ -17,7 +17,7 @@ from dataclasses import replace
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes
 
@@ -145,6 +145,12 @@ def model_family_of(config: dict) -> str:
     return model_class.__module__.rsplit(".", 1)[-1]
 
 
+def compute_dtype(model) -> mx.Dtype:
+    """The dtype the model computes in: its first floating parameter's (norms, scales)."""
+    floats = (mx.float32, mx.float16, mx.bfloat16)
+    return next(v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype in floats)
+
+
 def build(name: str) -> nn.Module:
     base, bits, group = QUANTIZED.get(name, (name, 0, 0))
     config = CONFIGS[base]
@@ -207,11 +213,13 @@ def serve(
         paged=paged,
         batched=True,
         head_dim_supported=kernel_supports(layout.head_dim),
+        # As the runtime: a float32 model's mirrored steps (CPU) compute their own attention.
+        float32=compute_dtype(model) == mx.float32,
         grouped_heads=heads > layout.kv_heads,
         compilable=not rope.reads_offsets_on_host(model),
     )
     if direct:
-        config = replace(config, decode_attention="direct")
+        config = replace(config, decode_attention="direct", fast_mirror_attention=False)
     if config.fused_projections if fused is None else fused:
         projections.fuse(model)
     if config.fold_quantized_rows if folded is None else folded:
