@@ -12,7 +12,8 @@ resolves how a loaded model is served.
 - `direct_decode`: attention is mlx-lm's `scaled_dot_product_attention(q, k, v, cache=,
   scale=, mask=)` right after `cache.update_and_fetch`, without attention sinks or logit
   soft-capping, so on CUDA a decode step can read the paged pool through each row's slots
-  (service.core.engine.paged_attention) instead of gathering it.
+  (service.core.engine.paged_attention) instead of gathering it, and on the CPU a float32
+  decode step over the K/V mirror can compute its attention itself (kv_mirror.attend).
 - `tensor_parallel`: mlx-lm's model has `shard(group)` (heads and MLP split over ranks).
 - `grouped_mask`: attention is computed by hand over [B, kv_heads, repeats, N, T] scores, so a
   batched step's mask needs that rank ([B, 1, 1, N, T]) when heads share K/V heads.
