@@ -220,13 +220,18 @@ def test_only_the_cpu_dequantizes_quantized_weights():
 def test_float32_mirrored_steps_attend_with_the_multiply_add_exp():
     """On the CPU in float32, mirrored decode steps compute attention themselves where the
     family's attention is mlx-lm's function; not in other dtypes, nor for a family that
-    soft-caps its logits (gemma2), nor on the forced reference path."""
-    on = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=False, float32=True)
+    soft-caps its logits (gemma2), nor on Metal (its attention is a kernel), nor on CUDA."""
+    on = resolve(
+        family("llama"), LLAMA, paged=True, batched=True, cuda=False, cpu=True, float32=True
+    )
     assert on.decode_attention == "mirror" and on.fast_mirror_attention and on.fast_swiglu
     for config in (
         resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=False),
         resolve(family("gemma2"), LLAMA, paged=True, batched=True, cuda=False, float32=True),
         resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=True, float32=True),
+        resolve(
+            family("llama"), LLAMA, paged=True, batched=True, cuda=False, cpu=False, float32=True
+        ),
     ):
         assert not config.fast_mirror_attention
     with pytest.raises(ValueError, match="needs mirror decode attention"):

@@ -15,7 +15,7 @@ One decode path per platform:
   weight once per row of a [B, 1, D] input.
 - Elsewhere: MLX ops. Decode steps of two or more rows attend over a contiguous copy of the
   batch's K/V (service.core.engine.kv_mirror) instead of gathering it from the pool every step;
-  in float32, that attention's softmax and SwiGLU MLPs use the multiply-add exp
+  in float32, SwiGLU MLPs and (on the CPU) that attention's softmax use the multiply-add exp
   (service.core.models.activations). On the CPU
   quantized weights are dequantized at load where they fit: MLX's CPU quantized matmul computes
   a row at a time.
@@ -174,7 +174,8 @@ def resolve(
         decode_attention="mirror" if mirror else "gather",
         single_row_prefill=layout.stateful,
         fast_swiglu=fast_exp,
-        fast_mirror_attention=mirror and fast_exp and family.direct_decode,
+        # MLX's CPU attention is unfused and its exp scalar; Metal's attention is a kernel.
+        fast_mirror_attention=mirror and fast_exp and family.direct_decode and cpu,
         grouped_query_mask=grouped_query_mask,
         dequantize_weights=cpu,
     )
