@@ -60,8 +60,8 @@ class MirrorSource(Protocol):
     kv_heads: int
     head_dim: int
     dtype: mx.Dtype
-    block_size: int
-    scratch_slot: int
+
+    def slots_of(self, table: np.ndarray, ends: np.ndarray, span: int) -> np.ndarray: ...
 
 
 @dataclass
@@ -129,10 +129,9 @@ class DecodeMirror:
         if (grow or shrink) and not self._allocate(source, b, need):
             self.clear()
             return None
-        rows = np.arange(b)
         held = (self.order[:b] == layout.rows) & (self.held[:b] == starts)
         stale = np.flatnonzero(~held)
-        step = MirrorStep(b, need, self._vectors(rows, starts), None)
+        step = MirrorStep(b, need, self._vectors(np.arange(b), starts[:, None]), None)
         if len(stale):
             step.fill_to, step.fill_from = self._copy_plan(source, layout, stale)
             self._register(layout, stale)
@@ -202,9 +201,10 @@ class DecodeMirror:
             self.handles[handle] = i
 
     def _vectors(self, rows: np.ndarray, columns: np.ndarray) -> mx.array:
-        """[len(rows) * kv_heads] mirror vectors of (row, head, column) for each row."""
-        heads = np.arange(self.kv_heads, dtype=np.int64)[None, :]
-        flat = (rows[:, None] * self.kv_heads + heads) * self.columns + columns[:, None]
+        """The mirror vectors of (row, head, column), flat in that order: `rows` [n] and
+        `columns` [n, T] (or [1, T], the same for every row)."""
+        heads = np.arange(self.kv_heads, dtype=np.int64)[None, :, None]
+        flat = (rows[:, None, None] * self.kv_heads + heads) * self.columns + columns[:, None, :]
         return mx.array(flat.reshape(-1).astype(np.int32))
 
     def _copy_plan(
@@ -212,21 +212,11 @@ class DecodeMirror:
     ) -> tuple[mx.array, mx.array]:
         """The mirror vectors of the stale rows' positions 0..start-1 and the pool rows they
         come from (past a row's start, the scratch slot: masked until the row writes there)."""
-        starts = layout.starts[stale].astype(np.int64)
+        starts = layout.starts[stale]
         span = max(1, int(starts.max()))
-        size = source.block_size
-        pos = np.arange(span)
-        table = layout.block_table[stale]
-        blocks = table[:, np.minimum(pos // size, table.shape[1] - 1)]
-        slots = blocks * size + pos % size
-        slots[pos[None, :] >= starts[:, None]] = source.scratch_slot
-        heads = np.arange(self.kv_heads, dtype=np.int64)[None, :, None]
-        src = slots[:, None, :].astype(np.int64) * self.kv_heads + heads  # [n, kv, span]
-        dst = (stale[:, None, None] * self.kv_heads + heads) * self.columns + pos
-        return (
-            mx.array(dst.reshape(-1).astype(np.int32)),
-            mx.array(src.reshape(-1).astype(np.int32)),
-        )
+        slots = source.slots_of(layout.block_table[stale], starts, span)
+        source_rows = slot_head_rows(slots, self.kv_heads).reshape(-1)
+        return self._vectors(stale, np.arange(span)[None, :]), source_rows
 
     def _allocate(self, source: MirrorSource, batch: int, need: int) -> bool:
         """Arrays for at least `batch` rows and `need` columns (every row copied in at its next

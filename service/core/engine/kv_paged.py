@@ -409,10 +409,12 @@ class PagedKVStorage:
 
     def _slot_table(self, batch: StepLayout) -> np.ndarray:
         """`slot_table` of a batch already checked (a step's plan checks it once)."""
-        totals = batch.total_lengths
+        return self.slots_of(batch.block_table, batch.total_lengths, batch.span)
+
+    def slots_of(self, table: np.ndarray, ends: np.ndarray, span: int) -> np.ndarray:
+        """[rows, span] slot of each position 0..span-1 under the rows' block tables
+        (`table`, covering them); the scratch slot from each row's `ends` on."""
         size = self.block_size
-        table = batch.block_table
-        span = batch.span
         b, cols = table.shape
         nb = -(-span // size)  # blocks the span touches (the last column repeats past them)
         blocks = table[:, :nb] if nb <= cols else table[:, np.minimum(np.arange(nb), cols - 1)]
@@ -421,7 +423,7 @@ class PagedKVStorage:
         np.multiply(blocks[:, :, None], size, out=read)
         read += np.arange(size, dtype=np.int32)
         read = read.reshape(b, nb * size)[:, :span]
-        np.putmask(read, np.arange(span)[None, :] >= totals[:, None], self.scratch_slot)
+        np.putmask(read, np.arange(span)[None, :] >= ends[:, None], self.scratch_slot)
         return read
 
     def _check_covered(self, batch: StepLayout) -> None:
