@@ -5,7 +5,8 @@
 # each window; then the raw mlx-lm loop at the same batch sizes (bench/raw_loop.py).
 #
 # Expects MLX and our wheels under /tmp/site, py-spy on PATH (docs/offline-gpu-install.md). Env: OUT,
-# PRESET (smollm2-135m), CONC ("64 256"), WINDOW (seconds, 20), SERVER_ARGS.
+# PRESET (smollm2-135m), CONC ("64 256"), WINDOW (seconds, 20), SERVER_ARGS, CORE_SPY_ARGS (extra
+# py-spy flags for the engine core, e.g. --native to see MLX's C++ frames).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; PRESET=${PRESET:-smollm2-135m}; CONC=${CONC:-"64 256"}; WINDOW=${WINDOW:-20}
 mkdir -p "$OUT"
@@ -30,7 +31,9 @@ for c in $CONC; do
   sleep 17  # the harness's warm-up: profile inside its measured window
   nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$OUT/gpu-util-c$c.txt" &
   smi=$!
-  py-spy record -r 100 -d $((WINDOW - 4)) -p "$core" -f raw -o "$OUT/core-c$c.raw" --nonblocking > /dev/null 2>&1 &
+  # py-spy refuses --native with --nonblocking: a native profile pauses the core for each sample.
+  core_spy=(${CORE_SPY_ARGS:-}); [[ " ${core_spy[*]} " == *" --native "* ]] || core_spy+=(--nonblocking)
+  py-spy record -r 100 "${core_spy[@]}" -d $((WINDOW - 4)) -p "$core" -f raw -o "$OUT/core-c$c.raw" > "$OUT/core-c$c.spy.log" 2>&1 &
   py-spy record -r 100 -d $((WINDOW - 4)) -p "$server" -f raw -o "$OUT/frontend-c$c.raw" --nonblocking > /dev/null 2>&1
   wait "$harness"
   kill "$smi" 2>/dev/null

@@ -11,7 +11,7 @@ from mlx_lm.models import llama
 
 from service.core import warm_up
 from service.core.engine.config import EngineConfig
-from service.core.engine.kv_paged import SlotsNotReservedError
+from service.core.engine.kv_paged import SlotsNotReservedError, unpack_decode_inputs
 from service.core.engine.runner import shape_bucket
 from service.core.engine.sampler import SamplingParams
 from service.core.kv.block_pool import BlockUpdate, KVCacheManager
@@ -434,17 +434,20 @@ def test_decode_inputs_pack_each_rows_block_table():
     totals = [1, 8, 9, 23, 40]
     tables = [rng.choice(64, -(-t // size), replace=False).tolist() for t in totals]
     step = step_layout([None] * len(totals), [t - 1 for t in totals], [1] * 5, tables)
-    packed = np.asarray(storage.decode_inputs(step, 32, 8))
-    assert packed.shape == (8, 3 + 64 // size)  # 40 positions -> 64, the next 32 bucket
+    packed = storage.decode_inputs(step, 32, 8)
+    assert packed.shape == (8 * (3 + 64 // size),)  # 40 positions -> 64, the next 32 bucket
+    offsets, lengths, write, blocks = map(np.asarray, unpack_decode_inputs(packed, 8))
+    assert blocks.shape == (8, 64 // size)
     read = storage.slot_table(step)
     scratch_block = storage.scratch_slot // size
     for i, total in enumerate(totals):
-        assert packed[i, 0] == total - 1 and packed[i, 1] == total
-        assert packed[i, 2] == read[i, total - 1]
+        assert offsets[i] == total - 1 and lengths[i] == total
+        assert write[i] == read[i, total - 1]
         for p in range(total):
-            assert packed[i, 3 + p // size] * size + p % size == read[i, p]
-    assert (packed[:, 3 + 5 :] == scratch_block).all()  # past the widest table (5 blocks)
-    assert (packed[5:, :3] == [0, 1, storage.scratch_slot]).all()
-    assert (packed[5:, 3:] == scratch_block).all()
+            assert blocks[i, p // size] * size + p % size == read[i, p]
+    assert (blocks[:, 5:] == scratch_block).all()  # past the widest table (5 blocks)
+    assert (offsets[5:] == 0).all() and (lengths[5:] == 1).all()
+    assert (write[5:] == storage.scratch_slot).all()
+    assert (blocks[5:] == scratch_block).all()
     with pytest.raises(SlotsNotReservedError):
         storage.decode_inputs(step_layout([None], [8], [1], [tables[0]]), 32, 1)

@@ -139,6 +139,42 @@ def test_in_place_write_lands_in_its_slots_before_attention_reads_them():
 
 
 @cuda_only
+def test_kernels_read_strided_inputs_through_their_strides():
+    """The kernels take their inputs as they come (no copy per layer): K/V and queries that
+    are views of a fused q/k/v product, slots and lengths that are columns of a packed plan."""
+    rows, heads, kv_heads, head_dim, block = 5, 8, 2, 64, 4
+    mx.random.seed(6)
+    fused = mx.random.normal((rows, 1, (heads + 2 * kv_heads) * head_dim)).astype(mx.bfloat16)
+    q, k, v = mx.split(fused, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
+    queries, keys, values = (
+        part.reshape(rows, 1, n, head_dim).transpose(0, 2, 1, 3)
+        for part, n in ((q, heads), (k, kv_heads), (v, kv_heads))
+    )
+    k_pool = mx.random.normal((80, kv_heads, head_dim)).astype(mx.bfloat16)
+    v_pool = mx.random.normal((80, kv_heads, head_dim)).astype(mx.bfloat16)
+    lengths = [1, 5, 9, 3, 12]
+    tables = [[2 * r + 1, 2 * r + 2, 13 + r] for r in range(rows)]
+    write_slots = [
+        tables[r][(n - 1) // block] * block + (n - 1) % block for r, n in enumerate(lengths)
+    ]
+    plan = mx.array([[n, s, *t] for n, s, t in zip(lengths, write_slots, tables)], dtype=mx.int32)
+    lens, write, table = plan[:, 0], plan[:, 1], plan[:, 2:]  # strided columns
+    k_want, v_want = k_pool * 1, v_pool * 1  # copies, for the reference
+    mx.eval(k_pool, v_pool, k_want, v_want)
+    k_want[mx.array(write_slots)] = keys[:, :, 0]
+    v_want[mx.array(write_slots)] = values[:, :, 0]
+    done = store_decode_kv(k_pool, v_pool, keys, values, write)
+    got = paged_decode_attention(
+        queries, k_pool, v_pool, table, lens, 0.125, after=done, block=block
+    ).astype(mx.float32)
+    mx.eval(got)  # runs the write too (`after`); the pools' arrays do not depend on it
+    slots = (mx.array(tables)[:, :, None] * block + mx.arange(block)).reshape(rows, -1)
+    want = naive(queries, k_want, v_want, slots, mx.array(lengths), 0.125, None)
+    assert mx.array_equal(k_pool, k_want).item() and mx.array_equal(v_pool, v_want).item()
+    assert mx.abs(got - want.astype(mx.float32)).max().item() < 2e-2
+
+
+@cuda_only
 @pytest.mark.parametrize("compiled", [False, True])
 def test_overlapped_steps_with_in_place_writes_give_the_gathered_tokens(compiled):
     """Step N+1 queued before step N is read (as the scheduler does with overlap_steps), rows

@@ -2,8 +2,9 @@
 compile errors, register spills and launch limits show on a machine without a GPU.
 
 MLX (mlx/backend/cuda/custom_kernel.cpp) puts the header first, then a `__global__` function
-taking each input as `const T*` (plus `NAME_shape` where the source reads it), each output as
-`T*`, the template values as `constexpr int` / `using` declarations, and the source as its body.
+taking each input as `const T*` (plus `NAME_shape` and `NAME_strides` where the source reads
+them), each output as `T*`, the template values as `constexpr int` / `using` declarations,
+and the source as its body.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ _PRELUDE = """#include <cuda_bf16.h>
 struct Shape {  // MLX's: an int32 per dimension
   int32_t dims[8];
   __device__ int32_t operator[](int i) const { return dims[i]; }
+};
+struct Strides {  // MLX's: an int64 per dimension
+  int64_t dims[8];
+  __device__ int64_t operator[](int i) const { return dims[i]; }
 };
 """
 
@@ -99,6 +104,8 @@ def wrap(name: str, launch: Launch) -> str:
         args.append(f"const {CUDA_TYPES[array.dtype]}* {arg}")
         if f"{arg}_shape" in launch.source:
             args.append(f"const __grid_constant__ Shape {arg}_shape")
+        if f"{arg}_strides" in launch.source:
+            args.append(f"const __grid_constant__ Strides {arg}_strides")
     args += [
         f"{CUDA_TYPES[dtype]}* {out}"
         for out, dtype in zip(launch.output_names, launch.output_dtypes, strict=True)

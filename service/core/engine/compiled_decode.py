@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from service.core.engine.batch_view import StepLayout
+from service.core.engine.kv_paged import unpack_decode_inputs
 from service.core.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
 from service.core.models import lora
 from service.core.models.layout import AttentionEntry, CacheLayout
@@ -102,11 +103,9 @@ class _GraphView:
 
 class _StepArrays:
     def __init__(
-        self, packed: mx.array, pools: list[mx.array], num_layers: int, block_size: int
+        self, packed: mx.array, rows: int, pools: list[mx.array], num_layers: int, block_size: int
     ) -> None:
-        # kv_paged.PagedKVStorage.decode_inputs: [rows, 3 + width] int32.
-        self.offsets, self.lengths, self.write = packed[:, 0], packed[:, 1], packed[:, 2]
-        self.blocks = packed[:, 3:]
+        self.offsets, self.lengths, self.write, self.blocks = unpack_decode_inputs(packed, rows)
         self.block_size = block_size
         self.pools = pools  # K of every layer, then V of every layer
         self.num_layers = num_layers
@@ -166,7 +165,9 @@ class DecodeGraph:
         tokens, packed = inputs[:2]
         rows = lora.RowAdapters(inputs[2]) if adapted else None
         pools = list(inputs[3:] if adapted else inputs[2:])
-        step = _StepArrays(packed, pools, self._num_layers, self._storage.block_size)
+        step = _StepArrays(
+            packed, tokens.shape[0], pools, self._num_layers, self._storage.block_size
+        )
         views = [_GraphView(step, entry) for entry in self._entries]
         hidden = self._head.hidden(tokens, views, rows)  # [B, 1, H]
         logits = self._head.logits(hidden[:, 0], rows)

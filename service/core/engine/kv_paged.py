@@ -331,29 +331,33 @@ class PagedKVStorage:
         )
 
     def decode_inputs(self, batch: StepLayout, bucket: int, rows: int) -> mx.array:
-        """A direct decode step's plan as one array, for a compiled forward (compiled_decode):
-        [rows, 3 + W] int32 holding each row's RoPE offset, length, write slot and block table
-        (W = the span's blocks, rounded up to `bucket` positions, padded with the scratch
-        block). Rows past the batch's are padding: they attend to and write only the scratch
-        slot. Block ids, not slots: the array is copied to the device every step, and a slot
-        table is `block_size` times as large."""
+        """A direct decode step's plan as one flat int32 array, for a compiled forward
+        (compiled_decode): each row's RoPE offset, then each row's length, then each row's write
+        slot, then the rows' block tables ([rows, W]: W = the span's blocks, rounded up to
+        `bucket` positions, padded with the scratch block); `unpack_decode_inputs` splits it.
+        Rows past the batch's are padding: they attend to and write only the scratch slot.
+        Block ids, not slots: the array is copied to the device every step, and a slot table is
+        `block_size` times as large. Field by field, so that every part is a contiguous view:
+        a custom kernel copies each strided input it is given, in every layer."""
         self._check_covered(batch)
         size = self.block_size
         b = batch.batch_size
         blocks = -(-batch.span // size)
         width = -(-blocks * size // bucket) * bucket // size
-        packed = np.full((rows, 3 + width), self._capacity_blocks, dtype=np.int32)  # scratch
-        packed[:b, 0] = batch.starts
-        packed[:b, 1] = batch.total_lengths
-        packed[b:, :2] = (0, 1)
+        packed = np.full(rows * (3 + width), self._capacity_blocks, dtype=np.int32)  # scratch
+        offsets, lengths, write, table_out = unpack_decode_inputs(packed, rows)
+        offsets[:b] = batch.starts
+        offsets[b:] = 0
+        lengths[:b] = batch.total_lengths
+        lengths[b:] = 1
         table = batch.block_table
         cols = min(blocks, table.shape[1])
-        packed[:b, 3 : 3 + cols] = table[:, :cols]
+        table_out[:b, :cols] = table[:, :cols]
         own = table[np.arange(b), batch.starts // size]  # the block of each row's new token
-        packed[:b, 2] = own * size + batch.starts % size
-        packed[b:, 2] = self.scratch_slot
+        write[:b] = own * size + batch.starts % size
+        write[b:] = self.scratch_slot
         if batch.padding_rows:
-            packed[b - batch.padding_rows : b, 2] = self.scratch_slot
+            write[b - batch.padding_rows : b] = self.scratch_slot
         return mx.array(packed)
 
     def pool_arrays(self) -> list[mx.array]:
@@ -479,3 +483,16 @@ class PagedKVStorage:
         mx.eval(blocks)
         for store, block in zip(stores, blocks):
             store[dst] = block  # updates the list's array object: self._keys/_values see it
+
+
+def unpack_decode_inputs(packed: Any, rows: int) -> tuple[Any, ...]:
+    """`PagedKVStorage.decode_inputs`' parts (of the MLX array, or of the NumPy array it is
+    built in), each a contiguous view: offsets [rows], lengths [rows], write slots [rows] and
+    block tables [rows, W]."""
+    width = packed.shape[0] // rows - 3
+    return (
+        packed[:rows],
+        packed[rows : 2 * rows],
+        packed[2 * rows : 3 * rows],
+        packed[3 * rows :].reshape(rows, width),
+    )

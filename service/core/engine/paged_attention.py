@@ -36,7 +36,9 @@ WARPS = 16  # warps per (row, head): each takes every WARPS-th key, then they me
 _SOURCE = """
     // One block of WARPS warps per (row, query head). Warp w scores keys w, w+WARPS, ...;
     // lane l holds dimensions [l*PER, (l+1)*PER) of the head. Online softmax per warp, then
-    // the warps merge through shared memory.
+    // the warps merge through shared memory. q, slots and lengths are read through their
+    // strides (the kernel is made with ensure_row_contiguous=False): a strided input would
+    // otherwise be copied in every layer. The pools are the storage's own, contiguous.
     constexpr int PER = D / 32;
     const float NEG_INF = __int_as_float(0xff800000);
     const int bh = blockIdx.x;
@@ -45,8 +47,7 @@ _SOURCE = """
     const int kvh = h / (HEADS / KV_HEADS);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int length = lengths[b];
-    const int width = meta[0];
+    const int length = lengths[b * lengths_strides[0]];
     const int window = meta[1];  // 0: full attention; else the last `window` positions
     const int first = (window > 0 && length > window) ? length - window : 0;
     const float scale = scale_arr[0];
@@ -54,14 +55,16 @@ _SOURCE = """
     float qv[PER];
     float acc[PER];
     for (int i = 0; i < PER; ++i) {
-        qv[i] = static_cast<float>(q[(size_t)bh * D + lane * PER + i]) * scale;
+        const int64_t at = b * q_strides[0] + h * q_strides[1] + (lane * PER + i) * q_strides[3];
+        qv[i] = static_cast<float>(q[at]) * scale;
         acc[i] = 0.0f;
     }
     float m = NEG_INF;
     float s = 0.0f;
     for (int t = first + warp; t < length; t += WARPS) {
         const size_t slot =
-            (size_t)slots[(size_t)b * width + t / BLOCK] * BLOCK + t % BLOCK;
+            (size_t)slots[b * slots_strides[0] + (t / BLOCK) * slots_strides[1]] * BLOCK
+            + t % BLOCK;
         const size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
         float dot = 0.0f;
         for (int i = 0; i < PER; ++i) {
@@ -129,6 +132,7 @@ def _kernel() -> Any:
         input_names=["q", "k_pool", "v_pool", "slots", "lengths", "meta", "scale_arr", "after"],
         output_names=["out"],
         source=_SOURCE,
+        ensure_row_contiguous=False,
     )
 
 
@@ -198,16 +202,23 @@ def paged_decode_attention(
 
 
 _STORE_SOURCE = """
-    // One thread per element of the new K and V ([tokens, KV_HEADS, D], row-contiguous).
-    // The pools arrive as const inputs and are written anyway: this IS the in-place update.
+    // One thread per element of the new K and V ([tokens, KV_HEADS, 1, D], read through
+    // their strides: v is a view of the fused q/k/v product, which ensure_row_contiguous would
+    // copy in every layer). The pools arrive as const inputs and are written anyway: this IS
+    // the in-place update.
     const size_t per_token = (size_t)KV_HEADS * D;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)slots_shape[0] * per_token) {
         return;
     }
-    const size_t dst = (size_t)slots[i / per_token] * per_token + i % per_token;
-    const_cast<P*>(k_pool)[dst] = static_cast<P>(k_new[i]);
-    const_cast<P*>(v_pool)[dst] = static_cast<P>(v_new[i]);
+    const int64_t b = i / per_token;
+    const int64_t h = (i % per_token) / D;
+    const int64_t d = i % D;
+    const size_t dst = (size_t)slots[b * slots_strides[0]] * per_token + i % per_token;
+    const_cast<P*>(k_pool)[dst] =
+        static_cast<P>(k_new[b * k_new_strides[0] + h * k_new_strides[1] + d * k_new_strides[3]]);
+    const_cast<P*>(v_pool)[dst] =
+        static_cast<P>(v_new[b * v_new_strides[0] + h * v_new_strides[1] + d * v_new_strides[3]]);
     if (i == 0) {
         done[0] = 1;
     }
@@ -221,6 +232,7 @@ def _store_kernel() -> Any:
         input_names=["k_pool", "v_pool", "k_new", "v_new", "slots"],
         output_names=["done"],
         source=_STORE_SOURCE,
+        ensure_row_contiguous=False,
     )
 
 
@@ -256,8 +268,8 @@ def kernel_supports(head_dim: int) -> bool:
 
 
 def kernel_meta(width: int | mx.array, window: int | None) -> mx.array:
-    """The kernel's [2] int32 `meta`: the slot (or block) table's width and the window (0 =
-    none)."""
+    """The kernel's [2] int32 `meta`: the slot (or block) table's width (the kernel steps
+    through the table by its strides instead) and the window (0 = none)."""
     if isinstance(width, int):
         return mx.array([width, window or 0], dtype=mx.int32)
     return mx.concatenate([width.astype(mx.int32), mx.array([window or 0], dtype=mx.int32)])
