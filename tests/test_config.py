@@ -209,7 +209,9 @@ def test_the_reference_path_can_be_forced(monkeypatch):
 
 def test_only_the_cpu_dequantizes_quantized_weights():
     cpu = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=False, cpu=True)
-    assert cpu == EngineConfig(decode_attention="mirror", dequantize_weights=True)
+    assert cpu == EngineConfig(
+        decode_attention="mirror", dequantize_weights=True, shared_rope_angles=True
+    )
     metal = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=False, cpu=False)
     assert metal == EngineConfig(decode_attention="mirror")
     assert not resolve(
@@ -236,6 +238,17 @@ def test_float32_mirrored_steps_attend_with_the_multiply_add_exp():
         assert not config.fast_mirror_attention
     with pytest.raises(ValueError, match="needs mirror decode attention"):
         EngineConfig(fast_mirror_attention=True)
+
+
+def test_only_the_cpu_shares_ropes_angles_between_layers():
+    """MLX's CPU RoPE is a fallback that makes its angles in every call; Metal's and CUDA's
+    are kernels."""
+    assert resolve(
+        family("llama"), LLAMA, paged=True, batched=True, cuda=False, cpu=True
+    ).shared_rope_angles
+    for cuda, cpu in ((False, False), (True, False)):
+        config = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=cuda, cpu=cpu)
+        assert not config.shared_rope_angles
 
 
 def test_unverified_families_run_each_row_alone():

@@ -220,6 +220,8 @@ def serve(
     )
     if direct:
         config = replace(config, decode_attention="direct", fast_mirror_attention=False)
+    if config.shared_rope_angles:  # as the runtime: the CPU's layers share RoPE's angles
+        rope.share_angles(model)
     if config.fused_projections if fused is None else fused:
         projections.fuse(model)
     if config.fold_quantized_rows if folded is None else folded:

@@ -198,6 +198,8 @@ class Runtime:
         if engine_config.dequantize_weights:
             self._dequantize(lm)  # first: the float layers then take the swaps below
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
+        if engine_config.shared_rope_angles:
+            rope.share_angles(lm.model)
         fused_groups = projections.fuse(lm.model) if engine_config.fused_projections else 0
         if fused_groups:
             release_freed_memory()  # the members' own weights, now views of their groups'

@@ -65,6 +65,9 @@ class EngineConfig:
     # Mirrored decode steps compute attention themselves (kv_mirror.attend: the multiply-add
     # exp in the softmax); the family's attention is mlx-lm's scaled_dot_product_attention.
     fast_mirror_attention: bool = False
+    # RoPE's cos and sin made once per forward for every layer (service.core.models.rope's
+    # SharedAngleRoPE): MLX's CPU RoPE is a fallback that computes them in every call.
+    shared_rope_angles: bool = False
     grouped_query_mask: bool = False  # batched masks as [B, 1, 1, N, T] (families.grouped_mask)
     # LoRA rows' updates come from two CUDA kernels per adapted layer
     # (service.core.models.lora_kernel) rather than MLX's gathered products.
@@ -176,6 +179,7 @@ def resolve(
         fast_swiglu=fast_exp,
         # MLX's CPU attention is unfused and its exp scalar; Metal's attention is a kernel.
         fast_mirror_attention=mirror and fast_exp and family.direct_decode and cpu,
+        shared_rope_angles=cpu and not reference_path_forced(),
         grouped_query_mask=grouped_query_mask,
         dequantize_weights=cpu,
     )

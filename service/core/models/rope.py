@@ -10,10 +10,16 @@ not the step's padded width: the engine publishes them for the step in `ROW_LENG
 
 Every other variant mlx-lm ships (default, linear, llama3, yarn, longrope/su, proportional)
 rotates with fixed frequencies and takes per-row offsets as they are.
+
+`SharedAngleRoPE` (the CPU): every layer of a forward rotates at the same positions, yet MLX's
+CPU RoPE, an unfused fallback, computes the positions, frequencies, angles and their cos and sin
+again in every call: a dozen primitives each, twice a layer. The wrapper takes the cos and sin
+once per forward and rotates with the fallback's own products, in its order.
 """
 
 from __future__ import annotations
 
+import threading
 from contextvars import ContextVar
 from typing import Any
 
@@ -68,5 +74,75 @@ def install(model: Any) -> int:
         for name, child in list(module.items()):
             if isinstance(child, DynamicNTKScalingRoPE):
                 module[name] = RowwiseDynamicNTKRoPE(child)
+                wrapped += 1
+    return wrapped
+
+
+class _Angles(threading.local):
+    """The cos and sin of this thread's forward, per rotation (dims, base, scale, dtype)."""
+
+    def __init__(self) -> None:
+        # rotation -> (offset (the array itself, so its id cannot be reused), shape, cos, sin)
+        self.entries: dict[tuple[Any, ...], tuple[Any, tuple[int, ...], mx.array, mx.array]] = {}
+
+
+_ANGLES = _Angles()
+
+
+class SharedAngleRoPE(nn.Module):
+    """mlx-lm's plain `nn.RoPE` (non-traditional) with its cos and sin made once per forward.
+
+    The first layer's call rotates a probe, ones in the first half of the rotated dims and
+    zeros in the second, with `mx.fast.rope`: the fallback's outputs are then x1 * cos - x2 * sin
+    = cos and x1 * sin + x2 * cos = sin, exactly. Every call of the forward (the same offsets,
+    rows and tokens) rotates with them by the fallback's products, so its output is
+    `mx.fast.rope`'s bit for bit."""
+
+    def __init__(self, inner: nn.RoPE) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        inner = self.inner
+        if x.ndim != 4:
+            return inner(x, offset)
+        cos, sin = self._angles(x, offset)
+        half, dims = inner.dims // 2, inner.dims
+        x1, x2 = x[..., :half], x[..., half:dims]
+        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+        if dims < x.shape[-1]:
+            parts.append(x[..., dims:])
+        return mx.concatenate(parts, axis=-1)
+
+    def _angles(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+        inner = self.inner
+        rotation = (inner.dims, inner.base, inner.scale, x.dtype)
+        shape = (x.shape[0], x.shape[2])
+        entry = _ANGLES.entries.get(rotation)
+        if entry is not None and entry[1] == shape:
+            held = entry[0]
+            if held is offset or (
+                isinstance(offset, int) and isinstance(held, int) and held == offset
+            ):
+                return entry[2], entry[3]
+        half = inner.dims // 2
+        row = mx.array([1] * half + [0] * half, dtype=x.dtype)
+        probe = mx.broadcast_to(row, (x.shape[0], 1, x.shape[2], inner.dims))
+        out = mx.fast.rope(
+            probe, inner.dims, traditional=False, base=inner.base, scale=inner.scale, offset=offset
+        )
+        cos, sin = out[..., :half], out[..., half:]
+        _ANGLES.entries[rotation] = (offset, shape, cos, sin)
+        return cos, sin
+
+
+def share_angles(model: Any) -> int:
+    """Wrap the model's plain non-traditional RoPE modules (`SharedAngleRoPE`); returns how
+    many were wrapped."""
+    wrapped = 0
+    for module in model.modules():
+        for name, child in list(module.items()):
+            if type(child) is nn.RoPE and not child.traditional:
+                module[name] = SharedAngleRoPE(child)
                 wrapped += 1
     return wrapped

@@ -1,0 +1,73 @@
+"""RoPE variants of service.core.models.rope: the CPU's angles shared by a forward's layers."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama
+
+from service.core.models import rope
+from service.core.models.rope import SharedAngleRoPE
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dims,head_dim", [(64, 64), (32, 64)])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_shared_angles_rotate_as_mx_fast_rope_bit_for_bit(dtype, dims, head_dim, tokens, scale):
+    plain = nn.RoPE(dims, base=100000.0, scale=scale)
+    shared = SharedAngleRoPE(plain)
+    mx.random.seed(2)
+    offsets = mx.array([0, 3, 17, 250, 4095])
+    for heads in (9, 3, 9):  # q and k of a layer, then the next layer's q: angles reused
+        x = mx.random.normal((5, heads, tokens, head_dim)).astype(dtype)
+        assert mx.array_equal(shared(x, offsets), plain(x, offsets)).item()
+        assert mx.array_equal(shared(x, 11), plain(x, 11)).item()
+
+
+def test_a_forward_makes_its_angles_once(monkeypatch: pytest.MonkeyPatch):
+    """Every layer of a forward rotates at the same offsets: one fast.rope call (the probe)
+    for all of them; a new offsets array (the next forward) makes them anew."""
+    calls = []
+    real = mx.fast.rope
+    monkeypatch.setattr(mx.fast, "rope", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layers = [SharedAngleRoPE(nn.RoPE(16, base=10000.0)) for _ in range(4)]
+    x = mx.ones((2, 4, 1, 16))
+    for step in range(3):
+        offsets = mx.array([step, step + 5])
+        for layer in layers:
+            layer(x, offsets)
+            layer(x[:, :2], offsets)
+        assert len(calls) == step + 1
+
+
+def test_only_plain_non_traditional_ropes_are_wrapped():
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=128,
+    )
+    model = llama.Model(args)
+    assert rope.share_angles(model) == 2
+    assert all(isinstance(layer.self_attn.rope, SharedAngleRoPE) for layer in model.layers)
+    scaled = llama.Model(
+        llama.ModelArgs(
+            **{
+                **vars(args),
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            }
+        )
+    )
+    assert rope.share_angles(scaled) == 0  # llama3's RoPE rotates by its own frequencies
