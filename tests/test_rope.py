@@ -9,6 +9,7 @@ from mlx_lm.models import llama
 
 from service.core.models import rope
 from service.core.models.rope import SharedAngleRoPE
+from tests.helpers.tiny import LAYERS, tiny_llama
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -43,31 +44,15 @@ def test_a_forward_makes_its_angles_once(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_only_plain_non_traditional_ropes_are_wrapped():
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=128,
-    )
-    model = llama.Model(args)
-    assert rope.share_angles(model) == 2
+    model = tiny_llama()
+    assert rope.share_angles(model) == LAYERS
     assert all(isinstance(layer.self_attn.rope, SharedAngleRoPE) for layer in model.layers)
-    scaled = llama.Model(
-        llama.ModelArgs(
-            **{
-                **vars(args),
-                "rope_scaling": {
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 64,
-                },
-            }
-        )
-    )
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    scaled = llama.Model(llama.ModelArgs(**{**vars(model.args), "rope_scaling": llama3}))
     assert rope.share_angles(scaled) == 0  # llama3's RoPE rotates by its own frequencies
