@@ -284,6 +284,21 @@ def core_round(runtime: Any, batch: int, max_tokens: int, seed: int) -> dict[str
     }
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _burn(n: int) -> list[Any]:
+    """n daemon processes spinning a core each (killed at the end, or with this one)."""
+    import multiprocessing
+
+    procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
 def _print(row: dict[str, Any]) -> None:
     parts = [f"{row['path']:>6} B={row['batch']:<4}"]
     for key, value in row.items():
@@ -327,10 +342,18 @@ def main() -> None:
         help="the runner pads a pass's width and span to multiples of 16 instead of powers of "
         "two (runner.shape_bucket), to see what the padding costs",
     )
+    parser.add_argument(
+        "--burners",
+        type=int,
+        default=0,
+        help="processes that keep a core busy each while this runs (what a server's front ends "
+        "and a benchmark's clients on the same host take from the engine core's threads)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.no_compile:
         mx.disable_compile()
+    burners = _burn(args.burners)
     from service.common.config import CoreConfig, ModelConfig, SchedulingConfig
     from service.common.logging import configure_logging
     from service.core.engine import runner as runner_module
@@ -390,6 +413,8 @@ def main() -> None:
                     rows.append(core_round(runtime, batch, args.core_tokens, r))
                     _print(rows[-1])
             runtime.shutdown()
+    for burner in burners:
+        burner.terminate()
     by: dict[tuple[str, int], list[float]] = defaultdict(list)
     for row in rows:
         by[(row["path"], row["batch"])].append(row["step_ms"])
