@@ -35,7 +35,7 @@ import numpy as np
 
 from service.core.engine.batch_view import StepLayout
 from service.core.engine.kv_paged import unpack_decode_inputs
-from service.core.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
+from service.core.engine.paged_attention import paged_decode_attention, store_decode_kv
 from service.core.models import lora
 from service.core.models.layout import AttentionEntry, CacheLayout
 
@@ -80,7 +80,6 @@ class _GraphView:
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
         step = self._step
-        meta = kernel_meta(step.blocks.shape[1], self._window)  # a constant of the trace
         return paged_decode_attention(
             queries,
             keys,
@@ -88,7 +87,6 @@ class _GraphView:
             step.blocks,
             step.lengths,
             scale,
-            meta,
             after=self._after,
             window=self._window,
             block=step.block_size,

@@ -36,7 +36,7 @@ from service.core.engine.batch_view import StepLayout, make_views
 from service.core.engine.kv_mirror import DecodeMirror, slot_head_rows
 from service.core.engine.kv_mirror import attend as mirror_attention
 from service.core.engine.memory import release_freed_memory
-from service.core.engine.paged_attention import kernel_meta, paged_decode_attention, store_decode_kv
+from service.core.engine.paged_attention import paged_decode_attention, store_decode_kv
 from service.core.engine.state_store import StepStates
 from service.core.kv.block_pool import BlockUpdate
 from service.core.models.layout import CacheLayout
@@ -65,7 +65,6 @@ class _StepPlan:
     totals: list[int]  # positions each row attends to
     kv_heads: int
     written: dict[int, mx.array] = field(default_factory=dict)  # layer -> its in-place write
-    metas: dict[int | None, mx.array] = field(default_factory=dict)
 
     @cached_property
     def slot_table(self) -> np.ndarray:
@@ -89,11 +88,6 @@ class _StepPlan:
     def lengths(self) -> mx.array:
         return mx.array(np.asarray(self.totals, dtype=np.int32))
 
-    def meta(self, window: int | None) -> mx.array:
-        """The decode kernel's `meta` for a layer of this window (made once per step each)."""
-        if window not in self.metas:
-            self.metas[window] = kernel_meta(self.slot_table.shape[1], window)
-        return self.metas[window]
 
 
 class PagedKVStorage:
@@ -325,7 +319,6 @@ class PagedKVStorage:
             plan.slots,
             plan.lengths,
             scale,
-            plan.meta(window),
             after=plan.written.get(layer),
             window=window,
         )

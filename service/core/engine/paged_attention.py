@@ -48,7 +48,7 @@ _SOURCE = """
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int length = lengths[b * lengths_strides[0]];
-    const int window = meta[1];  // 0: full attention; else the last `window` positions
+    const int window = window_arr[0];  // 0: full attention; else the last `window` positions
     const int first = (window > 0 && length > window) ? length - window : 0;
     const float scale = scale_arr[0];
 
@@ -129,7 +129,16 @@ def _kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="mlxserve_paged_decode_attention",
         # `after`: the layer's in-place K/V write (or any array): only orders the kernels.
-        input_names=["q", "k_pool", "v_pool", "slots", "lengths", "meta", "scale_arr", "after"],
+        input_names=[
+            "q",
+            "k_pool",
+            "v_pool",
+            "slots",
+            "lengths",
+            "window_arr",
+            "scale_arr",
+            "after",
+        ],
         output_names=["out"],
         source=_SOURCE,
         ensure_row_contiguous=False,
@@ -148,7 +157,6 @@ def paged_decode_attention(
     slots: mx.array,
     lengths: mx.array,
     scale: float,
-    meta: mx.array | None = None,
     after: mx.array | None = None,
     window: int | None = None,
     block: int = 1,
@@ -159,10 +167,9 @@ def paged_decode_attention(
     queries [B, heads, 1, head_dim]; k_pool/v_pool [slots, kv_heads, head_dim]; slots [B, T]
     int32, the pool slot of each position (entries past a row's length are ignored), or with
     `block` > 1 [B, T / block] the block of each `block` positions (position t is slot
-    slots[b, t // block] * block + t % block); lengths
-    [B] int32; meta: `kernel_meta(T, window)`, made once per step by the caller (else here);
-    after: `store_decode_kv`'s result when the step wrote the pool in place (the kernel then
-    runs after the write). Returns [B, heads, 1, head_dim]."""
+    slots[b, t // block] * block + t % block); lengths [B] int32; after: `store_decode_kv`'s
+    result when the step wrote the pool in place (the kernel then runs after the write).
+    Returns [B, heads, 1, head_dim]."""
     b, heads, n, head_dim = queries.shape
     kv_heads = k_pool.shape[1]
     if n != 1:
@@ -172,8 +179,6 @@ def paged_decode_attention(
             offsets = mx.arange(block, dtype=slots.dtype)
             slots = (slots[:, :, None] * block + offsets).reshape(b, -1)
         return _reference(queries, k_pool, v_pool, slots, lengths, scale, window)
-    if meta is None:
-        meta = kernel_meta(slots.shape[1], window)
     (out,) = _kernel()(
         inputs=[
             queries,
@@ -181,7 +186,7 @@ def paged_decode_attention(
             v_pool,
             slots,
             lengths,
-            meta,
+            _window_array(window),
             _scale_array(scale),
             after if after is not None else lengths,
         ],
@@ -267,12 +272,10 @@ def kernel_supports(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256
 
 
-def kernel_meta(width: int | mx.array, window: int | None) -> mx.array:
-    """The kernel's [2] int32 `meta`: the slot (or block) table's width (the kernel steps
-    through the table by its strides instead) and the window (0 = none)."""
-    if isinstance(width, int):
-        return mx.array([width, window or 0], dtype=mx.int32)
-    return mx.concatenate([width.astype(mx.int32), mx.array([window or 0], dtype=mx.int32)])
+@cache
+def _window_array(window: int | None) -> mx.array:
+    """The kernel's [1] int32 `window_arr`: the window (0 = none)."""
+    return mx.array([window or 0], dtype=mx.int32)
 
 
 def _reference(queries, k_pool, v_pool, slots, lengths, scale, window=None) -> mx.array:
