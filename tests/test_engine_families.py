@@ -17,7 +17,7 @@ from dataclasses import replace
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes
 
@@ -29,7 +29,7 @@ from service.core.engine.storage import PoolShape, make_storage
 from service.core.models import projections, quantized, rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
-from service.core.models.loader import materialize, model_family
+from service.core.models.loader import float_dtype, materialize, model_family
 from tests.helpers.quantized import quantized_product_inputs
 from tests.helpers.tiny import Driven, StepRow
 
@@ -145,12 +145,6 @@ def model_family_of(config: dict) -> str:
     return model_class.__module__.rsplit(".", 1)[-1]
 
 
-def compute_dtype(model) -> mx.Dtype:
-    """The dtype the model computes in: its first floating parameter's (norms, scales)."""
-    floats = (mx.float32, mx.float16, mx.bfloat16)
-    return next(v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype in floats)
-
-
 def build(name: str) -> nn.Module:
     base, bits, group = QUANTIZED.get(name, (name, 0, 0))
     config = CONFIGS[base]
@@ -214,7 +208,7 @@ def serve(
         batched=True,
         head_dim_supported=kernel_supports(layout.head_dim),
         # As the runtime: a float32 model's mirrored steps (CPU) compute their own attention.
-        float32=compute_dtype(model) == mx.float32,
+        float32=float_dtype(model) == mx.float32,
         grouped_heads=heads > layout.kv_heads,
         compilable=not rope.reads_offsets_on_host(model),
     )
