@@ -89,7 +89,6 @@ class _StepPlan:
         return mx.array(np.asarray(self.totals, dtype=np.int32))
 
 
-
 class PagedKVStorage:
     name = "paged"
 
