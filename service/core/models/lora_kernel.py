@@ -154,70 +154,63 @@ VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes
 PASSES = 1
 
 _FUSED_HEADER = """
-// E elements of p as floats: one 16-byte load per 16 bytes where p is aligned (a row of a width
-// that is a multiple of VEC, from an aligned buffer), element by element otherwise.
-template <typename T, int E>
+// E elements of p as floats. With V (the caller checked that p starts on 16 bytes), one 16-byte
+// load per 16 bytes; otherwise element by element. The check is made once per block, not per
+// load: a branch between loads keeps the compiler from issuing them together, and a block's
+// loads then wait for memory one after another.
+template <bool V, typename T, int E>
 __device__ __forceinline__ void mlxserve_load(const T* p, float (&f)[E]) {
-  if constexpr ((E * sizeof(T)) % 16 == 0) {
-    if ((reinterpret_cast<size_t>(p) & 15) == 0) {
-      constexpr int W = (E * sizeof(T)) / 16;
-      uint4 u[W];
+  if constexpr (V && (E * sizeof(T)) % 16 == 0) {
+    constexpr int W = (E * sizeof(T)) / 16;
+    uint4 u[W];
 #pragma unroll
-      for (int w = 0; w < W; ++w) u[w] = reinterpret_cast<const uint4*>(p)[w];
-      const T* e = reinterpret_cast<const T*>(u);
+    for (int w = 0; w < W; ++w) u[w] = reinterpret_cast<const uint4*>(p)[w];
+    const T* e = reinterpret_cast<const T*>(u);
 #pragma unroll
-      for (int j = 0; j < E; ++j) f[j] = static_cast<float>(e[j]);
-      return;
-    }
+    for (int j = 0; j < E; ++j) f[j] = static_cast<float>(e[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < E; ++j) f[j] = static_cast<float>(p[j]);
   }
-#pragma unroll
-  for (int j = 0; j < E; ++j) f[j] = static_cast<float>(p[j]);
 }
 
-// One block's share of a LoRA update: z = x[t] @ A[s] (float32, shared memory), then outputs
-// [chunk * CHUNK, (chunk + 1) * CHUNK) of out[t] = y[t] + (scale * z @ B[s]) cast to TY before
-// the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], out [T, OUT], y [T, YW] of
-// which this module's outputs are columns [COL, COL + OUT) (a fused projection's whole product:
-// read in place, not copied out first), a_t [S, R, IN] (A transposed: a thread's EI inputs are
-// consecutive), b [S, R, OUT]. Every thread of the block takes EI inputs at a time for KG ranks
-// at once (registers), the warps' partial sums meet in shared memory; then each thread writes EO
-// consecutive outputs.
-template <typename TX, typename TY, typename TA, typename TB,
-          int IN, int R, int OUT, int YW, int COL, int CHUNK, int WARPS, int EI, int EO>
-__device__ __forceinline__ void mlxserve_lora_block(
-    const TX* x, const TY* y, const TA* a_t, const TB* b, const int s, const float scale,
-    const size_t t, const int chunk, TY* out, float* zs) {
+// mlxserve_load with the check made here, for loads whose order a branch does not hold up.
+template <typename T, int E>
+__device__ __forceinline__ void mlxserve_load_any(const T* p, float (&f)[E]) {
+  if ((reinterpret_cast<size_t>(p) & 15) == 0) {
+    mlxserve_load<true, T, E>(p, f);
+  } else {
+    mlxserve_load<false, T, E>(p, f);
+  }
+}
+
+// Whether p starts on 16 bytes and so does every row of `stride` elements after it.
+template <typename T>
+__device__ __forceinline__ bool mlxserve_aligned(const T* p, int stride) {
+  return (reinterpret_cast<size_t>(p) & 15) == 0 && (stride * sizeof(T)) % 16 == 0;
+}
+
+// The warps' partial sums of z = x[t] @ A[s] into zs[warp * R + k]: every thread takes EI
+// inputs at a time for KG ranks at once (registers).
+template <bool V, typename TX, typename TA, int IN, int R, int WARPS, int EI>
+__device__ __forceinline__ void mlxserve_lora_z(const TX* xt, const TA* as, float* zs) {
   constexpr int THREADS = WARPS * 32;
   constexpr int KG = R < 32 ? R : 32;  // ranks per pass over x: bounds the registers
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int first = chunk * CHUNK;
-  const int last = first + CHUNK < OUT ? first + CHUNK : OUT;
-  const TY* yt = y + t * YW + COL;
-  TY* ot = out + t * OUT;
-  if (s == 0) {
-    // Local slot 0 is zeros in every stack: the update is zero, A and B need not be read.
-    // (s depends on the block alone, so the whole block returns before the barrier.)
-    for (int o = first + tid; o < last; o += THREADS) {
-      ot[o] = yt[o];
-    }
-    return;
-  }
-  const TX* xt = x + t * IN;
-  const TA* as = a_t + (size_t)s * R * IN;
   for (int k0 = 0; k0 < R; k0 += KG) {
     float acc[KG];
 #pragma unroll
     for (int k = 0; k < KG; ++k) acc[k] = 0.0f;
     for (int i = tid * EI; i < IN; i += THREADS * EI) {
       float xv[EI];
-      mlxserve_load<TX, EI>(xt + i, xv);
+      mlxserve_load<V, TX, EI>(xt + i, xv);
 #pragma unroll
       for (int k = 0; k < KG; ++k) {
         if (k0 + k < R) {
           float av[EI];
-          mlxserve_load<TA, EI>(as + (size_t)(k0 + k) * IN + i, av);
+          mlxserve_load<V, TA, EI>(as + (size_t)(k0 + k) * IN + i, av);
 #pragma unroll
           for (int e = 0; e < EI; ++e) acc[k] += xv[e] * av[e];
         }
@@ -234,6 +227,68 @@ __device__ __forceinline__ void mlxserve_lora_block(
       }
     }
   }
+}
+
+// Outputs [first, last) of out[t] = yt + (scale * z @ B[s]) cast to TY before the add, EO
+// consecutive outputs a thread.
+template <bool V, typename TY, typename TB, int R, int OUT, int THREADS, int EO>
+__device__ __forceinline__ void mlxserve_lora_out(
+    const float* z, const TB* bs, const TY* yt, TY* ot, const float scale, const int first,
+    const int last) {
+  for (int o = first + threadIdx.x * EO; o < last; o += THREADS * EO) {
+    float acc[EO];
+#pragma unroll
+    for (int e = 0; e < EO; ++e) acc[e] = 0.0f;
+#pragma unroll 16
+    for (int k = 0; k < R; ++k) {
+      float bv[EO];
+      mlxserve_load<V, TB, EO>(bs + (size_t)k * OUT + o, bv);
+#pragma unroll
+      for (int e = 0; e < EO; ++e) acc[e] += z[k] * bv[e];
+    }
+    float yv[EO];
+    mlxserve_load<V, TY, EO>(yt + o, yv);
+#pragma unroll
+    for (int e = 0; e < EO; ++e) {
+      const TY d = static_cast<TY>(scale * acc[e]);
+      ot[o + e] = static_cast<TY>(yv[e] + static_cast<float>(d));
+    }
+  }
+}
+
+// One block's share of a LoRA update: z = x[t] @ A[s] (float32, shared memory), then outputs
+// [chunk * CHUNK, (chunk + 1) * CHUNK) of out[t] = y[t] + (scale * z @ B[s]) cast to TY before
+// the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], out [T, OUT], y [T, YW] of
+// which this module's outputs are columns [COL, COL + OUT) (a fused projection's whole product:
+// read in place, not copied out first), a_t [S, R, IN] (A transposed: a thread's EI inputs are
+// consecutive), b [S, R, OUT]. The warps' partial sums of z meet in shared memory; then each
+// thread writes EO consecutive outputs.
+template <typename TX, typename TY, typename TA, typename TB,
+          int IN, int R, int OUT, int YW, int COL, int CHUNK, int WARPS, int EI, int EO>
+__device__ __forceinline__ void mlxserve_lora_block(
+    const TX* x, const TY* y, const TA* a_t, const TB* b, const int s, const float scale,
+    const size_t t, const int chunk, TY* out, float* zs) {
+  constexpr int THREADS = WARPS * 32;
+  const int tid = threadIdx.x;
+  const int first = chunk * CHUNK;
+  const int last = first + CHUNK < OUT ? first + CHUNK : OUT;
+  const TY* yt = y + t * YW + COL;
+  TY* ot = out + t * OUT;
+  if (s == 0) {
+    // Local slot 0 is zeros in every stack: the update is zero, A and B need not be read.
+    // (s depends on the block alone, so the whole block returns before the barrier.)
+    for (int o = first + tid; o < last; o += THREADS) {
+      ot[o] = yt[o];
+    }
+    return;
+  }
+  const TX* xt = x + t * IN;
+  const TA* as = a_t + (size_t)s * R * IN;
+  if (mlxserve_aligned(xt, IN) && mlxserve_aligned(as, IN)) {
+    mlxserve_lora_z<true, TX, TA, IN, R, WARPS, EI>(xt, as, zs);
+  } else {
+    mlxserve_lora_z<false, TX, TA, IN, R, WARPS, EI>(xt, as, zs);
+  }
   __syncthreads();
   for (int k = tid; k < R; k += THREADS) {
     float v = 0.0f;
@@ -243,23 +298,10 @@ __device__ __forceinline__ void mlxserve_lora_block(
   __syncthreads();
   const float* z = zs + WARPS * R;
   const TB* bs = b + (size_t)s * R * OUT;
-  for (int o = first + tid * EO; o < last; o += THREADS * EO) {
-    float acc[EO];
-#pragma unroll
-    for (int e = 0; e < EO; ++e) acc[e] = 0.0f;
-    for (int k = 0; k < R; ++k) {
-      float bv[EO];
-      mlxserve_load<TB, EO>(bs + (size_t)k * OUT + o, bv);
-#pragma unroll
-      for (int e = 0; e < EO; ++e) acc[e] += z[k] * bv[e];
-    }
-    float yv[EO];
-    mlxserve_load<TY, EO>(yt + o, yv);
-#pragma unroll
-    for (int e = 0; e < EO; ++e) {
-      const TY d = static_cast<TY>(scale * acc[e]);
-      ot[o + e] = static_cast<TY>(yv[e] + static_cast<float>(d));
-    }
+  if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(yt, 0)) {
+    mlxserve_lora_out<true, TY, TB, R, OUT, THREADS, EO>(z, bs, yt, ot, scale, first, last);
+  } else {
+    mlxserve_lora_out<false, TY, TB, R, OUT, THREADS, EO>(z, bs, yt, ot, scale, first, last);
   }
 }
 """
@@ -584,7 +626,7 @@ _EXPAND_ADD_ROWS = """
         if (s0 != 0) {
             for (int k = 0; k < R; ++k) {
                 float bv[EO];
-                mlxserve_load<TB, EO>(b + ((size_t)s0 * R + k) * OUT + o, bv);
+                mlxserve_load_any<TB, EO>(b + ((size_t)s0 * R + k) * OUT + o, bv);
 #pragma unroll
                 for (int j = 0; j < TT; ++j) {
                     const float zk = zs[j * R + k];
@@ -600,7 +642,7 @@ _EXPAND_ADD_ROWS = """
             if (j < n && s != 0) {
                 for (int k = 0; k < R; ++k) {
                     float bv[EO];
-                    mlxserve_load<TB, EO>(b + ((size_t)s * R + k) * OUT + o, bv);
+                    mlxserve_load_any<TB, EO>(b + ((size_t)s * R + k) * OUT + o, bv);
 #pragma unroll
                     for (int e = 0; e < EO; ++e) acc[j][e] += zs[j * R + k] * bv[e];
                 }
@@ -611,7 +653,7 @@ _EXPAND_ADD_ROWS = """
     for (int j = 0; j < TT; ++j) {
         if (j < n) {
             float yv[EO];
-            mlxserve_load<TY, EO>(y + (t0 + j) * YW + COL + o, yv);
+            mlxserve_load_any<TY, EO>(y + (t0 + j) * YW + COL + o, yv);
 #pragma unroll
             for (int e = 0; e < EO; ++e) {
                 const TY d = static_cast<TY>(sc[j] * acc[j][e]);
