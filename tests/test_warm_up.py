@@ -4,6 +4,7 @@ that leave nothing behind."""
 from __future__ import annotations
 
 import pytest
+from structlog.testing import capture_logs
 
 from service.core import warm_up
 from service.core.engine.runner import GATHERED_SPAN_CAP, MIN_PADDED_SPAN, gathered_spans
@@ -66,9 +67,39 @@ def test_warm_prefill_passes_run_each_shape_and_leave_the_pool_as_it_was():
         # A spent budget builds nothing more (the rest is built on first use).
         assert warm_up.warm_prefill_passes(runner, kv, shapes, budget_s=-1.0) == 0
         assert kv.num_free_blocks == free
-        # One row at each first width bucket, each followed by its decode step.
+        # One row at each first width bucket, each followed by its decode step; with progress
+        # due at every step, a line for each.
         seen.clear()
-        warm_up.warm_single_row(runner, kv, batch_size=4, decode_graph=False)
+        with capture_logs() as logs, pytest.MonkeyPatch.context() as patch:
+            patch.setattr(warm_up, "PROGRESS_EVERY_S", 0.0)
+            warm_up.warm_single_row(runner, kv, batch_size=4, decode_graph=False)
         assert seen == [(1, width) for width in warm_up.SINGLE_ROW_WIDTHS]
+        lines = [e for e in logs if e["event"] == "building single-row passes and decode steps"]
+        assert [(e["done"], e["of"], e["width"]) for e in lines] == [
+            (i + 1, len(warm_up.SINGLE_ROW_WIDTHS), w)
+            for i, w in enumerate(warm_up.SINGLE_ROW_WIDTHS)
+        ]
         assert kv.num_free_blocks == free
         assert all(row is None for row in runner.rows)
+
+
+def test_progress_is_quiet_when_quick_and_says_how_far_when_slow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(warm_up.time, "monotonic", lambda: clock[0])
+    with capture_logs() as logs:
+        quick = warm_up._Progress("quick stage", 3)
+        for done in (1, 2, 3):
+            clock[0] += 0.1
+            quick.step(done)
+    assert logs == []
+    with capture_logs() as logs:
+        slow = warm_up._Progress("slow stage", 4)
+        for done in (1, 2, 3, 4):
+            clock[0] += 3.0  # a line once 5 s have passed since the last, and the last step
+            slow.step(done, rows=done)
+    assert [(e["event"], e["done"], e["of"], e["seconds"], e["rows"]) for e in logs] == [
+        ("slow stage", 2, 4, 6.0, 2),
+        ("slow stage", 4, 4, 12.0, 4),
+    ]

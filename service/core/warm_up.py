@@ -30,23 +30,55 @@ STEP = -1  # the plans' step number: no scheduler step
 # per shape (quantized matmuls on CUDA) could otherwise take many minutes; the shapes left are
 # built on first use.
 PASS_BUDGET_S = 90.0
+PROGRESS_EVERY_S = 5.0  # a warm-up stage that runs longer says how far it is this often
+
+
+class _Progress:
+    """A stage's progress in the log, at most every PROGRESS_EVERY_S: quiet when start-up is
+    quick, a line every few seconds when MLX compiles kernels per shape (quantized matmuls on
+    CUDA)."""
+
+    def __init__(self, stage: str, total: int) -> None:
+        self.stage, self.total = stage, total
+        self.started = self.last = time.monotonic()
+
+    def step(self, done: int, **fields: Any) -> None:
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S or (done == self.total and self.last > self.started):
+            self.last = now
+            log.info(
+                self.stage,
+                done=done,
+                of=self.total,
+                seconds=round(now - self.started, 1),
+                **fields,
+            )
 
 
 def warm_single_row(runner: Any, kv: KVManager, batch_size: int, decode_graph: bool) -> None:
     """One row's prefill at each of the first width buckets and its decode step; with
     `decode_graph`, every batch bucket's compiled decode step too."""
+    buckets = row_buckets(batch_size) if decode_graph else []
+    progress = _Progress(
+        "building single-row passes and decode steps", len(SINGLE_ROW_WIDTHS) + len(buckets)
+    )
+    done = 0
     for width in SINGLE_ROW_WIDTHS:
         # Room for the prefill, its decode step and one decode step per row bucket.
         seqs = _prefill_rows(runner, kv, 1, width, width + 2 + len(row_buckets(batch_size)))
         if seqs is None:
             return  # a pool too small to warm up in: the first requests pay instead
         runner.collect(runner.submit(StepPlan(STEP, decode=[0])))
-        if width == SINGLE_ROW_WIDTHS[0] and decode_graph:
+        done += 1
+        progress.step(done, width=width)
+        if width == SINGLE_ROW_WIDTHS[0]:
             # Every batch bucket's compiled decode step (and its CUDA graphs) now, not on the
             # first burst that reaches it.
-            for rows in row_buckets(batch_size):
+            for rows in buckets:
                 runner.min_rows = rows
                 runner.collect(runner.submit(StepPlan(STEP, decode=[0])))
+                done += 1
+                progress.step(done, rows=rows)
             runner.min_rows = 0
         _leave(runner, kv, seqs)
 
@@ -73,6 +105,7 @@ def warm_prefill_passes(
     first use)."""
     done = 0
     started = time.monotonic()
+    progress = _Progress("building prefill pass shapes", len(shapes))
     for rows, width in shapes:
         if time.monotonic() - started > budget_s:
             log.warning(
@@ -92,13 +125,7 @@ def warm_prefill_passes(
                 break
             _leave(runner, kv, seqs)
         done += 1
-        if done % 8 == 0:
-            log.info(
-                "building prefill pass shapes",
-                done=done,
-                of=len(shapes),
-                seconds=round(time.monotonic() - started, 1),
-            )
+        progress.step(done, rows=rows, width=width)
     return done
 
 
