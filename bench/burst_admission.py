@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from service.common.logging import configure_logging
 from tests.helpers.fake_runner import FakeRunner, Harness
 
 
@@ -101,6 +102,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
+    configure_logging("warning", "console")  # a line per simulated request would bury the table
     rows = []
     for spread in (float(s) for s in args.spread.split(",")):
         for policy in ("prefill-first", "decode-beside"):
