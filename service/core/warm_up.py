@@ -71,7 +71,7 @@ def warm_single_row(runner: Any, kv: KVManager, batch_size: int, decode_graph: b
         runner.collect(runner.submit(StepPlan(STEP, decode=[0])))
         done += 1
         progress.step(done, width=width)
-        if width == SINGLE_ROW_WIDTHS[0]:
+        if width == SINGLE_ROW_WIDTHS[0] and buckets:
             # Every batch bucket's compiled decode step (and its CUDA graphs) now, not on the
             # first burst that reaches it.
             for rows in buckets:
