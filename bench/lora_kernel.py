@@ -26,7 +26,9 @@ Rows of --row-tokens tokens share an adapter, as a prefill pass's prompts do.
     python3 bench/lora_kernel.py --preset llama-3.1-8b --tokens 64 --adapters 8 --rank 16 \
         [--against REV ...] [--floor] [--pair] [--prefill --row-tokens 32] [--out FILE.json]
 
-Prints the median step ms (and range) of each variant over --replicates rounds and writes JSON.
+Prints the median step ms (and range) of each variant over --replicates rounds, each step
+timed alone and overlapped (queued while the last one runs, as the engine runs them, with the
+host's share), and writes JSON.
 Without MLX's CUDA backend, fused_add is its MLX-op reference: a smoke run only.
 """
 
