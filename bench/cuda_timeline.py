@@ -74,6 +74,7 @@ def traced(run: Any) -> tuple[Any, list[tuple[float, float, str]]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.init()  # CUPTI's records need a CUDA context; MLX's is the same primary one
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         result = run()
         torch.cuda.synchronize()
