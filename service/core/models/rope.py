@@ -20,6 +20,7 @@ once per forward and rotates with the fallback's own products, in its order.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -69,11 +70,19 @@ def reads_offsets_on_host(model: Any) -> bool:
 
 def install(model: Any) -> int:
     """Wrap the model's dynamic-NTK RoPE modules; returns how many were wrapped."""
+    return _wrap(
+        model, lambda child: isinstance(child, DynamicNTKScalingRoPE), RowwiseDynamicNTKRoPE
+    )
+
+
+def _wrap(model: Any, wanted: Callable[[Any], bool], wrapper: Callable[[Any], nn.Module]) -> int:
+    """Replace every child module for which `wanted` holds by `wrapper(child)`; returns how
+    many."""
     wrapped = 0
     for module in model.modules():
         for name, child in list(module.items()):
-            if isinstance(child, DynamicNTKScalingRoPE):
-                module[name] = RowwiseDynamicNTKRoPE(child)
+            if wanted(child):
+                module[name] = wrapper(child)
                 wrapped += 1
     return wrapped
 
@@ -139,10 +148,6 @@ class SharedAngleRoPE(nn.Module):
 def share_angles(model: Any) -> int:
     """Wrap the model's plain non-traditional RoPE modules (`SharedAngleRoPE`); returns how
     many were wrapped."""
-    wrapped = 0
-    for module in model.modules():
-        for name, child in list(module.items()):
-            if type(child) is nn.RoPE and not child.traditional:
-                module[name] = SharedAngleRoPE(child)
-                wrapped += 1
-    return wrapped
+    return _wrap(
+        model, lambda child: type(child) is nn.RoPE and not child.traditional, SharedAngleRoPE
+    )
