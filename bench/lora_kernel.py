@@ -51,6 +51,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.host_cost import pipelined  # noqa: E402
 from service.core.models import lora_kernel  # noqa: E402
 from service.core.models.presets import preset_config  # noqa: E402
 
@@ -284,23 +285,6 @@ def time_step(fn: Callable, x: mx.array, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def time_pipelined(fn: Callable, x: mx.array, steps: int) -> tuple[float, float]:
-    """(ms a step, host ms a step) with each step fed the last one's output and queued while
-    the last runs, as the engine overlaps its decode steps: the step is the larger of the host's
-    work (building the graph and `mx.async_eval`) and the GPU's."""
-    y = fn(x)
-    mx.eval(y)
-    host = 0.0
-    start = time.perf_counter()
-    for _ in range(steps):
-        t = time.perf_counter()
-        y = fn(y)
-        mx.async_eval(y)
-        host += time.perf_counter() - t
-    mx.eval(y)
-    return (time.perf_counter() - start) / steps * 1e3, host / steps * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama-3.1-8b")
@@ -380,7 +364,8 @@ def main() -> None:
     for r in range(args.replicates):
         for name, fn in steps.items():
             ms[name].append(time_step(fn, x, args.steps))
-            piped[name].append(time_pipelined(fn, x, args.steps))
+            wall, host = pipelined(fn, x, args.steps)  # seconds a step
+            piped[name].append((wall * 1e3, host * 1e3))
         print(f"replicate {r + 1}: " + ", ".join(f"{n} {v[-1]:.2f} ms" for n, v in ms.items()))
     base = ms["base"]
     print(
