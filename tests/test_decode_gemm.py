@@ -1,0 +1,101 @@
+"""service.core.engine.decode_gemm: the tensor-core product kernel (an experiment, not on the
+serving path). On a CUDA host it is held to a float32 product; elsewhere nvcc compiles its source
+as MLX wraps it, and the wrapper's tiling is checked against a stand-in kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from service.core.engine import decode_gemm
+from tests.helpers import cuda_source
+
+cuda_only = pytest.mark.skipif(not decode_gemm.available(), reason="needs MLX's CUDA backend")
+
+# (rows, N, K): SmolLM2's q/k/v, gate/up, o, down and head at row buckets, the 8B's q/k/v.
+SHAPES = [(1, 960, 576), (7, 3072, 576), (33, 576, 576), (256, 576, 1536), (64, 6144, 4096)]
+
+
+def _operands(rows: int, n: int, k: int, dtype: mx.Dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
+    w = mx.array((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)).astype(dtype)
+    return x, w
+
+
+def test_only_half_precision_tiles_take_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode_gemm, "available", lambda: True)
+    x, w = _operands(4, 128, 64, mx.bfloat16)
+    assert decode_gemm.supported(x, w)
+    assert decode_gemm.supported(x.astype(mx.float16), w.astype(mx.float16))
+    assert not decode_gemm.supported(x.astype(mx.float32), w.astype(mx.float32))
+    assert not decode_gemm.supported(x, w.astype(mx.float16))
+    assert not decode_gemm.supported(*_operands(4, 96, 64, mx.bfloat16))  # N not a tile
+    assert not decode_gemm.supported(*_operands(4, 128, 48, mx.bfloat16))  # K not a pass
+    monkeypatch.setattr(decode_gemm, "available", lambda: False)
+    assert not decode_gemm.supported(x, w)
+
+
+def test_the_wrapper_tiles_rows_and_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid of (N / BN) x ceil(M / BM) blocks over x's rows flattened, the output shaped as x
+    (a stand-in kernel computes the product the kernel is held to on a GPU)."""
+    monkeypatch.setattr(decode_gemm, "available", lambda: True)
+    calls = []
+
+    def stand_in(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        flat, w = inputs
+        calls.append((dict(template), grid, threadgroup, output_shapes[0]))
+        return [(flat.astype(mx.float32) @ w.astype(mx.float32).T).astype(output_dtypes[0])]
+
+    monkeypatch.setattr(decode_gemm, "_kernel", lambda: stand_in)
+    x, w = _operands(70, 192, 128, mx.bfloat16)
+    y = decode_gemm.matmul_t(x.reshape(7, 10, 128), w)
+    assert y.shape == (7, 10, 192) and y.dtype == mx.bfloat16
+    template, grid, threadgroup, shape = calls[0]
+    assert template["N"] == 192 and template["K"] == 128
+    assert threadgroup == (decode_gemm.THREADS, 1, 1) and shape == (70, 192)
+    assert grid[0] == (192 // decode_gemm.BN) * 3 * decode_gemm.THREADS  # 70 rows: 3 tiles
+    want = (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(mx.bfloat16)
+    assert mx.array_equal(y.reshape(70, 192), want)
+    empty = decode_gemm.matmul_t(mx.zeros((0, 128), mx.bfloat16), w)
+    assert empty.shape == (0, 192) and len(calls) == 1
+
+
+def test_unsupported_operands_take_mlxs_matmul() -> None:
+    x, w = _operands(5, 96, 48, mx.float32)
+    assert mx.array_equal(decode_gemm.matmul_t(x, w), x @ w.T)
+
+
+@cuda_only
+@pytest.mark.parametrize("rows,n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+def test_the_kernel_is_the_product(rows: int, n: int, k: int, dtype: mx.Dtype) -> None:
+    x, w = _operands(rows, n, k, dtype, seed=rows + n)
+    got = decode_gemm.matmul_t(x, w)
+    want = x.astype(mx.float32) @ w.astype(mx.float32).T
+    assert got.shape == (rows, n) and got.dtype == dtype
+    # float32 sums in another order, then one rounding to the half type
+    eps = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
+    excess = (mx.abs(got.astype(mx.float32) - want) - eps * (mx.abs(want) + 1e-2)).max().item()
+    assert excess <= 0, excess
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
+def test_the_source_compiles_for_every_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel as MLX wraps it, compiled by nvcc for the H100/H200: no error, no spill, and
+    few enough registers for a block."""
+    recorder = cuda_source.Recorder(monkeypatch)
+    monkeypatch.setattr(decode_gemm, "available", lambda: True)
+    monkeypatch.setattr(decode_gemm, "_kernel", decode_gemm._kernel.__wrapped__)
+    for rows, n, k in SHAPES:
+        for dtype in (mx.bfloat16, mx.float16):
+            decode_gemm.matmul_t(*_operands(rows, n, k, dtype))
+    compiled = recorder.compile(tmp_path)
+    assert len(compiled.registers) == len(recorder.launches) == 2 * len(SHAPES), compiled.log
+    assert compiled.spills == 0, compiled.log
+    assert max(compiled.registers) * decode_gemm.THREADS <= 65536, compiled.registers
