@@ -127,7 +127,7 @@ _SOURCE = """
         const int c = (v % (BN / 8)) * 8;
         const int row = mb * BM + r;
         if (row < M) {
-            T out8[8];
+            __align__(16) T out8[8];  // stored as one 16-byte vector
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 out8[e] = static_cast<T>(cs[r * (BN + 4) + c + e]);
