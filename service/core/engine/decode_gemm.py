@@ -37,16 +37,18 @@ _HEADER = """
 """
 
 _SOURCE = """
-    // Tile (mb, nb): rows [mb * BM, +BM) of x, rows [nb * BN, +BN) of w.
+    // Tile (mb, nb): rows [mb * BM, +BM) of x and of y, rows [nb * BN, +BN) of w (y's columns).
     using namespace nvcuda;
     constexpr int LD = KC + 8;  // staged row length: 16-byte rows, fewer bank conflicts
     __shared__ __align__(32) T xs[BM * LD];
     __shared__ __align__(32) T ws[BN * LD];
     __shared__ __align__(32) float cs[BM * (BN + 4)];
     const int M = x_shape[0];
-    const int tiles_n = N / BN;
-    const int nb = blockIdx.x % tiles_n;
-    const int mb = blockIdx.x / tiles_n;
+    // The row tiles of one column tile are neighbours in launch order, so w's tile is read from
+    // memory once and from the cache by the others.
+    const int tiles_m = (M + BM - 1) / BM;
+    const int mb = blockIdx.x % tiles_m;
+    const int nb = blockIdx.x / tiles_m;
     const int tid = threadIdx.x;
     const int warp = tid / 32;
     const int wm = warp / 2;  // the warp's 16 rows
