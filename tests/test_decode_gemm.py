@@ -35,6 +35,8 @@ def test_only_half_precision_tiles_take_the_kernel(monkeypatch: pytest.MonkeyPat
     assert not decode_gemm.supported(x, w.astype(mx.float16))
     assert not decode_gemm.supported(*_operands(4, 96, 64, mx.bfloat16))  # N not a tile
     assert not decode_gemm.supported(*_operands(4, 128, 48, mx.bfloat16))  # K not a pass
+    many = decode_gemm.MAX_ROWS + 1  # a prefill pass's rows: cuBLAS's tuned products
+    assert not decode_gemm.supported(*_operands(many, 128, 64, mx.bfloat16))
     monkeypatch.setattr(decode_gemm, "available", lambda: False)
     assert not decode_gemm.supported(x, w)
 
@@ -99,3 +101,24 @@ def test_the_source_compiles_for_every_shape(
     assert len(compiled.registers) == len(recorder.launches) == 2 * len(SHAPES), compiled.log
     assert compiled.spills == 0, compiled.log
     assert max(compiled.registers) * decode_gemm.THREADS <= 65536, compiled.registers
+
+
+def test_install_swaps_bias_free_plain_linears_only() -> None:
+    """The model's bias-free `nn.Linear`s compute through `matmul_t` (names and weights kept);
+    biased, quantized and subclassed layers stay as they are."""
+    from mlx import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.o_proj = nn.Linear(64, 64, bias=False)
+            self.biased = nn.Linear(64, 64, bias=True)
+            self.quant = nn.QuantizedLinear(64, 64, bias=False)
+
+    block = Block()
+    weight = block.o_proj.weight
+    assert decode_gemm.install(block) == 1
+    assert isinstance(block.o_proj, decode_gemm._KernelLinear) and block.o_proj.weight is weight
+    assert type(block.biased) is nn.Linear and type(block.quant) is nn.QuantizedLinear
+    x = mx.random.normal((3, 64))
+    assert mx.array_equal(block.o_proj(x), x @ weight.T)  # off CUDA (or float32): MLX's product

@@ -26,10 +26,12 @@ from functools import cache
 from typing import Any
 
 import mlx.core as mx
+from mlx import nn
 
 from service.core.engine.paged_attention import kernel_available as available
 
 BM, BN, KC = 32, 64, 64  # tile rows, tile columns, K columns staged per pass
+MAX_ROWS = 256  # decode steps' rows: a prefill pass's thousands take cuBLAS's tuned products
 THREADS = 128  # 4 warps: 2 along M (16 rows each) by 2 along N (32 columns each)
 
 _HEADER = """
@@ -153,8 +155,8 @@ def _kernel() -> Any:
 
 
 def supported(x: mx.array, w: mx.array) -> bool:
-    """Whether `matmul_t(x, w)` takes the kernel: half-precision x and w of one dtype, and w's
-    rows (N) and columns (K) multiples of the tile."""
+    """Whether `matmul_t(x, w)` takes the kernel: half-precision x and w of one dtype, w's rows
+    (N) and columns (K) multiples of the tile, and at most MAX_ROWS rows of x."""
     n, k = w.shape
     return (
         available()
@@ -163,6 +165,7 @@ def supported(x: mx.array, w: mx.array) -> bool:
         and x.shape[-1] == k
         and n % BN == 0
         and k % KC == 0
+        and x.size // k <= MAX_ROWS
     )
 
 
@@ -193,3 +196,21 @@ def matmul_t(x: mx.array, w: mx.array) -> mx.array:
         output_dtypes=[x.dtype],
     )
     return y.reshape(*x.shape[:-1], n)
+
+
+class _KernelLinear(nn.Linear):
+    """A bias-free `nn.Linear` whose product is `matmul_t`'s."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return matmul_t(x, self["weight"])
+
+
+def install(model: nn.Module) -> int:
+    """Every bias-free plain `nn.Linear` of the model computes through `matmul_t` (the class of
+    each is swapped: names, weights and shapes stay). Returns how many."""
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.Linear and "bias" not in module:
+            module.__class__ = _KernelLinear
+            count += 1
+    return count

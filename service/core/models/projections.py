@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from service.core.engine import decode_gemm
 from service.core.models import quantized
 
 # mlx-lm's attention blocks call q, k and v, and its MLPs gate and up, with one input array.
@@ -145,7 +146,7 @@ class _Fused(SharedInput):
         elif "bias" in p:
             y = mx.addmm(p["bias"], x, p["weight"].T)
         else:
-            y = x @ p["weight"].T
+            y = decode_gemm.matmul_t(x, p["weight"])
         return y
 
 
