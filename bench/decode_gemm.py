@@ -2,7 +2,8 @@
 chain of a decode step's products (a benchmark, not a test; needs MLX's CUDA backend).
 
 Per layer, four products, each feeding the next as a fused decoder layer's do: q/k/v, o,
-gate/up and down (the widths of `--preset`, with M = `--rows`), then the LM head. The chain is
+gate/up and down (the widths of `--preset`, with M = `--rows`; o and down read a new array of
+their input width, as attention's and SwiGLU's outputs are), then the LM head. The chain is
 one compiled function per variant. It is timed serially (built, evaluated, waited for, one step
 at a time) and overlapped (each step queued while the last one runs, as the engine runs them,
 with the host's share), in alternating replicates. Before timing, each shape's product is checked
@@ -45,9 +46,12 @@ def widths(preset: str) -> tuple[int, int, int, int]:
 def chain(layers: list[list[mx.array]], head: mx.array, product: Product) -> Callable:
     def step(x: mx.array) -> mx.array:
         for qkv, o, gate_up, down in layers:
-            # Halved residual sums keep a chain of steps (each fed the last one's output) finite.
-            x = (product(product(x, qkv), o) + x) * 0.5
-            x = (product(product(x, gate_up), down) + x) * 0.5
+            hidden, inter = o.shape[0], down.shape[1]
+            # What reaches o and down is a new array, as attention's output and SwiGLU's are;
+            # halved residual sums keep a chain of steps (each fed the last one's output) finite.
+            x = (product(product(x, qkv)[..., :hidden] * 0.5, o) + x) * 0.5
+            y = product(x, gate_up)
+            x = (product(y[..., :inter] * y[..., inter:], down) + x) * 0.5
         return product(x, head)[:, : x.shape[1]]
 
     return mx.compile(step)
@@ -73,14 +77,13 @@ def main() -> None:
     def weight(n: int, k: int) -> mx.array:
         return (mx.random.normal((n, k)) / k**0.5).astype(dtype)
 
-    # q/k/v then o (whose input is q/k/v's output here: the chain has no attention), gate/up
-    # then down (input: the gate/up product).
+    # Per layer: q/k/v, o (over the attention's width, here q's), gate/up, down.
     layers = [
         [
             weight(qkv_out, hidden),
-            weight(hidden, qkv_out),
+            weight(hidden, hidden),
             weight(2 * inter, hidden),
-            weight(hidden, 2 * inter),
+            weight(hidden, inter),
         ]
         for _ in range(depth)
     ]
