@@ -26,7 +26,8 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.lora_kernel import time_pipelined, time_step  # noqa: E402
+from bench.host_cost import pipelined  # noqa: E402
+from bench.lora_kernel import time_step  # noqa: E402
 from service.core.engine import decode_gemm  # noqa: E402
 from service.core.models.presets import preset_config  # noqa: E402
 
@@ -109,12 +110,10 @@ def main() -> None:
     x = (mx.random.normal((args.rows, hidden)) * 0.1).astype(dtype)
     serial: dict[str, list[float]] = {name: [] for name in steps}
     piped: dict[str, list[list[float]]] = {name: [] for name in steps}
-    for fn in steps.values():  # traces for a step's own output as input too
-        time_pipelined(fn, x, 2)
     for r in range(args.replicates):
         for name, fn in steps.items():
             serial[name].append(time_step(fn, x, args.steps))
-            piped[name].append(list(time_pipelined(fn, x, args.steps)))
+            piped[name].append([t * 1e3 for t in pipelined(fn, x, args.steps)])
         print(f"replicate {r + 1}: " + ", ".join(f"{n} {v[-1]:.2f} ms" for n, v in serial.items()))
     print(f"{args.preset}, {args.rows} rows, {depth} layers ({4 * depth + 1} products):")
     for name in steps:
