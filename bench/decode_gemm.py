@@ -1,4 +1,4 @@
-"""The tensor-core product kernel (service/core/engine/decode_gemm.py) against MLX's matmul, in a
+"""The tensor-core product kernel (service.core.models.decode_gemm.py) against MLX's matmul, in a
 chain of a decode step's products (a benchmark, not a test; needs MLX's CUDA backend).
 
 Per layer, four products, each feeding the next as a fused decoder layer's do: q/k/v, o,
@@ -10,6 +10,9 @@ with the host's share), in alternating replicates. Before timing, each shape's p
 against a float32 product.
 
     python3 bench/decode_gemm.py --preset smollm2-135m --rows 256 [--layers 30] [--out FILE]
+
+Every product takes the kernel here, whatever its weight's size; the service routes only weights up
+to decode_gemm.MAX_WEIGHT_BYTES to it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.host_cost import pipelined  # noqa: E402
 from bench.lora_kernel import time_step  # noqa: E402
-from service.core.engine import decode_gemm  # noqa: E402
+from service.core.models import decode_gemm  # noqa: E402
 from service.core.models.presets import preset_config  # noqa: E402
 
 Product = Callable[[mx.array, mx.array], mx.array]

@@ -166,6 +166,7 @@ def test_cuda_path_of_a_plain_attention_family():
         shape_buckets=True,
         lora_kernel=True,
         fused_projections=True,
+        decode_gemm=True,
         fold_quantized_rows=True,
     )
 
@@ -174,7 +175,11 @@ def test_cuda_path_narrowed_by_the_model():
     # Attention sinks: the kernel cannot read them, so decode steps gather.
     assert resolve(family("gpt_oss"), LLAMA, paged=True, batched=True, cuda=True) == (
         EngineConfig(
-            shape_buckets=True, lora_kernel=True, fused_projections=True, fold_quantized_rows=True
+            shape_buckets=True,
+            lora_kernel=True,
+            fused_projections=True,
+            decode_gemm=True,
+            fold_quantized_rows=True,
         )
     )
     # Dense storage: no pool to read directly.
@@ -184,6 +189,7 @@ def test_cuda_path_narrowed_by_the_model():
             shape_buckets=True,
             lora_kernel=True,
             fused_projections=True,
+            decode_gemm=True,
             fold_quantized_rows=True,
         )
     )

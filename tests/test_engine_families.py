@@ -26,7 +26,7 @@ from service.core.engine.paged_attention import kernel_available, kernel_support
 from service.core.engine.runner import ModelRunner
 from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import PoolShape, make_storage
-from service.core.models import projections, quantized, rope
+from service.core.models import decode_gemm, projections, quantized, rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import float_dtype, materialize, model_family
@@ -218,6 +218,8 @@ def serve(
         rope.share_angles(model)
     if config.fused_projections if fused is None else fused:
         projections.fuse(model)
+    if config.decode_gemm:
+        decode_gemm.install(model)
     if config.fold_quantized_rows if folded is None else folded:
         quantized.fold_rows(model)
     storage = make_storage(config, model, layout, PoolShape(num_blocks=256))

@@ -8,7 +8,9 @@ One decode path per platform:
   graph; prefill forwards are padded to a few shape buckets (attention builds a plan
   per new shape there). Sibling projections that read one input (q/k/v, gate/up) run as one
   matmul, split (service.core.models.projections): a matmul costs MLX's host work the most of
-  any primitive, where on the CPU the split costs more than it saves. LoRA rows' updates come
+  any primitive, where on the CPU the split costs more than it saves. For the same reason a
+  decode step's products over small weights come from one custom tensor-core kernel
+  (service.core.models.decode_gemm). LoRA rows' updates come
   from two custom kernels per adapted layer: MLX's CUDA gather_mm runs a row's product at a
   time, and every extra primitive costs host work. Quantized projections fold a batch's rows
   into one product (service.core.models.quantized): MLX's CUDA quantized matmul reads the whole
@@ -74,6 +76,9 @@ class EngineConfig:
     lora_kernel: bool = False
     # q/k/v and gate/up each one matmul, split (service.core.models.projections).
     fused_projections: bool = False
+    # Decode products over small plain weights from the custom tensor-core kernel
+    # (service.core.models.decode_gemm) rather than cuBLASLt.
+    decode_gemm: bool = False
     # Quantized projections fold a forward's rows into one product
     # (service.core.models.quantized).
     fold_quantized_rows: bool = False
@@ -167,6 +172,7 @@ def resolve(
             grouped_query_mask=grouped_query_mask,
             lora_kernel=True,
             fused_projections=True,
+            decode_gemm=True,
             fold_quantized_rows=True,
         )
     mirror = paged and batched and not layout.sliding

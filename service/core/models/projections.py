@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
 
-from service.core.engine import decode_gemm
 from service.core.models import quantized
 
 # mlx-lm's attention blocks call q, k and v, and its MLPs gate and up, with one input array.
@@ -100,6 +100,10 @@ class SharedInput:
         self._local.held = _Held(x, key, outs) if outs else None
 
 
+def _matmul_t(x: mx.array, w: mx.array) -> mx.array:
+    return x @ w.T
+
+
 class _Fused(SharedInput):
     """One weight (and bias, and quantization scales and biases) for sibling projections, their
     rows concatenated in member order."""
@@ -107,6 +111,8 @@ class _Fused(SharedInput):
     def __init__(self, members: list[nn.Linear]) -> None:
         super().__init__()
         first = members[0]
+        # A plain weight's product (service.core.models.decode_gemm's kernel on CUDA).
+        self.matmul: Callable[[mx.array, mx.array], mx.array] = _matmul_t
         self.quantized = isinstance(first, nn.QuantizedLinear)
         sizes = [m.weight.shape[0] for m in members]
         self.splits = list(itertools.accumulate(sizes))[:-1]
@@ -146,7 +152,7 @@ class _Fused(SharedInput):
         elif "bias" in p:
             y = mx.addmm(p["bias"], x, p["weight"].T)
         else:
-            y = decode_gemm.matmul_t(x, p["weight"])
+            y = self.matmul(x, p["weight"])
         return y
 
 
@@ -216,9 +222,9 @@ def _signature(module: nn.Module) -> tuple[Any, ...] | None:
     return (type(module), weight.shape[1], weight.dtype, "bias" in module, *quantization)
 
 
-def groups(model: nn.Module) -> list[SharedInput]:
+def groups(model: nn.Module) -> list[_Fused]:
     """The model's fused groups, each once, in module order."""
-    found: dict[int, SharedInput] = {}
+    found: dict[int, _Fused] = {}
     for _, module in model.named_modules():
         if isinstance(module, _Member):
             found.setdefault(id(module._fused), module._fused)

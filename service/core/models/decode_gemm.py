@@ -1,11 +1,14 @@
 """A decode step's products `x @ w.T` as one custom CUDA kernel on the tensor cores, instead of
-MLX's cuBLASLt matmul (EXPERIMENT: not on the serving path; `bench/decode_gemm.py` decides).
+MLX's cuBLASLt matmul, for the projections whose weights are small.
 
 MLX builds a cuBLASLt matmul anew for every product it evaluates: descriptors, an algorithm
 heuristic, and a stream capture of the launch into the step's CUDA graph (docs/cuda-backend.md).
 A custom kernel costs the host a fraction of that. For a small model, a decode step's GPU work
 is well under its host work, so a product computed a little slower on the GPU but launched far
-more cheaply makes the step faster.
+more cheaply makes the step faster. A large weight turns that around: the kernel keeps one chunk
+of w in flight per block, so it streams a weight at a fraction of cuBLAS's bandwidth, and the
+GPU time it loses outgrows the host time it saves. Only weights up to MAX_WEIGHT_BYTES take it
+(`install` decides once per layer); larger ones, and prefill passes' rows, keep cuBLAS.
 
 The kernel: a block of 4 warps computes a BM x BN tile of y = x @ w.T. x [M, K] and w [N, K] are
 both K-major, as an `nn.Linear` holds its weight. Chunks of KC columns of K are staged in shared
@@ -29,10 +32,14 @@ import mlx.core as mx
 from mlx import nn
 
 from service.core.engine.paged_attention import kernel_available as available
+from service.core.models import projections
 
 BM, BN, KC = 32, 64, 64  # tile rows, tile columns, K columns staged per pass
 MAX_ROWS = 256  # decode steps' rows: a prefill pass's thousands take cuBLAS's tuned products
 THREADS = 128  # 4 warps: 2 along M (16 rows each) by 2 along N (32 columns each)
+# The largest weight that takes the kernel: a small model's projections (and a mid-size one's
+# attention), where the step waits for the host; a large model's weights wait for memory.
+MAX_WEIGHT_BYTES = 16 << 20
 
 _HEADER = """
 #include <mma.h>
@@ -198,6 +205,18 @@ def matmul_t(x: mx.array, w: mx.array) -> mx.array:
     return y.reshape(*x.shape[:-1], n)
 
 
+def takes_kernel(w: mx.array) -> bool:
+    """Whether a layer with weight w [N, K] should compute through the kernel: half precision,
+    N and K multiples of the tile, and no larger than MAX_WEIGHT_BYTES."""
+    n, k = w.shape
+    return (
+        w.dtype in (mx.bfloat16, mx.float16)
+        and n % BN == 0
+        and k % KC == 0
+        and w.nbytes <= MAX_WEIGHT_BYTES
+    )
+
+
 class _KernelLinear(nn.Linear):
     """A bias-free `nn.Linear` whose product is `matmul_t`'s."""
 
@@ -206,11 +225,21 @@ class _KernelLinear(nn.Linear):
 
 
 def install(model: nn.Module) -> int:
-    """Every bias-free plain `nn.Linear` of the model computes through `matmul_t` (the class of
-    each is swapped: names, weights and shapes stay). Returns how many."""
+    """Every layer of the model whose weight `takes_kernel` computes through `matmul_t`: fused
+    projection groups without bias or quantization (`projections.groups`), and bias-free
+    plain `nn.Linear`s (their class swapped: names, weights and shapes stay). Returns how many
+    products: a group counts once."""
     count = 0
+    for group in projections.groups(model):
+        if (
+            not group.quantized
+            and "bias" not in group.params
+            and takes_kernel(group.params["weight"])
+        ):
+            group.matmul = matmul_t
+            count += 1
     for _, module in model.named_modules():
-        if type(module) is nn.Linear and "bias" not in module:
+        if type(module) is nn.Linear and "bias" not in module and takes_kernel(module.weight):
             module.__class__ = _KernelLinear
             count += 1
     return count
