@@ -18,7 +18,6 @@ to decode_gemm.MAX_WEIGHT_BYTES to it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.host_cost import pipelined  # noqa: E402
 from bench.lora_kernel import time_step  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from service.core.models import decode_gemm  # noqa: E402
 from service.core.models.presets import preset_config  # noqa: E402
 
@@ -128,20 +128,7 @@ def main() -> None:
             f"{statistics.median(over):7.2f} ms ({min(over):.2f}-{max(over):.2f}), host "
             f"{statistics.median(host):.2f} ms of it"
         )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "checks": checks,
-                    "serial_ms": serial,
-                    "overlapped": piped,
-                },
-                indent=1,
-            )
-        )
-        print(f"wrote {args.out}")
+    write_json(args.out, args, checks=checks, serial_ms=serial, overlapped=piped)
 
 
 if __name__ == "__main__":

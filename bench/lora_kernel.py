@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.host_cost import pipelined  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from service.core.models import lora_kernel  # noqa: E402
 from service.core.models.presets import preset_config  # noqa: E402
 
@@ -383,20 +383,13 @@ def main() -> None:
         step_ms = statistics.median(p[0] for p in piped[name])
         host_ms = statistics.median(p[1] for p in piped[name])
         print(f"  {'':<24} overlapped steps {step_ms:7.2f} ms, host {host_ms:.2f} ms of it")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "checks": checks,
-                    "step_ms": ms,
-                    "overlapped": {n: [list(p) for p in v] for n, v in piped.items()},
-                },
-                indent=1,
-            )
-        )
-        print(f"wrote {args.out}")
+    write_json(
+        args.out,
+        args,
+        checks=checks,
+        step_ms=ms,
+        overlapped={n: [list(p) for p in v] for n, v in piped.items()},
+    )
 
 
 if __name__ == "__main__":
