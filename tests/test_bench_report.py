@@ -17,8 +17,3 @@ def test_the_file_holds_the_arguments_as_text_and_the_figures(tmp_path: Path) ->
         "args": {"rows": "64", "out": str(args.out)},
         "step_ms": {"base": [1.5, 2.0]},
     }
-
-
-def test_no_path_writes_nothing(tmp_path: Path) -> None:
-    write_json(None, argparse.Namespace(rows=1))
-    assert list(tmp_path.iterdir()) == []
