@@ -26,7 +26,7 @@ from service.core.engine.paged_attention import kernel_available, kernel_support
 from service.core.engine.runner import ModelRunner
 from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import PoolShape, make_storage
-from service.core.models import decode_gemm, projections, quantized, rope
+from service.core.models import decode_gemm, norms, projections, quantized, rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import float_dtype, materialize, model_family
@@ -216,6 +216,8 @@ def serve(
         config = replace(config, decode_attention="direct", fast_mirror_attention=False)
     if config.shared_rope_angles:  # as the runtime: the CPU's layers share RoPE's angles
         rope.share_angles(model)
+    if config.compiled_norms:  # and normalize with compiled chains
+        norms.install(model)
     if config.fused_projections if fused is None else fused:
         projections.fuse(model)
     if config.decode_gemm:

@@ -33,7 +33,15 @@ from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
 from service.core.kv.block_pool import KVCacheManager, KVCacheStats, KVManager, UnpagedKV
 from service.core.kv.budget import available_memory_bytes, parse_budget
 from service.core.loop import CoreLoop, slot_views
-from service.core.models import activations, decode_gemm, lora, projections, quantized, rope
+from service.core.models import (
+    activations,
+    decode_gemm,
+    lora,
+    norms,
+    projections,
+    quantized,
+    rope,
+)
 from service.core.models.families import Family, family
 from service.core.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.core.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
@@ -199,7 +207,8 @@ class Runtime:
             self._dequantize(lm)  # first: the float layers then take the swaps below
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
         if engine_config.shared_rope_angles:
-            rope.share_angles(lm.model)
+            rope.share_angles(lm.model, lm.dtype)
+        compiled_norms = norms.install(lm.model) if engine_config.compiled_norms else 0
         fused_groups = projections.fuse(lm.model) if engine_config.fused_projections else 0
         if fused_groups:
             release_freed_memory()  # the members' own weights, now views of their groups'
@@ -242,7 +251,16 @@ class Runtime:
             mx.eval(apply_token_masks(logits, np.full((1, 1), -1, np.int32)))
         self._publish(self.scheduler)  # stats before the first turn: the pool as built
         self._log_loaded(
-            lm, fam, engine_config, fast_mlp_layers, fused_groups, warm_up_seconds, started
+            lm,
+            fam,
+            engine_config,
+            {
+                "fast_swiglu_layers": fast_mlp_layers,
+                "compiled_norms": compiled_norms,
+                "fused_projection_groups": fused_groups,
+            },
+            warm_up_seconds,
+            started,
         )
         self.serving = True
 
@@ -439,8 +457,7 @@ class Runtime:
         lm: LoadedModel,
         fam: Family,
         engine_config: EngineConfig,
-        fast_mlp_layers: int,
-        fused_projection_groups: int,
+        swapped: dict[str, int],
         warm_up_seconds: float,
         started: float,
     ) -> None:
@@ -461,8 +478,7 @@ class Runtime:
             update_beside_dispatch=engine_config.update_beside_dispatch,
             compiled_decode=engine_config.compile_decode,
             shape_buckets=engine_config.shape_buckets,
-            fast_swiglu_layers=fast_mlp_layers,
-            fused_projection_groups=fused_projection_groups,
+            **swapped,
             max_batch_size=self.batch_size,
             slot_context=self.slot_context,
             warm_up_seconds=warm_up_seconds,
