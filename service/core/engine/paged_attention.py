@@ -31,6 +31,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from service.core.engine.device_memory import float_bits
+
 WARPS = 16  # warps per (row, head): each takes every WARPS-th key, then they merge
 
 _SOURCE = """
@@ -48,9 +50,10 @@ _SOURCE = """
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int length = lengths[b * lengths_strides[0]];
-    const int window = window_arr[0];  // 0: full attention; else the last `window` positions
-    const int first = (window > 0 && length > window) ? length - window : 0;
-    const float scale = scale_arr[0];
+    // WINDOW 0: full attention; else the last WINDOW positions. The constants are template
+    // values, not arrays: see device_memory.
+    const int first = (WINDOW > 0 && length > WINDOW) ? length - WINDOW : 0;
+    const float scale = __int_as_float(SCALE_BITS);
 
     float qv[PER];
     float acc[PER];
@@ -135,19 +138,12 @@ def _kernel() -> Any:
             "v_pool",
             "slots",
             "lengths",
-            "window_arr",
-            "scale_arr",
             "after",
         ],
         output_names=["out"],
         source=_SOURCE,
         ensure_row_contiguous=False,
     )
-
-
-@cache
-def _scale_array(scale: float) -> mx.array:
-    return mx.array([scale], dtype=mx.float32)
 
 
 def paged_decode_attention(
@@ -186,8 +182,6 @@ def paged_decode_attention(
             v_pool,
             slots,
             lengths,
-            _window_array(window),
-            _scale_array(scale),
             after if after is not None else lengths,
         ],
         template=[
@@ -197,6 +191,8 @@ def paged_decode_attention(
             ("KV_HEADS", kv_heads),
             ("WARPS", WARPS),
             ("BLOCK", block),
+            ("WINDOW", window or 0),
+            ("SCALE_BITS", float_bits(scale)),
         ],
         grid=(b * heads * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
@@ -270,12 +266,6 @@ def store_decode_kv(
 
 def kernel_supports(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256
-
-
-@cache
-def _window_array(window: int | None) -> mx.array:
-    """The kernel's [1] int32 `window_arr`: the window (0 = none)."""
-    return mx.array([window or 0], dtype=mx.int32)
 
 
 def _reference(queries, k_pool, v_pool, slots, lengths, scale, window=None) -> mx.array:
