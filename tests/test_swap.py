@@ -13,18 +13,30 @@ class _Wrapped(nn.Module):
         self.inner = inner
 
 
-def test_every_wanted_child_is_wrapped_under_its_name() -> None:
-    model = nn.Sequential(nn.RMSNorm(4), nn.Linear(4, 4), nn.Sequential(nn.RMSNorm(4)))
-    norms = [model.layers[0], model.layers[2].layers[0]]
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(4)
+        self.proj = nn.Linear(4, 4)
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = [_Block(), _Block()]
+        self.norm = nn.RMSNorm(4)
+
+
+def test_every_wanted_attribute_child_is_wrapped_under_its_name() -> None:
+    model = _Model()
+    norms = [model.layers[0].norm, model.layers[1].norm, model.norm]
     count = swap_modules(model, lambda child: type(child) is nn.RMSNorm, _Wrapped)
-    assert count == 2
-    assert type(model.layers[0]) is _Wrapped and model.layers[0].inner is norms[0]
-    assert type(model.layers[2].layers[0]) is _Wrapped
-    assert model.layers[2].layers[0].inner is norms[1]
-    assert type(model.layers[1]) is nn.Linear
+    assert count == 3
+    assert [m.inner for m in (model.layers[0].norm, model.layers[1].norm, model.norm)] == norms
+    assert all(type(block.proj) is nn.Linear for block in model.layers)
 
 
 def test_nothing_wanted_changes_nothing() -> None:
-    model = nn.Sequential(nn.Linear(4, 4))
+    model = _Model()
     assert swap_modules(model, lambda child: False, _Wrapped) == 0
-    assert type(model.layers[0]) is nn.Linear
+    assert type(model.norm) is nn.RMSNorm

@@ -12,8 +12,9 @@ from mlx import nn
 def swap_modules(
     model: Any, wanted: Callable[[Any], bool], wrapper: Callable[[Any], nn.Module]
 ) -> int:
-    """Replace every child module for which `wanted` holds by `wrapper(child)`; returns how
-    many."""
+    """Replace every child module held as an attribute (as mlx-lm's blocks hold their norms,
+    RoPE and MLP; not an element of a list) for which `wanted` holds by `wrapper(child)`;
+    returns how many."""
     wrapped = 0
     for module in model.modules():
         for name, child in list(module.items()):
