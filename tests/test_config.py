@@ -160,6 +160,7 @@ def test_cuda_path_of_a_plain_attention_family():
     assert config == EngineConfig(
         decode_attention="direct",
         in_place_writes=True,
+        rope_in_kernels=True,
         overlap_steps=True,
         update_beside_dispatch=True,
         compile_decode=True,

@@ -212,10 +212,18 @@ def serve(
         grouped_heads=heads > layout.kv_heads,
         compilable=not rope.reads_offsets_on_host(model),
     )
-    if direct:
-        config = replace(config, decode_attention="direct", fast_mirror_attention=False)
+    if direct:  # as CUDA: q's and k's RoPE left to the write and the attention
+        config = replace(
+            config,
+            decode_attention="direct",
+            fast_mirror_attention=False,
+            rope_in_kernels=True,
+            shared_rope_angles=False,
+        )
     if config.shared_rope_angles:  # as the runtime: the CPU's layers share RoPE's angles
         rope.share_angles(model)
+    if config.rope_in_kernels:  # as the runtime: direct steps' RoPE left to the decode kernels
+        rope.defer(model)
     if config.fused_projections if fused is None else fused:
         projections.fuse(model)
     if config.decode_gemm:
@@ -292,13 +300,27 @@ def test_batched_rows_give_mlx_lm_alone(name):
 @pytest.mark.parametrize(
     "name", [n for n, c in CONFIGS.items() if family(model_family_of(c)).direct_decode]
 )
-def test_direct_decode_reference_gives_mlx_lm_alone(name):
-    """The families the CUDA kernel serves, through the kernel's MLX-ops reference here."""
+def test_direct_decode_reference_gives_mlx_lm_alone(name, monkeypatch: pytest.MonkeyPatch):
+    """The families the CUDA kernel serves, through the kernel's MLX-ops reference here, with
+    their RoPE deferred to the pool write and the attention as on CUDA (where the family's
+    RoPE is one the kernels apply)."""
+    taken = []
+    take = rope.take
+
+    def counted(x: mx.array) -> rope.Rotation | None:
+        rotation = take(x)
+        if rotation is not None:
+            taken.append(rotation)
+        return rotation
+
+    monkeypatch.setattr(rope, "take", counted)
     prompts = prompts_for()
     want = [alone(name, p, 8) for p in prompts]
     engine, got = serve(name, prompts, 8, direct=True)
-    assert engine.config.decode_attention == "direct"
+    assert engine.config.decode_attention == "direct" and engine.config.rope_in_kernels
     assert_same(want, got)
+    deferred = [m for m in engine.engine.model.modules() if isinstance(m, rope.DeferredRoPE)]
+    assert bool(taken) == bool(deferred)
 
 
 @pytest.mark.parametrize("name", [*CONFIGS, *QUANTIZED])

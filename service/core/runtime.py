@@ -200,6 +200,8 @@ class Runtime:
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
         if engine_config.shared_rope_angles:
             rope.share_angles(lm.model)
+        if engine_config.rope_in_kernels:
+            rope.defer(lm.model)
         fused_groups = projections.fuse(lm.model) if engine_config.fused_projections else 0
         if fused_groups:
             release_freed_memory()  # the members' own weights, now views of their groups'

@@ -36,7 +36,7 @@ import numpy as np
 from service.core.engine.batch_view import StepLayout
 from service.core.engine.kv_paged import unpack_decode_inputs
 from service.core.engine.paged_attention import paged_decode_attention, store_decode_kv
-from service.core.models import lora
+from service.core.models import lora, rope
 from service.core.models.layout import AttentionEntry, CacheLayout
 
 SLOT_BUCKET = 256  # block-table width granularity: one compiled shape per 256 positions
@@ -75,11 +75,16 @@ class _GraphView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         step, layer = self._step, self._layer
         k_pool, v_pool = step.pools[layer], step.pools[step.num_layers + layer]
-        self._after = store_decode_kv(k_pool, v_pool, keys, values, step.write)
+        rotation = rope.take(keys)  # deferred by the layer's RoPE: the write applies it
+        self._after = store_decode_kv(
+            k_pool, v_pool, keys, values, step.write, step.lengths, rotation
+        )
         return k_pool, v_pool
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
         step = self._step
+        rotation = rope.take(queries)
+        rope.settle()
         return paged_decode_attention(
             queries,
             keys,
@@ -90,6 +95,7 @@ class _GraphView:
             after=self._after,
             window=self._window,
             block=step.block_size,
+            rotation=rotation,
         )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
@@ -167,6 +173,8 @@ class DecodeGraph:
             packed, tokens.shape[0], pools, self._num_layers, self._storage.block_size
         )
         views = [_GraphView(step, entry) for entry in self._entries]
+        # The layers' RoPE calls recognize this step by its offsets array.
+        rope.begin_step(step.offsets if self._storage.rope_in_kernels else None)
         hidden = self._head.hidden(tokens, views, rows)  # [B, 1, H]
         logits = self._head.logits(hidden[:, 0], rows)
         # The pools are written in place: returning them would only copy them.

@@ -40,6 +40,7 @@ from service.core.engine.paged_attention import paged_decode_attention, store_de
 from service.core.engine.state_store import StepStates
 from service.core.kv.block_pool import BlockUpdate
 from service.core.models.layout import CacheLayout
+from service.core.models.rope import Rotation
 
 MIRROR_MAX_BYTES = 1 << 30  # past this (big batch x long rows), decode steps gather instead
 
@@ -105,6 +106,7 @@ class PagedKVStorage:
         decode_attention: str = "gather",
         in_place: bool = False,
         mirror_attends: bool = False,
+        rope_in_kernels: bool = False,
     ) -> None:
         """decode_attention: how decode steps read K/V ("gather" from the pool, "mirror": a
         contiguous copy of the batch, service.core.engine.kv_mirror, "direct": the CUDA kernel reads
@@ -115,6 +117,11 @@ class PagedKVStorage:
             raise ValueError(f"a paged pool needs at least one block, got {num_blocks}")
         if decode_attention not in ("gather", "mirror", "direct"):
             raise ValueError(f"unknown decode attention {decode_attention!r}")
+        if rope_in_kernels and decode_attention != "direct":
+            raise ValueError("RoPE in the decode kernels needs direct decode attention")
+        # Direct decode steps leave q's and k's RoPE to `attend` and `write`
+        # (service.core.models.rope.DeferredRoPE).
+        self.rope_in_kernels = rope_in_kernels
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -186,7 +193,15 @@ class PagedKVStorage:
         elif not gather and not layout.starts.any():
             mode = "fresh"
         return make_views(
-            self, cache, layout, states, mode, mirror_mask, grouped_mask, self.mirror_attends
+            self,
+            cache,
+            layout,
+            states,
+            mode,
+            mirror_mask,
+            grouped_mask,
+            self.mirror_attends,
+            defer_rope=mode == "direct" and self.rope_in_kernels,
         )
 
     # -- stats -----------------------------------------------------------------------
@@ -215,17 +230,28 @@ class PagedKVStorage:
 
     # -- the forward -----------------------------------------------------------------
     def write(
-        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+        self,
+        layer: int,
+        batch: StepLayout,
+        keys: mx.array,
+        values: mx.array,
+        rotation: Rotation | None = None,
+        offset: int | mx.array = 0,
     ) -> tuple[mx.array, mx.array]:
         """A direct decode step's write (`attend` reads the pool next): the rows' new K/V
         ([B, kv_heads, 1, head_dim]) into their slots; returns the layer's pool arrays. With
         `write_in_place` this is the in-place CUDA kernel, whose result orders this layer's
-        `attend` after it; otherwise `_scatter`."""
+        `attend` after it; otherwise `_scatter`. `rotation`: the keys' deferred RoPE (at the
+        rows' `offset`)."""
         if not (self.write_in_place and batch.width == 1):
+            if rotation is not None:
+                keys = rotation.apply(keys, offset)
             return self._scatter(layer, batch, keys, values)
         plan = self._step_plan(layer, batch)
         k_store, v_store = self._keys[layer], self._values[layer]
-        plan.written[layer] = store_decode_kv(k_store, v_store, keys, values, plan.write)
+        plan.written[layer] = store_decode_kv(
+            k_store, v_store, keys, values, plan.write, plan.lengths, rotation
+        )
         return k_store, v_store
 
     def _scatter(
@@ -307,9 +333,11 @@ class PagedKVStorage:
         v_pool: mx.array,
         scale: float,
         window: int | None = None,
+        rotation: Rotation | None = None,
     ) -> mx.array:
         """Decode attention of the step's rows read through their slots (after `write`), over
-        their last `window` positions for a sliding-window layer."""
+        their last `window` positions for a sliding-window layer; `rotation`: the queries'
+        deferred RoPE."""
         plan = self._step_plan(layer, batch)
         return paged_decode_attention(
             queries,
@@ -320,6 +348,7 @@ class PagedKVStorage:
             scale,
             after=plan.written.get(layer),
             window=window,
+            rotation=rotation,
         )
 
     def decode_inputs(self, batch: StepLayout, bucket: int, rows: int) -> mx.array:

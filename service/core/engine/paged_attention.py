@@ -31,7 +31,35 @@ from typing import Any
 
 import mlx.core as mx
 
+from service.core.models.rope import Rotation
+
 WARPS = 16  # warps per (row, head): each takes every WARPS-th key, then they merge
+
+# RoPE of one element, for the kernels that take a decode step's rotation (service.core.models.
+# rope.Rotation): MLX's CUDA RoPE kernel's arithmetic, the pair's other element read by the
+# caller. ROPE_DIMS 0: no rotation.
+_ROPE_HEADER = """
+template <int ROPE_DIMS, int TRADITIONAL>
+__device__ __forceinline__ int mlxserve_rope_partner(int d) {
+    if (TRADITIONAL) {
+        return d % 2 == 0 ? d + 1 : d - 1;
+    }
+    return d < ROPE_DIMS / 2 ? d + ROPE_DIMS / 2 : d - ROPE_DIMS / 2;
+}
+
+// Element d (< ROPE_DIMS) of a token at position `pos` after rotation: x is its value, other
+// its pair's. A pair (x1, x2) becomes (x1 cos - x2 sin, x1 sin + x2 cos).
+template <int ROPE_DIMS, int TRADITIONAL>
+__device__ __forceinline__ float mlxserve_rotate(
+    int d, float x, float other, int pos, const float* inv_freqs, float scale) {
+    const bool first = TRADITIONAL ? d % 2 == 0 : d < ROPE_DIMS / 2;
+    const int i = TRADITIONAL ? d / 2 : (first ? d : d - ROPE_DIMS / 2);
+    const float theta = (scale * static_cast<float>(pos)) * inv_freqs[i];
+    const float c = cos(theta);
+    const float s = sin(theta);
+    return first ? x * c - other * s : other * s + x * c;
+}
+"""
 
 _SOURCE = """
     // One block of WARPS warps per (row, query head). Warp w scores keys w, w+WARPS, ...;
@@ -54,9 +82,17 @@ _SOURCE = """
 
     float qv[PER];
     float acc[PER];
+    const int64_t q_at = b * q_strides[0] + h * q_strides[1];
     for (int i = 0; i < PER; ++i) {
-        const int64_t at = b * q_strides[0] + h * q_strides[1] + (lane * PER + i) * q_strides[3];
-        qv[i] = static_cast<float>(q[at]) * scale;
+        const int d = lane * PER + i;
+        float qd = static_cast<float>(q[q_at + d * q_strides[3]]);
+        if (d < ROPE_DIMS) {  // the query's deferred RoPE (its position: length - 1)
+            const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
+            qd = static_cast<float>(static_cast<T>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
+                d, qd, static_cast<float>(q[q_at + partner * q_strides[3]]), length - 1,
+                inv_freqs, rope_scale[0])));
+        }
+        qv[i] = qd * scale;
         acc[i] = 0.0f;
     }
     float m = NEG_INF;
@@ -137,10 +173,13 @@ def _kernel() -> Any:
             "lengths",
             "window_arr",
             "scale_arr",
+            "inv_freqs",
+            "rope_scale",
             "after",
         ],
         output_names=["out"],
         source=_SOURCE,
+        header=_ROPE_HEADER,
         ensure_row_contiguous=False,
     )
 
@@ -148,6 +187,24 @@ def _kernel() -> Any:
 @cache
 def _scale_array(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
+
+
+@cache
+def _no_rotation() -> mx.array:
+    return mx.zeros((1,), dtype=mx.float32)
+
+
+def _rope_inputs(rotation: Rotation | None) -> list[mx.array]:
+    """`inv_freqs` and `rope_scale` of the kernels that apply a deferred RoPE."""
+    if rotation is None:
+        return [_no_rotation(), _no_rotation()]
+    return [rotation.inv_freqs, rotation.scale]
+
+
+def _rope_template(rotation: Rotation | None) -> list[tuple[str, int]]:
+    if rotation is None:
+        return [("ROPE_DIMS", 0), ("TRADITIONAL", 0)]
+    return [("ROPE_DIMS", rotation.dims), ("TRADITIONAL", int(rotation.traditional))]
 
 
 def paged_decode_attention(
@@ -160,9 +217,11 @@ def paged_decode_attention(
     after: mx.array | None = None,
     window: int | None = None,
     block: int = 1,
+    rotation: Rotation | None = None,
 ) -> mx.array:
     """Attention of one new token per row over that row's first `lengths[b]` positions, or
-    its last `window` of them.
+    its last `window` of them. `rotation`: the queries' RoPE, deferred to here (each row's
+    token at position lengths[b] - 1).
 
     queries [B, heads, 1, head_dim]; k_pool/v_pool [slots, kv_heads, head_dim]; slots [B, T]
     int32, the pool slot of each position (entries past a row's length are ignored), or with
@@ -178,6 +237,8 @@ def paged_decode_attention(
         if block > 1:
             offsets = mx.arange(block, dtype=slots.dtype)
             slots = (slots[:, :, None] * block + offsets).reshape(b, -1)
+        if rotation is not None:
+            queries = rotation.apply(queries, lengths - 1)
         return _reference(queries, k_pool, v_pool, slots, lengths, scale, window)
     (out,) = _kernel()(
         inputs=[
@@ -188,6 +249,7 @@ def paged_decode_attention(
             lengths,
             _window_array(window),
             _scale_array(scale),
+            *_rope_inputs(rotation),
             after if after is not None else lengths,
         ],
         template=[
@@ -197,6 +259,7 @@ def paged_decode_attention(
             ("KV_HEADS", kv_heads),
             ("WARPS", WARPS),
             ("BLOCK", block),
+            *_rope_template(rotation),
         ],
         grid=(b * heads * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
@@ -209,8 +272,8 @@ def paged_decode_attention(
 _STORE_SOURCE = """
     // One thread per element of the new K and V ([tokens, KV_HEADS, 1, D], read through
     // their strides: v is a view of the fused q/k/v product, which ensure_row_contiguous would
-    // copy in every layer). The pools arrive as const inputs and are written anyway: this IS
-    // the in-place update.
+    // copy in every layer). A key's position is its row's length - 1. The pools arrive as
+    // const inputs and are written anyway: this IS the in-place update.
     const size_t per_token = (size_t)KV_HEADS * D;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)slots_shape[0] * per_token) {
@@ -220,8 +283,15 @@ _STORE_SOURCE = """
     const int64_t h = (i % per_token) / D;
     const int64_t d = i % D;
     const size_t dst = (size_t)slots[b * slots_strides[0]] * per_token + i % per_token;
-    const_cast<P*>(k_pool)[dst] =
-        static_cast<P>(k_new[b * k_new_strides[0] + h * k_new_strides[1] + d * k_new_strides[3]]);
+    const int64_t k_at = b * k_new_strides[0] + h * k_new_strides[1];
+    float k = static_cast<float>(k_new[k_at + d * k_new_strides[3]]);
+    if (d < ROPE_DIMS) {  // the key's deferred RoPE, rounded to k's dtype as MLX's RoPE is
+        const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
+        k = static_cast<float>(static_cast<K>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
+            d, k, static_cast<float>(k_new[k_at + partner * k_new_strides[3]]),
+            lengths[b * lengths_strides[0]] - 1, inv_freqs, rope_scale[0])));
+    }
+    const_cast<P*>(k_pool)[dst] = static_cast<P>(k);
     const_cast<P*>(v_pool)[dst] =
         static_cast<P>(v_new[b * v_new_strides[0] + h * v_new_strides[1] + d * v_new_strides[3]]);
     if (i == 0) {
@@ -234,23 +304,41 @@ _STORE_SOURCE = """
 def _store_kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="mlxserve_store_decode_kv",
-        input_names=["k_pool", "v_pool", "k_new", "v_new", "slots"],
+        input_names=[
+            "k_pool",
+            "v_pool",
+            "k_new",
+            "v_new",
+            "slots",
+            "lengths",
+            "inv_freqs",
+            "rope_scale",
+        ],
         output_names=["done"],
         source=_STORE_SOURCE,
+        header=_ROPE_HEADER,
         ensure_row_contiguous=False,
     )
 
 
 def store_decode_kv(
-    k_pool: mx.array, v_pool: mx.array, keys: mx.array, values: mx.array, slots: mx.array
+    k_pool: mx.array,
+    v_pool: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    slots: mx.array,
+    lengths: mx.array,
+    rotation: Rotation | None = None,
 ) -> mx.array:
     """Write one new token per row into the pools, in place (CUDA only).
 
     k_pool/v_pool [slots, kv_heads, head_dim]; keys/values [B, kv_heads, 1, head_dim]; slots
-    [B] int32, each row's pool slot. Returns a [1] array that stands for the write: pass it as
-    `after` to every kernel that must read the written pool. The pools' array objects are not
-    replaced, so nothing but stream order and `after` tells MLX about the write: only kernels
-    queued after this one on the same stream may read the pool."""
+    [B] int32, each row's pool slot; lengths [B] int32, each row's length with its new token
+    (which sits at position length - 1); rotation: the keys' RoPE, deferred to here. Returns a
+    [1] array that stands for the write: pass it as `after` to every kernel that must read the
+    written pool. The pools' array objects are not replaced, so nothing but stream order and
+    `after` tells MLX about the write: only kernels queued after this one on the same stream
+    may read the pool."""
     if not kernel_available():
         raise RuntimeError("in-place K/V writes need MLX's CUDA backend")
     b, kv_heads, n, head_dim = keys.shape
@@ -258,8 +346,14 @@ def store_decode_kv(
         raise ValueError(f"in-place writes take one token per row, got {keys.shape}")
     size = b * kv_heads * head_dim
     (done,) = _store_kernel()(
-        inputs=[k_pool, v_pool, keys, values, slots],
-        template=[("P", k_pool.dtype), ("KV_HEADS", kv_heads), ("D", head_dim)],
+        inputs=[k_pool, v_pool, keys, values, slots, lengths, *_rope_inputs(rotation)],
+        template=[
+            ("P", k_pool.dtype),
+            ("K", keys.dtype),
+            ("KV_HEADS", kv_heads),
+            ("D", head_dim),
+            *_rope_template(rotation),
+        ],
         grid=(size, 1, 1),
         threadgroup=(min(256, size), 1, 1),
         output_shapes=[(1,)],

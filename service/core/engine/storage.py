@@ -97,6 +97,7 @@ def make_storage(
         decode_attention=config.decode_attention,
         in_place=config.in_place_writes,
         mirror_attends=config.fast_mirror_attention,
+        rope_in_kernels=config.rope_in_kernels,
     )
 
 
