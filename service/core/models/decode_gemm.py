@@ -5,14 +5,15 @@ MLX builds a cuBLASLt matmul anew for every product it evaluates: descriptors, a
 heuristic, and a stream capture of the launch into the step's CUDA graph (docs/cuda-backend.md).
 A custom kernel costs the host a fraction of that. For a small model, a decode step's GPU work
 is well under its host work, so a product computed a little slower on the GPU but launched far
-more cheaply makes the step faster. A large weight turns that around: the kernel keeps one chunk
-of w in flight per block, so it streams a weight at a fraction of cuBLAS's bandwidth, and the
-GPU time it loses outgrows the host time it saves. Only weights up to MAX_WEIGHT_BYTES take it
-(`install` decides once per layer); larger ones, and prefill passes' rows, keep cuBLAS.
+more cheaply makes the step faster. A large weight is another matter: its product waits for
+memory, and there the kernel must stream w as fast as cuBLAS does or lose more GPU time than it
+saves host time. Only weights up to MAX_WEIGHT_BYTES take it (`install` decides once per layer);
+larger ones, and prefill passes' rows, keep cuBLAS.
 
 The kernel: a block of 4 warps computes a BM x BN tile of y = x @ w.T. x [M, K] and w [N, K] are
-both K-major, as an `nn.Linear` holds its weight. Chunks of KC columns of K are staged in shared
-memory (the next chunk's loads are issued before this chunk's products), and each warp
+both K-major, as an `nn.Linear` holds its weight. Chunks of KC columns of K are copied into
+shared memory asynchronously (cp.async), STAGES - 1 chunks ahead of the products: a decode
+step's grid has too few blocks to keep enough of w in flight otherwise. Each warp
 multiplies a 16 x 32 part of the tile with WMMA's 16 x 16 x 16 fragments, accumulating in
 float32. The tile then goes through shared memory and out in x's dtype. Rows of the last tile
 past M compute zeros and are not written. M is read at run time (x's shape); N and K are
@@ -34,7 +35,10 @@ from mlx import nn
 from service.core.engine.paged_attention import kernel_available as available
 from service.core.models import projections
 
-BM, BN, KC = 32, 64, 64  # tile rows, tile columns, K columns staged per pass
+BM, BN, KC = 32, 64, 64  # tile rows, tile columns, K columns staged per chunk
+# Chunks of x and w in flight per block: a block streams w at the rate of STAGES - 1 chunks per
+# memory latency, and a decode step's grid is too small to hide that latency with more blocks.
+STAGES = 3
 MAX_ROWS = 256  # decode steps' rows: a prefill pass's thousands take cuBLAS's tuned products
 THREADS = 128  # 4 warps: 2 along M (16 rows each) by 2 along N (32 columns each)
 # The largest weight that takes the kernel: a small model's projections (and a mid-size one's
@@ -43,15 +47,33 @@ MAX_WEIGHT_BYTES = 16 << 20
 
 _HEADER = """
 #include <mma.h>
+
+// A 16-byte copy from global to shared memory that does not hold up the thread (cp.async,
+// sm_80+); `bytes` 0 fills the 16 bytes with zeros instead of reading.
+__device__ __forceinline__ void mlxserve_copy16(void* shared, const void* global, int bytes) {
+    const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(to), "l"(global),
+                 "r"(bytes));
+}
+__device__ __forceinline__ void mlxserve_copies_commit() {
+    asm volatile("cp.async.commit_group;\\n" ::);
+}
+// Wait until at most `Pending` committed groups of this thread's copies are still in flight.
+template <int Pending>
+__device__ __forceinline__ void mlxserve_copies_wait() {
+    asm volatile("cp.async.wait_group %0;\\n" ::"n"(Pending));
+}
 """
 
 _SOURCE = """
     // Tile (mb, nb): rows [mb * BM, +BM) of x and of y, rows [nb * BN, +BN) of w (y's columns).
     using namespace nvcuda;
     constexpr int LD = KC + 8;  // staged row length: 16-byte rows, fewer bank conflicts
-    __shared__ __align__(32) T xs[BM * LD];
-    __shared__ __align__(32) T ws[BN * LD];
-    __shared__ __align__(32) float cs[BM * (BN + 4)];
+    constexpr int STAGE = (BM + BN) * LD;  // one chunk: x's rows, then w's
+    // STAGES chunks in flight; after the last product the same memory holds the float tile.
+    static_assert(BM * (BN + 4) * 4 <= STAGES * STAGE * 2, "the tile fits the stages");
+    __shared__ __align__(128) T stages[STAGES * STAGE];
+    float* cs = reinterpret_cast<float*>(stages);
     const int M = x_shape[0];
     // The row tiles of one column tile are neighbours in launch order, so w's tile is read from
     // memory once and from the cache by the others.
@@ -62,56 +84,53 @@ _SOURCE = """
     const int warp = tid / 32;
     const int wm = warp / 2;  // the warp's 16 rows
     const int wn = warp % 2;  // the warp's 32 columns
-    constexpr int XV = BM * KC / 8 / THREADS;  // 16-byte vectors of x a thread stages a pass
+    constexpr int XV = BM * KC / 8 / THREADS;  // 16-byte vectors of x a thread copies a chunk
     constexpr int WV = BN * KC / 8 / THREADS;  // ... of w
-    const uint4 zero = make_uint4(0, 0, 0, 0);
+    constexpr int CHUNKS = K / KC;
 
-    uint4 xr[XV];
-    uint4 wr[WV];
-    // A pass's loads, all issued before any is used (no branch between them): rows of x past M
-    // read row 0 again and are zeroed.
-    auto load = [&](int k0) {
+    // Chunk `chunk`'s copies into stage `chunk % STAGES`, committed as one group (an empty
+    // group past the last chunk, so that every iteration waits for the same count). Rows of x
+    // past M read nothing and stage zeros.
+    auto issue = [&](int chunk) {
+        if (chunk < CHUNKS) {
+            T* xs = stages + (chunk % STAGES) * STAGE;
+            T* ws = xs + BM * LD;
+            const int k0 = chunk * KC;
 #pragma unroll
-        for (int i = 0; i < XV; ++i) {
-            const int v = tid + i * THREADS;
-            const int r = v / (KC / 8);
-            const int c = (v % (KC / 8)) * 8;
-            const int row = mb * BM + r;
-            const uint4 u = *reinterpret_cast<const uint4*>(
-                x + (size_t)(row < M ? row : 0) * K + k0 + c);
-            xr[i] = row < M ? u : zero;
-        }
+            for (int i = 0; i < XV; ++i) {
+                const int v = tid + i * THREADS;
+                const int r = v / (KC / 8);
+                const int c = (v % (KC / 8)) * 8;
+                const int row = mb * BM + r;
+                mlxserve_copy16(xs + r * LD + c, x + (size_t)(row < M ? row : 0) * K + k0 + c,
+                                row < M ? 16 : 0);
+            }
 #pragma unroll
-        for (int i = 0; i < WV; ++i) {
-            const int v = tid + i * THREADS;
-            const int r = v / (KC / 8);
-            const int c = (v % (KC / 8)) * 8;
-            wr[i] = *reinterpret_cast<const uint4*>(w + (size_t)(nb * BN + r) * K + k0 + c);
+            for (int i = 0; i < WV; ++i) {
+                const int v = tid + i * THREADS;
+                const int r = v / (KC / 8);
+                const int c = (v % (KC / 8)) * 8;
+                mlxserve_copy16(ws + r * LD + c, w + (size_t)(nb * BN + r) * K + k0 + c, 16);
+            }
         }
-    };
-    auto stage = [&]() {
-#pragma unroll
-        for (int i = 0; i < XV; ++i) {
-            const int v = tid + i * THREADS;
-            *reinterpret_cast<uint4*>(xs + (v / (KC / 8)) * LD + (v % (KC / 8)) * 8) = xr[i];
-        }
-#pragma unroll
-        for (int i = 0; i < WV; ++i) {
-            const int v = tid + i * THREADS;
-            *reinterpret_cast<uint4*>(ws + (v / (KC / 8)) * LD + (v % (KC / 8)) * 8) = wr[i];
-        }
+        mlxserve_copies_commit();
     };
 
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2];
     wmma::fill_fragment(acc[0], 0.0f);
     wmma::fill_fragment(acc[1], 0.0f);
-    load(0);
-    for (int k0 = 0; k0 < K; k0 += KC) {
-        stage();
+#pragma unroll
+    for (int chunk = 0; chunk < STAGES - 1; ++chunk) {
+        issue(chunk);
+    }
+    for (int chunk = 0; chunk < CHUNKS; ++chunk) {
+        mlxserve_copies_wait<STAGES - 2>();  // this thread's copies of `chunk` have landed
+        // Everyone's have, and everyone is done with the stage the next issue overwrites
+        // (chunk - 1's).
         __syncthreads();
-        if (k0 + KC < K) {
-            load(k0 + KC);  // in flight while this pass multiplies
-        }
+        issue(chunk + STAGES - 1);
+        const T* xs = stages + (chunk % STAGES) * STAGE;
+        const T* ws = xs + BM * LD;
 #pragma unroll
         for (int kk = 0; kk < KC; kk += 16) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
@@ -124,8 +143,9 @@ _SOURCE = """
                 wmma::mma_sync(acc[j], a, bf, acc[j]);
             }
         }
-        __syncthreads();
     }
+    mlxserve_copies_wait<0>();  // only empty groups are left; the stages become the tile
+    __syncthreads();
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         wmma::store_matrix_sync(
@@ -195,6 +215,7 @@ def matmul_t(x: mx.array, w: mx.array) -> mx.array:
             ("BM", BM),
             ("BN", BN),
             ("KC", KC),
+            ("STAGES", STAGES),
             ("THREADS", THREADS),
         ],
         grid=(blocks * THREADS, 1, 1),
