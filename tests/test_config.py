@@ -167,6 +167,7 @@ def test_cuda_path_of_a_plain_attention_family():
         lora_kernel=True,
         fused_projections=True,
         decode_gemm=True,
+        fused_add_norm=True,
         fold_quantized_rows=True,
     )
 
@@ -179,6 +180,7 @@ def test_cuda_path_narrowed_by_the_model():
             lora_kernel=True,
             fused_projections=True,
             decode_gemm=True,
+            fused_add_norm=True,
             fold_quantized_rows=True,
         )
     )
@@ -190,6 +192,7 @@ def test_cuda_path_narrowed_by_the_model():
             lora_kernel=True,
             fused_projections=True,
             decode_gemm=True,
+            fused_add_norm=True,
             fold_quantized_rows=True,
         )
     )
