@@ -168,6 +168,7 @@ def test_cuda_path_of_a_plain_attention_family():
         lora_kernel=True,
         fused_projections=True,
         decode_gemm=True,
+        fused_add_norm=True,
         fold_quantized_rows=True,
     )
 
@@ -180,6 +181,7 @@ def test_cuda_path_narrowed_by_the_model():
             lora_kernel=True,
             fused_projections=True,
             decode_gemm=True,
+            fused_add_norm=True,
             fold_quantized_rows=True,
         )
     )
@@ -191,6 +193,7 @@ def test_cuda_path_narrowed_by_the_model():
             lora_kernel=True,
             fused_projections=True,
             decode_gemm=True,
+            fused_add_norm=True,
             fold_quantized_rows=True,
         )
     )

@@ -26,7 +26,7 @@ from service.core.engine.paged_attention import kernel_available, kernel_support
 from service.core.engine.runner import ModelRunner
 from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import PoolShape, make_storage
-from service.core.models import decode_gemm, projections, quantized, rope
+from service.core.models import decode_gemm, projections, quantized, residual_norm, rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import float_dtype, materialize, model_family
@@ -212,13 +212,14 @@ def serve(
         grouped_heads=heads > layout.kv_heads,
         compilable=not rope.reads_offsets_on_host(model),
     )
-    if direct:  # as CUDA: q's and k's RoPE left to the write and the attention
+    if direct:  # as CUDA: RoPE left to the write and the attention; adds and norms fused
         config = replace(
             config,
             decode_attention="direct",
             fast_mirror_attention=False,
             rope_in_kernels=True,
             shared_rope_angles=False,
+            fused_add_norm=True,
         )
     if config.shared_rope_angles:  # as the runtime: the CPU's layers share RoPE's angles
         rope.share_angles(model)
@@ -228,6 +229,8 @@ def serve(
         projections.fuse(model)
     if config.decode_gemm:
         decode_gemm.install(model)
+    if config.fused_add_norm:
+        residual_norm.install(model)
     if config.fold_quantized_rows if folded is None else folded:
         quantized.fold_rows(model)
     storage = make_storage(config, model, layout, PoolShape(num_blocks=256))

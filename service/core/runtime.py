@@ -33,7 +33,15 @@ from service.core.engine.storage import PoolShape, bytes_per_block, make_storage
 from service.core.kv.block_pool import KVCacheManager, KVCacheStats, KVManager, UnpagedKV
 from service.core.kv.budget import available_memory_bytes, parse_budget
 from service.core.loop import CoreLoop, slot_views
-from service.core.models import activations, decode_gemm, lora, projections, quantized, rope
+from service.core.models import (
+    activations,
+    decode_gemm,
+    lora,
+    projections,
+    quantized,
+    residual_norm,
+    rope,
+)
 from service.core.models.families import Family, family
 from service.core.models.layout import CacheLayout, UnsupportedModelError, probe_layout
 from service.core.models.loader import LoadedModel, ModelLoadError, load_model, model_arg
@@ -207,6 +215,8 @@ class Runtime:
             release_freed_memory()  # the members' own weights, now views of their groups'
         if engine_config.decode_gemm:
             decode_gemm.install(lm.model)  # after fusing: a group's one product takes it
+        if engine_config.fused_add_norm:
+            residual_norm.install(lm.model)
         if engine_config.fold_quantized_rows:
             quantized.fold_rows(lm.model)  # after fusing: the fused members fold in their group
         # After the MLPs' swap (it recognizes the projections as plain nn.Linear) and the fusing

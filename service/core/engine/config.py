@@ -11,7 +11,8 @@ One decode path per platform:
   (service.core.models.projections): a matmul costs MLX's host work the most of any
   primitive, where on the CPU the split costs more than it saves. For the same reason a
   decode step's products over small weights come from one custom tensor-core kernel
-  (service.core.models.decode_gemm). LoRA rows' updates come
+  (service.core.models.decode_gemm), and a residual add and the RMSNorm after it are one kernel
+  (service.core.models.residual_norm). LoRA rows' updates come
   from two custom kernels per adapted layer: MLX's CUDA gather_mm runs a row's product at a
   time, and every extra primitive costs host work. Quantized projections fold a batch's rows
   into one product (service.core.models.quantized): MLX's CUDA quantized matmul reads the whole
@@ -83,6 +84,9 @@ class EngineConfig:
     # Decode products over small plain weights from the custom tensor-core kernel
     # (service.core.models.decode_gemm) rather than cuBLASLt.
     decode_gemm: bool = False
+    # A layer's residual adds and the RMSNorms after them one kernel each
+    # (service.core.models.residual_norm).
+    fused_add_norm: bool = False
     # Quantized projections fold a forward's rows into one product
     # (service.core.models.quantized).
     fold_quantized_rows: bool = False
@@ -182,6 +186,7 @@ def resolve(
             lora_kernel=True,
             fused_projections=True,
             decode_gemm=True,
+            fused_add_norm=True,
             fold_quantized_rows=True,
         )
     mirror = paged and batched and not layout.sliding
