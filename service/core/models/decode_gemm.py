@@ -19,6 +19,10 @@ float32. The tile then goes through shared memory and out in x's dtype. Rows of 
 past M compute zeros and are not written. M is read at run time (x's shape); N and K are
 template values, so a model has a kernel per projection shape, not per batch size.
 
+A SwiGLU MLP whose fused gate/up weight takes the kernel gets its activation from it too
+(`swiglu_t`, GATED): a tile stages the gate rows and the up rows of the same outputs, and writes
+silu(gate) * up, one kernel fewer a layer.
+
 Only half-precision inputs with N and K multiples of the tile take the kernel (there is no
 float32 tensor-core product equal to cuBLAS's); everything else, and every platform without
 MLX's CUDA backend, takes `x @ w.T`.
