@@ -19,6 +19,10 @@ float32. The tile then goes through shared memory and out in x's dtype. Rows of 
 past M compute zeros and are not written. M is read at run time (x's shape); N and K are
 template values, so a model has a kernel per projection shape, not per batch size.
 
+A SwiGLU MLP whose fused gate/up weight takes the kernel gets its activation from it too
+(`swiglu_t`, GATED): a tile stages the gate rows and the up rows of the same outputs, and writes
+silu(gate) * up, one kernel fewer a layer.
+
 Only half-precision inputs with N and K multiples of the tile take the kernel (there is no
 float32 tensor-core product equal to cuBLAS's); everything else, and every platform without
 MLX's CUDA backend, takes `x @ w.T`.
@@ -31,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+from mlx_lm.models.activations import swiglu
 
 from service.core.engine.paged_attention import kernel_available as available
 from service.core.models import projections
@@ -87,6 +92,19 @@ _SOURCE = """
     constexpr int XV = BM * KC / 8 / THREADS;  // 16-byte vectors of x a thread copies a chunk
     constexpr int WV = BN * KC / 8 / THREADS;  // ... of w
     constexpr int CHUNKS = K / KC;
+    // The tile's BN staged rows of w. GATED (a SwiGLU MLP's gate/up weight, [2 * N, K]): the
+    // first BN / 2 are gate rows, the others the up rows of the same outputs.
+    auto w_row = [&](int r) -> int {
+        if (GATED) {
+            return r < BN / 2 ? nb * (BN / 2) + r : N + nb * (BN / 2) + r - BN / 2;
+        }
+        return nb * BN + r;
+    };
+    // Staged row of a warp's j-th 16 columns: ungated, the warp's 32 columns; GATED, its 16
+    // gate columns (j = 0) and their up columns (j = 1).
+    auto frag_row = [&](int j) -> int {
+        return GATED ? j * (BN / 2) + wn * 16 : wn * 32 + j * 16;
+    };
 
     // Chunk `chunk`'s copies into stage `chunk % STAGES`, committed as one group (an empty
     // group past the last chunk, so that every iteration waits for the same count). Rows of x
@@ -110,7 +128,7 @@ _SOURCE = """
                 const int v = tid + i * THREADS;
                 const int r = v / (KC / 8);
                 const int c = (v % (KC / 8)) * 8;
-                mlxserve_copy16(ws + r * LD + c, w + (size_t)(nb * BN + r) * K + k0 + c, 16);
+                mlxserve_copy16(ws + r * LD + c, w + (size_t)w_row(r) * K + k0 + c, 16);
             }
         }
         mlxserve_copies_commit();
@@ -139,7 +157,7 @@ _SOURCE = """
             for (int j = 0; j < 2; ++j) {
                 // w's rows are the product's columns: w [N, K] row-major is B [K, N] col-major.
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bf;
-                wmma::load_matrix_sync(bf, ws + (wn * 32 + j * 16) * LD + kk, LD);
+                wmma::load_matrix_sync(bf, ws + frag_row(j) * LD + kk, LD);
                 wmma::mma_sync(acc[j], a, bf, acc[j]);
             }
         }
@@ -149,21 +167,34 @@ _SOURCE = """
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         wmma::store_matrix_sync(
-            cs + (wm * 16) * (BN + 4) + wn * 32 + j * 16, acc[j], BN + 4, wmma::mem_row_major);
+            cs + (wm * 16) * (BN + 4) + frag_row(j), acc[j], BN + 4, wmma::mem_row_major);
     }
     __syncthreads();
-    // The tile out, 8 columns a thread at a time, rows past M left alone.
-    for (int v = tid; v < BM * BN / 8; v += THREADS) {
-        const int r = v / (BN / 8);
-        const int c = (v % (BN / 8)) * 8;
+    // The tile out, 8 columns a thread at a time, rows past M left alone. GATED: the tile's
+    // columns are BN / 2 gates then their ups, and out goes silu(gate) * up with the roundings
+    // of mlx-lm's swiglu (each product in T, then each op of silu(g) * u in T).
+    constexpr int OUT = GATED ? BN / 2 : BN;
+    for (int v = tid; v < BM * OUT / 8; v += THREADS) {
+        const int r = v / (OUT / 8);
+        const int c = (v % (OUT / 8)) * 8;
         const int row = mb * BM + r;
         if (row < M) {
             __align__(16) T out8[8];  // stored as one 16-byte vector
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                out8[e] = static_cast<T>(cs[r * (BN + 4) + c + e]);
+                const T value = static_cast<T>(cs[r * (BN + 4) + c + e]);
+                if (GATED) {
+                    const float g = static_cast<float>(value);
+                    const float u = static_cast<float>(
+                        static_cast<T>(cs[r * (BN + 4) + BN / 2 + c + e]));
+                    const T sig = static_cast<T>(1.0f / (1.0f + expf(-g)));
+                    const T silu = static_cast<T>(g * static_cast<float>(sig));
+                    out8[e] = static_cast<T>(static_cast<float>(silu) * u);
+                } else {
+                    out8[e] = value;
+                }
             }
-            *reinterpret_cast<uint4*>(y + (size_t)row * N + nb * BN + c) =
+            *reinterpret_cast<uint4*>(y + (size_t)row * N + nb * OUT + c) =
                 *reinterpret_cast<const uint4*>(out8);
         }
     }
@@ -217,6 +248,7 @@ def matmul_t(x: mx.array, w: mx.array) -> mx.array:
             ("KC", KC),
             ("STAGES", STAGES),
             ("THREADS", THREADS),
+            ("GATED", 0),
         ],
         grid=(blocks * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
@@ -224,6 +256,41 @@ def matmul_t(x: mx.array, w: mx.array) -> mx.array:
         output_dtypes=[x.dtype],
     )
     return y.reshape(*x.shape[:-1], n)
+
+
+def swiglu_t(x: mx.array, w: mx.array) -> mx.array:
+    """mlx-lm's `swiglu(x @ gate.T, x @ up.T)` for w [2 * I, K], the gate's rows then the up's
+    (a fused gate/up group's weight): one kernel where `supported`, else MLX's product and
+    mlx-lm's swiglu. Returns [..., I]."""
+    inter = w.shape[0] // 2
+    if not supported(x, w) or inter % (BN // 2):
+        gate, up = mx.split(x @ w.T, [inter], axis=-1)
+        return swiglu(gate, up)
+    k = w.shape[1]
+    flat = x.reshape(-1, k)
+    rows = flat.shape[0]
+    if rows == 0:
+        return mx.zeros((*x.shape[:-1], inter), dtype=x.dtype)
+    blocks = (inter // (BN // 2)) * -(-rows // BM)
+    (y,) = _kernel()(
+        inputs=[flat, w],
+        template=[
+            ("T", x.dtype),
+            ("N", inter),
+            ("K", k),
+            ("BM", BM),
+            ("BN", BN),
+            ("KC", KC),
+            ("STAGES", STAGES),
+            ("THREADS", THREADS),
+            ("GATED", 1),
+        ],
+        grid=(blocks * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, inter)],
+        output_dtypes=[x.dtype],
+    )
+    return y.reshape(*x.shape[:-1], inter)
 
 
 def takes_kernel(w: mx.array) -> bool:
@@ -245,11 +312,31 @@ class _KernelLinear(nn.Linear):
         return matmul_t(x, self["weight"])
 
 
+class KernelSwiGLU(nn.Module):
+    """mlx-lm's llama/qwen2/qwen3 MLP whose fused gate/up group takes the kernel: the gate/up
+    product and `swiglu` are one kernel (`swiglu_t`) while the group computes for both members
+    as one (not when adapters wrap them: their updates come before the activation)."""
+
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+
+    def __call__(self, x: mx.array) -> mx.array:
+        group = projections.whole_group([self.gate_proj, self.up_proj])
+        if group is None:
+            return super().__call__(x)  # type: ignore[misc]
+        return self.down_proj(swiglu_t(x, group.params["weight"]))
+
+
+_SWIGLU_FAMILIES = ("llama", "qwen2", "qwen3")  # whose MLP is down(swiglu(gate(x), up(x)))
+
+
 def install(model: nn.Module) -> int:
     """Every layer of the model whose weight `takes_kernel` computes through `matmul_t`: fused
     projection groups without bias or quantization (`projections.groups`), and bias-free
     plain `nn.Linear`s (their class swapped: names, weights and shapes stay). Returns how many
-    products: a group counts once."""
+    products: a group counts once. The SwiGLU MLPs whose gate/up group takes it compute their
+    activation in the same kernel (`KernelSwiGLU`)."""
     count = 0
     for group in projections.groups(model):
         if (
@@ -263,4 +350,19 @@ def install(model: nn.Module) -> int:
         if type(module) is nn.Linear and "bias" not in module and takes_kernel(module.weight):
             module.__class__ = _KernelLinear
             count += 1
+        elif _is_kernel_swiglu_mlp(module):
+            module.__class__ = _swiglu_class(type(module))
     return count
+
+
+def _is_kernel_swiglu_mlp(module: nn.Module) -> bool:
+    kind = type(module)
+    if kind.__name__ != "MLP" or kind.__module__.rsplit(".", 1)[-1] not in _SWIGLU_FAMILIES:
+        return False
+    group = projections.whole_group([module.get("gate_proj"), module.get("up_proj")])
+    return group is not None and group.matmul is matmul_t
+
+
+@cache
+def _swiglu_class(kind: type) -> type:
+    return type(f"Kernel{kind.__name__}", (KernelSwiGLU, kind), {})
