@@ -231,31 +231,7 @@ def matmul_t(x: mx.array, w: mx.array) -> mx.array:
     """x @ w.T for x [..., K] and w [N, K]: the kernel where `supported`, else MLX's matmul."""
     if not supported(x, w):
         return x @ w.T
-    n, k = w.shape
-    flat = x.reshape(-1, k)
-    rows = flat.shape[0]
-    if rows == 0:
-        return mx.zeros((*x.shape[:-1], n), dtype=x.dtype)
-    blocks = (n // BN) * -(-rows // BM)
-    (y,) = _kernel()(
-        inputs=[flat, w],
-        template=[
-            ("T", x.dtype),
-            ("N", n),
-            ("K", k),
-            ("BM", BM),
-            ("BN", BN),
-            ("KC", KC),
-            ("STAGES", STAGES),
-            ("THREADS", THREADS),
-            ("GATED", 0),
-        ],
-        grid=(blocks * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(rows, n)],
-        output_dtypes=[x.dtype],
-    )
-    return y.reshape(*x.shape[:-1], n)
+    return _launch(x, w, w.shape[0], gated=False)
 
 
 def swiglu_t(x: mx.array, w: mx.array) -> mx.array:
@@ -266,31 +242,37 @@ def swiglu_t(x: mx.array, w: mx.array) -> mx.array:
     if not supported(x, w) or inter % (BN // 2):
         gate, up = mx.split(x @ w.T, [inter], axis=-1)
         return swiglu(gate, up)
+    return _launch(x, w, inter, gated=True)
+
+
+def _launch(x: mx.array, w: mx.array, width: int, gated: bool) -> mx.array:
+    """The kernel over x's rows flattened, `width` outputs a row (a tile holds BN of them, or
+    BN / 2 gated), shaped as x."""
     k = w.shape[1]
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
     if rows == 0:
-        return mx.zeros((*x.shape[:-1], inter), dtype=x.dtype)
-    blocks = (inter // (BN // 2)) * -(-rows // BM)
+        return mx.zeros((*x.shape[:-1], width), dtype=x.dtype)
+    blocks = (width // (BN // 2 if gated else BN)) * -(-rows // BM)
     (y,) = _kernel()(
         inputs=[flat, w],
         template=[
             ("T", x.dtype),
-            ("N", inter),
+            ("N", width),
             ("K", k),
             ("BM", BM),
             ("BN", BN),
             ("KC", KC),
             ("STAGES", STAGES),
             ("THREADS", THREADS),
-            ("GATED", 1),
+            ("GATED", int(gated)),
         ],
         grid=(blocks * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(rows, inter)],
+        output_shapes=[(rows, width)],
         output_dtypes=[x.dtype],
     )
-    return y.reshape(*x.shape[:-1], inter)
+    return y.reshape(*x.shape[:-1], width)
 
 
 def takes_kernel(w: mx.array) -> bool:
