@@ -15,7 +15,12 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from service.core.engine import paged_attention
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import PagedKVStorage
-from service.core.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
+from service.core.engine.paged_attention import (
+    NewKV,
+    _reference,
+    paged_decode_attention,
+    store_decode_kv,
+)
 from service.core.engine.sampler import SamplingParams
 from service.core.models import rope
 from tests.helpers import cuda_source
@@ -224,6 +229,48 @@ def test_kernels_apply_a_deferred_rope_as_mlx_does(module: nn.Module) -> None:
 
 
 @cuda_only
+@pytest.mark.parametrize("rotated", [False, True])
+def test_the_attention_writes_the_new_kv_as_the_store_kernel_would(rotated: bool) -> None:
+    """`store=`: the attention kernel writes the step's new K/V in place (one block per K/V
+    head) and reads each row's newest position from them: the pools and the output equal the
+    store kernel's write followed by the attention."""
+    rows, heads, kv_heads, head_dim, block = 4, 8, 2, 64, 4
+    rotation = rope.rotation_of(nn.RoPE(head_dim)) if rotated else None
+    mx.random.seed(9)
+    queries = mx.random.normal((rows, heads, 1, head_dim)).astype(mx.bfloat16)
+    keys = mx.random.normal((rows, kv_heads, 1, head_dim)).astype(mx.bfloat16)
+    values = mx.random.normal((rows, kv_heads, 1, head_dim)).astype(mx.bfloat16)
+    lengths = mx.array([1, 4, 7, 12], dtype=mx.int32)
+    tables = mx.array([[4 * r + 1, 4 * r + 2, 4 * r + 3] for r in range(rows)], dtype=mx.int32)
+    last = lengths - 1
+    write = mx.take_along_axis(tables, (last // block)[:, None], axis=1)[:, 0] * block + (
+        last % block
+    )
+    start = mx.random.normal((40, kv_heads, head_dim)).astype(mx.bfloat16)
+    k_a, v_a, k_b, v_b = (start * 1 for _ in range(4))
+    mx.eval(k_a, v_a, k_b, v_b)
+    done = store_decode_kv(k_a, v_a, keys, values, write, lengths, rotation)
+    want = paged_decode_attention(
+        queries, k_a, v_a, tables, lengths, 0.125, after=done, block=block, rotation=rotation
+    )
+    mx.eval(want)
+    got = paged_decode_attention(
+        queries,
+        k_b,
+        v_b,
+        tables,
+        lengths,
+        0.125,
+        block=block,
+        rotation=rotation,
+        store=NewKV(keys, values, write),
+    )
+    mx.eval(got)
+    assert mx.array_equal(k_b, k_a).item() and mx.array_equal(v_b, v_a).item()
+    assert mx.array_equal(got, want).item()
+
+
+@cuda_only
 @pytest.mark.parametrize("compiled", [False, True])
 def test_overlapped_steps_with_in_place_writes_give_the_gathered_tokens(compiled):
     """Step N+1 queued before step N is read (as the scheduler does with overlap_steps), rows
@@ -271,7 +318,8 @@ def test_overlapped_steps_with_in_place_writes_give_the_gathered_tokens(compiled
 def test_the_kernels_source_compiles(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode attention and in-place K/V write kernels, launched by their own host code
     (three dtypes, head dims 64 and 128, grouped heads, paged blocks, a window, RoPE over a
-    whole head and over half of one, traditional) and compiled
+    whole head and over half of one, traditional; the attention writing the new K/V itself too)
+    and compiled
     by nvcc as MLX wraps them: no error, no spill."""
     recorder = cuda_source.Recorder(monkeypatch)
     monkeypatch.setattr(paged_attention, "kernel_available", lambda: True)
@@ -299,6 +347,19 @@ def test_the_kernels_source_compiles(tmp_path, monkeypatch: pytest.MonkeyPatch) 
             block=block,
             rotation=rotation,
         )
+        values = mx.zeros((2, kv_heads, 1, head_dim), dtype)
+        paged_decode_attention(
+            q,
+            pool,
+            pool,
+            slots,
+            lengths,
+            0.125,
+            window=window,
+            block=block,
+            rotation=rotation,
+            store=NewKV(keys, values, slots[:, 0]),
+        )
     compiled = recorder.compile(tmp_path)
-    assert len(compiled.registers) == len(recorder.launches) == 2 * len(cases), compiled.log
+    assert len(compiled.registers) == len(recorder.launches) == 3 * len(cases), compiled.log
     assert compiled.spills == 0, compiled.log

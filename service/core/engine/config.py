@@ -2,8 +2,8 @@
 anything is built, and frozen. Nothing changes a built engine's mode afterwards.
 
 One decode path per platform:
-- CUDA: decode steps attend straight from the paged pool with the CUDA kernel and write their
-  K/V in place, those two kernels applying q's and k's RoPE (two kernels a layer fewer), so
+- CUDA: decode steps attend straight from the paged pool with the CUDA kernel, which also
+  writes their K/V in place and applies q's and k's RoPE (three kernels a layer fewer), so
   step N+1 is queued before step N is read (overlap), N is read and handed to the scheduler
   on a second thread while N+1's dispatch runs, and a step replays a compiled graph; prefill
   forwards are padded to a few shape buckets (attention builds a plan per new shape there).

@@ -36,7 +36,7 @@ from service.core.engine.batch_view import StepLayout, make_views
 from service.core.engine.kv_mirror import DecodeMirror, slot_head_rows
 from service.core.engine.kv_mirror import attend as mirror_attention
 from service.core.engine.memory import release_freed_memory
-from service.core.engine.paged_attention import paged_decode_attention, store_decode_kv
+from service.core.engine.paged_attention import NewKV, paged_decode_attention, store_decode_kv
 from service.core.engine.state_store import StepStates
 from service.core.kv.block_pool import BlockUpdate
 from service.core.models.layout import CacheLayout
@@ -65,7 +65,8 @@ class _StepPlan:
     table_of: Callable[[], np.ndarray]  # makes slot_table: only gathers and kernels read it
     totals: list[int]  # positions each row attends to
     kv_heads: int
-    written: dict[int, mx.array] = field(default_factory=dict)  # layer -> its in-place write
+    # layer -> its new K/V (and their keys' deferred RoPE), for its attention kernel to write
+    pending: dict[int, tuple[NewKV, Rotation | None]] = field(default_factory=dict)
 
     @cached_property
     def slot_table(self) -> np.ndarray:
@@ -240,19 +241,21 @@ class PagedKVStorage:
     ) -> tuple[mx.array, mx.array]:
         """A direct decode step's write (`attend` reads the pool next): the rows' new K/V
         ([B, kv_heads, 1, head_dim]) into their slots; returns the layer's pool arrays. With
-        `write_in_place` this is the in-place CUDA kernel, whose result orders this layer's
-        `attend` after it; otherwise `_scatter`. `rotation`: the keys' deferred RoPE (at the
-        rows' `offset`)."""
+        `write_in_place` the layer's attention kernel writes them (`attend`), in place;
+        otherwise `_scatter` now. `rotation`: the keys' deferred RoPE (at the rows'
+        `offset`)."""
         if not (self.write_in_place and batch.width == 1):
             if rotation is not None:
                 keys = rotation.apply(keys, offset)
             return self._scatter(layer, batch, keys, values)
         plan = self._step_plan(layer, batch)
-        k_store, v_store = self._keys[layer], self._values[layer]
-        plan.written[layer] = store_decode_kv(
-            k_store, v_store, keys, values, plan.write, plan.lengths, rotation
-        )
-        return k_store, v_store
+        if plan.pending:
+            raise RuntimeError(
+                f"layer {next(iter(plan.pending))}'s new K/V were never written: its attention "
+                "did not come through the decode kernel"
+            )
+        plan.pending[layer] = (NewKV(keys, values, plan.write), rotation)
+        return self._keys[layer], self._values[layer]
 
     def _scatter(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
@@ -339,6 +342,14 @@ class PagedKVStorage:
         their last `window` positions for a sliding-window layer; `rotation`: the queries'
         deferred RoPE."""
         plan = self._step_plan(layer, batch)
+        new, after = plan.pending.pop(layer, (None, None)), None
+        if new[0] is not None and new[1] is not rotation:
+            # The keys' RoPE is not the queries': the store kernel writes them first.
+            kv, key_rotation = new
+            after = store_decode_kv(
+                k_pool, v_pool, kv.keys, kv.values, kv.slots, plan.lengths, key_rotation
+            )
+            new = (None, None)
         return paged_decode_attention(
             queries,
             k_pool,
@@ -346,9 +357,10 @@ class PagedKVStorage:
             plan.slots,
             plan.lengths,
             scale,
-            after=plan.written.get(layer),
+            after=after,
             window=window,
             rotation=rotation,
+            store=new[0],
         )
 
     def decode_inputs(self, batch: StepLayout, bucket: int, rows: int) -> mx.array:

@@ -20,12 +20,19 @@ in place lets the scheduler queue step N+1 before step N's tokens are read (the 
 overlap_steps): one CUDA stream runs the steps in order, so N's attention has read the pool
 before N+1's write lands, and each attention takes its layer's write as an input, so it runs
 after it.
+
+On the CUDA decode path the attention kernel does that write itself (`store=`): one block per
+K/V head writes the new K/V, and every block reads each row's newest position from the new
+K/V rather than from the pool, so no block reads a slot while another writes it, and the layer
+launches one kernel instead of two. `store_decode_kv` remains for a layer whose keys' RoPE is
+not its queries'.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -95,16 +102,51 @@ _SOURCE = """
         qv[i] = qd * scale;
         acc[i] = 0.0f;
     }
+    // STORE: this step's new K/V ([B, KV_HEADS, 1, D], read through their strides) go into
+    // the pools here, in place, by the first query head of each KV head; every block reads the
+    // row's newest position (length - 1) from them, not from the pool, so no block reads a
+    // slot while it is written. The key is rotated (its deferred RoPE) and rounded as the
+    // store kernel would have written it.
+    float new_k[PER];
+    float new_v[PER];
+    if (STORE) {
+        const int64_t kn_at = b * k_new_strides[0] + kvh * k_new_strides[1];
+        const int64_t vn_at = b * v_new_strides[0] + kvh * v_new_strides[1];
+        auto rotated_key = [&](int d) -> P {
+            float k = static_cast<float>(k_new[kn_at + d * k_new_strides[3]]);
+            if (d < ROPE_DIMS) {
+                const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
+                k = static_cast<float>(static_cast<K>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
+                    d, k, static_cast<float>(k_new[kn_at + partner * k_new_strides[3]]),
+                    length - 1, inv_freqs, rope_scale[0])));
+            }
+            return static_cast<P>(k);
+        };
+        for (int i = 0; i < PER; ++i) {
+            const int d = lane * PER + i;
+            new_k[i] = static_cast<float>(rotated_key(d));
+            new_v[i] = static_cast<float>(static_cast<P>(v_new[vn_at + d * v_new_strides[3]]));
+        }
+        if (h % (HEADS / KV_HEADS) == 0) {
+            const size_t dst = ((size_t)write[b * write_strides[0]] * KV_HEADS + kvh) * D;
+            for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+                const_cast<P*>(k_pool)[dst + d] = rotated_key(d);
+                const_cast<P*>(v_pool)[dst + d] =
+                    static_cast<P>(v_new[vn_at + d * v_new_strides[3]]);
+            }
+        }
+    }
     float m = NEG_INF;
     float s = 0.0f;
     for (int t = first + warp; t < length; t += WARPS) {
+        const bool newest = STORE && t == length - 1;
         const size_t slot =
             (size_t)slots[b * slots_strides[0] + (t / BLOCK) * slots_strides[1]] * BLOCK
             + t % BLOCK;
         const size_t base = (slot * KV_HEADS + kvh) * D + lane * PER;
         float dot = 0.0f;
         for (int i = 0; i < PER; ++i) {
-            dot += qv[i] * static_cast<float>(k_pool[base + i]);
+            dot += qv[i] * (newest ? new_k[i] : static_cast<float>(k_pool[base + i]));
         }
         for (int offset = 16; offset > 0; offset /= 2) {
             dot += __shfl_xor_sync(0xffffffff, dot, offset);
@@ -114,7 +156,8 @@ _SOURCE = """
         const float p = __expf(dot - m_new);
         s = s * correction + p;
         for (int i = 0; i < PER; ++i) {
-            acc[i] = acc[i] * correction + p * static_cast<float>(v_pool[base + i]);
+            const float v = newest ? new_v[i] : static_cast<float>(v_pool[base + i]);
+            acc[i] = acc[i] * correction + p * v;
         }
         m = m_new;
     }
@@ -175,6 +218,9 @@ def _kernel() -> Any:
             "scale_arr",
             "inv_freqs",
             "rope_scale",
+            "k_new",
+            "v_new",
+            "write",
             "after",
         ],
         output_names=["out"],
@@ -218,6 +264,7 @@ def paged_decode_attention(
     window: int | None = None,
     block: int = 1,
     rotation: Rotation | None = None,
+    store: NewKV | None = None,
 ) -> mx.array:
     """Attention of one new token per row over that row's first `lengths[b]` positions, or
     its last `window` of them. `rotation`: the queries' RoPE, deferred to here (each row's
@@ -227,19 +274,23 @@ def paged_decode_attention(
     int32, the pool slot of each position (entries past a row's length are ignored), or with
     `block` > 1 [B, T / block] the block of each `block` positions (position t is slot
     slots[b, t // block] * block + t % block); lengths [B] int32; after: `store_decode_kv`'s
-    result when the step wrote the pool in place (the kernel then runs after the write).
-    Returns [B, heads, 1, head_dim]."""
+    result when the step wrote the pool in place (the kernel then runs after the write);
+    store: the step's new K/V, written into the pools in place by this kernel instead (CUDA
+    only; their keys' RoPE, deferred, is `rotation` too). Returns [B, heads, 1, head_dim]."""
     b, heads, n, head_dim = queries.shape
     kv_heads = k_pool.shape[1]
     if n != 1:
         raise ValueError(f"paged decode attention takes one query per row, got {n}")
     if not (kernel_available() and kernel_supports(head_dim)):
+        if store is not None:
+            raise RuntimeError("in-place K/V writes need MLX's CUDA backend")
         if block > 1:
             offsets = mx.arange(block, dtype=slots.dtype)
             slots = (slots[:, :, None] * block + offsets).reshape(b, -1)
         if rotation is not None:
             queries = rotation.apply(queries, lengths - 1)
         return _reference(queries, k_pool, v_pool, slots, lengths, scale, window)
+    new = [store.keys, store.values, store.slots] if store is not None else [lengths] * 3
     (out,) = _kernel()(
         inputs=[
             queries,
@@ -250,15 +301,19 @@ def paged_decode_attention(
             _window_array(window),
             _scale_array(scale),
             *_rope_inputs(rotation),
+            *new,
             after if after is not None else lengths,
         ],
         template=[
             ("T", queries.dtype),
+            ("P", k_pool.dtype),
+            ("K", new[0].dtype),
             ("D", head_dim),
             ("HEADS", heads),
             ("KV_HEADS", kv_heads),
             ("WARPS", WARPS),
             ("BLOCK", block),
+            ("STORE", int(store is not None)),
             *_rope_template(rotation),
         ],
         grid=(b * heads * WARPS * 32, 1, 1),
@@ -267,6 +322,16 @@ def paged_decode_attention(
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+@dataclass(frozen=True)
+class NewKV:
+    """A direct decode step's new K/V for one layer ([B, kv_heads, 1, head_dim] each) and
+    each row's pool slot for them ([B] int32), left for the attention kernel to write."""
+
+    keys: mx.array
+    values: mx.array
+    slots: mx.array
 
 
 _STORE_SOURCE = """
