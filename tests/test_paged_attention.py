@@ -335,31 +335,22 @@ def test_the_kernels_source_compiles(tmp_path, monkeypatch: pytest.MonkeyPatch) 
         slots, lengths = mx.zeros((2, 4), mx.int32), mx.zeros((2,), mx.int32)
         keys = mx.zeros((2, kv_heads, 1, head_dim), dtype)
         done = store_decode_kv(pool, pool, keys, pool, slots[:, 0], lengths, rotation)
-        paged_decode_attention(
-            q,
-            pool,
-            pool,
-            slots,
-            lengths,
-            0.125,
-            after=done,
-            window=window,
-            block=block,
-            rotation=rotation,
-        )
         values = mx.zeros((2, kv_heads, 1, head_dim), dtype)
-        paged_decode_attention(
-            q,
-            pool,
-            pool,
-            slots,
-            lengths,
-            0.125,
-            window=window,
-            block=block,
-            rotation=rotation,
-            store=NewKV(keys, values, slots[:, 0]),
-        )
+        # after the store kernel, and writing the new K/V itself
+        for after, store in ((done, None), (None, NewKV(keys, values, slots[:, 0]))):
+            paged_decode_attention(
+                q,
+                pool,
+                pool,
+                slots,
+                lengths,
+                0.125,
+                after=after,
+                window=window,
+                block=block,
+                rotation=rotation,
+                store=store,
+            )
     compiled = recorder.compile(tmp_path)
     assert len(compiled.registers) == len(recorder.launches) == 3 * len(cases), compiled.log
     assert compiled.spills == 0, compiled.log
