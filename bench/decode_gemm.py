@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from bench.host_cost import pipelined  # noqa: E402
 from bench.lora_kernel import time_step  # noqa: E402
 from bench.report import write_json  # noqa: E402
+from bench.shapes import projections  # noqa: E402
 from service.core.models import decode_gemm  # noqa: E402
 from service.core.models.presets import preset_config  # noqa: E402
 
@@ -40,11 +41,9 @@ Product = Callable[[mx.array, mx.array], mx.array]
 def widths(preset: str) -> tuple[int, int, int, int]:
     """(hidden, q/k/v out, intermediate, vocabulary) of a preset."""
     cfg = preset_config(preset)
-    hidden = cfg["hidden_size"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    kv = cfg.get("num_key_value_heads") or heads
-    return hidden, (heads + 2 * kv) * head_dim, cfg["intermediate_size"], cfg["vocab_size"]
+    shapes = projections(cfg)
+    qkv_out = sum(shapes[m][1] for m in ("q", "k", "v"))
+    return cfg["hidden_size"], qkv_out, cfg["intermediate_size"], cfg["vocab_size"]
 
 
 def chain(layers: list[list[mx.array]], head: mx.array, product: Product) -> Callable:

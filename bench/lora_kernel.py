@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.host_cost import pipelined  # noqa: E402
 from bench.report import write_json  # noqa: E402
+from bench.shapes import projections  # noqa: E402
 from service.core.models import lora_kernel  # noqa: E402
 from service.core.models.presets import preset_config  # noqa: E402
 
@@ -101,19 +102,7 @@ def _load(source: str, name: str) -> FusedAdd:
 
 def build(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
     cfg = preset_config(args.preset)
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
-    q = cfg["num_attention_heads"] * head_dim
-    shapes = {  # module: (in, out)
-        "q": (hidden, q),
-        "k": (hidden, kv),
-        "v": (hidden, kv),
-        "o": (q, hidden),
-        "gate": (hidden, inter),
-        "up": (hidden, inter),
-        "down": (inter, hidden),
-    }
+    shapes = projections(cfg)  # module: (in, out)
     slots, rank, dt = args.adapters + 1, args.rank, getattr(mx, args.adapter_dtype)
 
     def rnd(*shape: int, scale: float) -> mx.array:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.serving_overhead import CLK_TCK, cpu_ticks, server_processes
+from bench.shapes import ATTENTION, projections
 from client.bench.server import ServerProcess
 from client.client import GenerationClient, build_request
 
@@ -77,18 +78,9 @@ def model_dims(
         args = vars(llama_args_from_gguf(metadata, set(tensors)))
     else:
         args = json.loads((Path(model) / "config.json").read_text())
-    hidden, heads = args["hidden_size"], args["num_attention_heads"]
-    head_dim = args.get("head_dim") or hidden // heads
-    kv = args.get("num_key_value_heads") or heads
-    inter = args["intermediate_size"]
     dims = {
-        "self_attn.q_proj": (hidden, heads * head_dim),
-        "self_attn.k_proj": (hidden, kv * head_dim),
-        "self_attn.v_proj": (hidden, kv * head_dim),
-        "self_attn.o_proj": (heads * head_dim, hidden),
-        "mlp.gate_proj": (hidden, inter),
-        "mlp.up_proj": (hidden, inter),
-        "mlp.down_proj": (inter, hidden),
+        f"{'self_attn' if m in ATTENTION else 'mlp'}.{m}_proj": shape
+        for m, shape in projections(args).items()
     }
     return args["num_hidden_layers"], dims
 

@@ -26,7 +26,7 @@ from service.core.engine.paged_attention import kernel_available, kernel_support
 from service.core.engine.runner import ModelRunner
 from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import PoolShape, make_storage
-from service.core.models import decode_gemm, projections, quantized, residual_norm, rope
+from service.core.models import decode_gemm, norms, projections, quantized, residual_norm, rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import float_dtype, materialize, model_family
@@ -234,6 +234,8 @@ def serve(
         rope.share_angles(model)
     if config.rope_in_kernels:  # as the runtime: direct steps' RoPE left to the decode kernels
         rope.defer(model)
+    if config.compiled_norms:  # and normalize with compiled chains
+        norms.install(model)
     if config.fused_projections if fused is None else fused:
         projections.fuse(model)
     if config.decode_gemm:

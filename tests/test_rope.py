@@ -29,11 +29,16 @@ def test_shared_angles_rotate_as_mx_fast_rope_bit_for_bit(dtype, dims, head_dim,
 
 
 def test_a_forward_makes_its_angles_once(monkeypatch: pytest.MonkeyPatch):
-    """Every layer of a forward rotates at the same offsets: one fast.rope call (the probe)
-    for all of them; a new offsets array (the next forward) makes them anew."""
+    """Every layer of a forward rotates at the same offsets: its angles are made once for all
+    of them; a new offsets array (the next forward) makes them anew."""
     calls = []
-    real = mx.fast.rope
-    monkeypatch.setattr(mx.fast, "rope", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = rope._angles_in
+
+    def counted(dtype):
+        angles = real(dtype)
+        return lambda *args: calls.append(1) or angles(*args)
+
+    monkeypatch.setattr(rope, "_angles_in", counted)
     layers = [SharedAngleRoPE(nn.RoPE(16, base=10000.0)) for _ in range(4)]
     x = mx.ones((2, 4, 1, 16))
     for step in range(3):
@@ -42,6 +47,20 @@ def test_a_forward_makes_its_angles_once(monkeypatch: pytest.MonkeyPatch):
             layer(x, offsets)
             layer(x[:, :2], offsets)
         assert len(calls) == step + 1
+
+
+def test_a_rotation_is_a_few_primitives():
+    """The angles and the rotation are compiled chains: a layer's q rotation after the first
+    is its two halves' slices, a fused kernel per half and the concatenation (the fallback's
+    products are a dozen primitives)."""
+    from bench.decode_primitives import primitives
+
+    shared = SharedAngleRoPE(nn.RoPE(64, base=10000.0))
+    x = mx.random.normal((8, 4, 1, 64))
+    mx.eval(x)
+    offsets = mx.array(list(range(8)))
+    mx.eval(shared(x, offsets))  # the forward's angles, evaluated
+    assert sum(primitives(shared(x, offsets)).values()) == 5
 
 
 def test_only_plain_non_traditional_ropes_are_wrapped():

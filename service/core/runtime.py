@@ -37,6 +37,7 @@ from service.core.models import (
     activations,
     decode_gemm,
     lora,
+    norms,
     projections,
     quantized,
     residual_norm,
@@ -207,7 +208,8 @@ class Runtime:
             self._dequantize(lm)  # first: the float layers then take the swaps below
         fast_mlp_layers = activations.install(lm.model) if engine_config.fast_swiglu else 0
         if engine_config.shared_rope_angles:
-            rope.share_angles(lm.model)
+            rope.share_angles(lm.model, lm.dtype)
+        compiled_norms = norms.install(lm.model) if engine_config.compiled_norms else 0
         if engine_config.rope_in_kernels:
             rope.defer(lm.model)
         fused_groups = projections.fuse(lm.model) if engine_config.fused_projections else 0
@@ -254,7 +256,16 @@ class Runtime:
             mx.eval(apply_token_masks(logits, np.full((1, 1), -1, np.int32)))
         self._publish(self.scheduler)  # stats before the first turn: the pool as built
         self._log_loaded(
-            lm, fam, engine_config, fast_mlp_layers, fused_groups, warm_up_seconds, started
+            lm,
+            fam,
+            engine_config,
+            {
+                "fast_swiglu_layers": fast_mlp_layers,
+                "compiled_norms": compiled_norms,
+                "fused_projection_groups": fused_groups,
+            },
+            warm_up_seconds,
+            started,
         )
         self.serving = True
 
@@ -451,8 +462,7 @@ class Runtime:
         lm: LoadedModel,
         fam: Family,
         engine_config: EngineConfig,
-        fast_mlp_layers: int,
-        fused_projection_groups: int,
+        swapped: dict[str, int],
         warm_up_seconds: float,
         started: float,
     ) -> None:
@@ -473,8 +483,7 @@ class Runtime:
             update_beside_dispatch=engine_config.update_beside_dispatch,
             compiled_decode=engine_config.compile_decode,
             shape_buckets=engine_config.shape_buckets,
-            fast_swiglu_layers=fast_mlp_layers,
-            fused_projection_groups=fused_projection_groups,
+            **swapped,
             max_batch_size=self.batch_size,
             slot_context=self.slot_context,
             warm_up_seconds=warm_up_seconds,

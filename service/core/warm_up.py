@@ -104,10 +104,9 @@ def warm_prefill_passes(
     shapes ran (a pool too small for the next stops there; a span it lacks room for is left to
     first use)."""
     done = 0
-    started = time.monotonic()
     progress = _Progress("building prefill pass shapes", len(shapes))
     for rows, width in shapes:
-        if time.monotonic() - started > budget_s:
+        if time.monotonic() - progress.started > budget_s:
             log.warning(
                 "prefill pass shapes left to build on first use: the start-up budget is spent",
                 built=done,

@@ -22,7 +22,9 @@ One decode path per platform:
   in float32, SwiGLU MLPs and (on the CPU) that attention's softmax use the multiply-add exp
   (service.core.models.activations). On the CPU
   quantized weights are dequantized at load where they fit: MLX's CPU quantized matmul computes
-  a row at a time.
+  a row at a time; RMSNorm and RoPE, fallbacks of a dozen primitives each there, run as
+  compiled chains of a few (service.core.models.norms, service.core.models.rope): every
+  primitive costs the CPU host work on two threads.
 
 The model narrows this: a family not verified against mlx-lm runs each row alone; a family
 whose attention the kernel cannot read (sinks, soft-capping) gathers; recurrent state forbids
@@ -75,6 +77,9 @@ class EngineConfig:
     # RoPE's cos and sin made once per forward for every layer (service.core.models.rope's
     # SharedAngleRoPE): MLX's CPU RoPE is a fallback that computes them in every call.
     shared_rope_angles: bool = False
+    # RMSNorms as compiled chains (service.core.models.norms): MLX's CPU RMSNorm is a fallback
+    # of a dozen primitives, each host work.
+    compiled_norms: bool = False
     grouped_query_mask: bool = False  # batched masks as [B, 1, 1, N, T] (families.grouped_mask)
     # LoRA rows' updates come from two CUDA kernels per adapted layer
     # (service.core.models.lora_kernel) rather than MLX's gathered products.
@@ -200,6 +205,7 @@ def resolve(
         # MLX's CPU attention is unfused and its exp scalar; Metal's attention is a kernel.
         fast_mirror_attention=mirror and fast_exp and family.direct_decode and cpu,
         shared_rope_angles=cpu and not reference_path_forced(),
+        compiled_norms=cpu and not reference_path_forced(),
         grouped_query_mask=grouped_query_mask,
         dequantize_weights=cpu,
     )

@@ -212,17 +212,21 @@ def _kernel() -> Any:
     )
 
 
+def _tiles(w: mx.array) -> bool:
+    """Whether the kernel's tiles cover w [N, K]: half precision, N and K multiples of them."""
+    n, k = w.shape
+    return w.dtype in (mx.bfloat16, mx.float16) and n % BN == 0 and k % KC == 0
+
+
 def supported(x: mx.array, w: mx.array) -> bool:
     """Whether `matmul_t(x, w)` takes the kernel: half-precision x and w of one dtype, w's rows
     (N) and columns (K) multiples of the tile, and at most MAX_ROWS rows of x."""
-    n, k = w.shape
+    k = w.shape[1]
     return (
         available()
-        and x.dtype in (mx.bfloat16, mx.float16)
-        and w.dtype == x.dtype
+        and _tiles(w)
+        and x.dtype == w.dtype
         and x.shape[-1] == k
-        and n % BN == 0
-        and k % KC == 0
         and x.size // k <= MAX_ROWS
     )
 
@@ -278,13 +282,7 @@ def _launch(x: mx.array, w: mx.array, width: int, gated: bool) -> mx.array:
 def takes_kernel(w: mx.array) -> bool:
     """Whether a layer with weight w [N, K] should compute through the kernel: half precision,
     N and K multiples of the tile, and no larger than MAX_WEIGHT_BYTES."""
-    n, k = w.shape
-    return (
-        w.dtype in (mx.bfloat16, mx.float16)
-        and n % BN == 0
-        and k % KC == 0
-        and w.nbytes <= MAX_WEIGHT_BYTES
-    )
+    return _tiles(w) and w.nbytes <= MAX_WEIGHT_BYTES
 
 
 class _KernelLinear(nn.Linear):

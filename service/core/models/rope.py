@@ -19,11 +19,17 @@ store (k), which saves two kernels a layer. Only the fixed-frequency variants wh
 `SharedAngleRoPE` (the CPU): every layer of a forward rotates at the same positions, yet MLX's
 CPU RoPE, an unfused fallback, computes the positions, frequencies, angles and their cos and sin
 again in every call: a dozen primitives each, twice a layer. The wrapper takes the cos and sin
-once per forward and rotates with the fallback's own products, in its order.
+once per forward and rotates with the fallback's own products, in its order. Both are traced
+once by `mx.compile` (shapeless): on the CPU every primitive costs host work on the thread that
+queues it and on the stream's thread that runs it, and the compiled chains are one primitive
+each. Compiled, the same float operations round the same way (no contraction into
+multiply-adds: MLX builds its CPU kernels for the baseline instruction set), so the output is
+still `mx.fast.rope`'s bit for bit (tests/test_rope.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -109,15 +115,22 @@ _ANGLES = _Angles()
 class SharedAngleRoPE(nn.Module):
     """mlx-lm's plain `nn.RoPE` (non-traditional) with its cos and sin made once per forward.
 
-    The first layer's call rotates a probe, ones in the first half of the rotated dims and
-    zeros in the second, with `mx.fast.rope`: the fallback's outputs are then x1 * cos - x2 * sin
-    = cos and x1 * sin + x2 * cos = sin, exactly. Every call of the forward (the same offsets,
-    rows and tokens) rotates with them by the fallback's products, so its output is
-    `mx.fast.rope`'s bit for bit."""
+    The first layer's call computes them as the fallback does: positions (0..T-1 plus each
+    row's offset, times the scale) times the inverse frequencies (the fallback's own expression,
+    evaluated once here), their cos and sin in the input's dtype. Every call of the forward (the
+    same offsets, rows and tokens) rotates with them by the fallback's products, so its output
+    is `mx.fast.rope`'s bit for bit."""
 
     def __init__(self, inner: nn.RoPE) -> None:
         super().__init__()
         self.inner = inner
+        half = inner.dims // 2
+        # Not a parameter: the model's weights stay mlx-lm's.
+        self._inv_freqs = mx.exp(
+            mx.arange(0, -half, -1, dtype=mx.float32)
+            * mx.array(math.log(inner.base) / half, mx.float32)
+        )
+        self._scale = mx.array(inner.scale, mx.float32)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         inner = self.inner
@@ -125,8 +138,7 @@ class SharedAngleRoPE(nn.Module):
             return inner(x, offset)
         cos, sin = self._angles(x, offset)
         half, dims = inner.dims // 2, inner.dims
-        x1, x2 = x[..., :half], x[..., half:dims]
-        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+        parts = list(_rotate(x[..., :half], x[..., half:dims], cos, sin))
         if dims < x.shape[-1]:
             parts.append(x[..., dims:])
         return mx.concatenate(parts, axis=-1)
@@ -142,23 +154,66 @@ class SharedAngleRoPE(nn.Module):
                 isinstance(offset, int) and isinstance(held, int) and held == offset
             ):
                 return entry[2], entry[3]
-        half = inner.dims // 2
-        row = mx.array([1] * half + [0] * half, dtype=x.dtype)
-        probe = mx.broadcast_to(row, (x.shape[0], 1, x.shape[2], inner.dims))
-        out = mx.fast.rope(
-            probe, inner.dims, traditional=False, base=inner.base, scale=inner.scale, offset=offset
+        if isinstance(offset, mx.array):  # a row's offset each, as the fallback's int32
+            as_int = offset if offset.dtype == mx.int32 else offset.astype(mx.int32)
+            offsets = as_int.reshape(-1, 1, 1, 1)
+        else:
+            offsets = mx.array([[[[offset]]]], mx.int32)
+        cos, sin = _angles_in(x.dtype)(
+            _positions(x.shape[2]), offsets, self._scale, self._inv_freqs
         )
-        cos, sin = out[..., :half], out[..., half:]
         _ANGLES.entries[rotation] = (offset, shape, cos, sin)
         return cos, sin
 
 
-def share_angles(model: Any) -> int:
+@functools.lru_cache(maxsize=64)
+def _positions(tokens: int) -> mx.array:
+    """0..tokens-1 as float32 [1, 1, tokens, 1] (the fallback's arange), kept per width: once
+    evaluated (by the first forward that uses it) it costs later forwards no primitive."""
+    return mx.arange(tokens, dtype=mx.float32).reshape(1, 1, tokens, 1)
+
+
+@functools.cache
+def _angles_in(dtype: mx.Dtype) -> Callable[..., tuple[mx.array, mx.array]]:
+    """The fallback's angles, cos and sin in `dtype`, traced once (shapeless) per dtype."""
+
+    def angles(
+        positions: mx.array, offsets: mx.array, scale: mx.array, inv_freqs: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        theta = (positions + offsets) * scale * inv_freqs
+        return mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
+
+    return mx.compile(angles, shapeless=True)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _rotate(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array) -> tuple[mx.array, mx.array]:
+    return x1 * cos - x2 * sin, x1 * sin + x2 * cos
+
+
+def share_angles(model: Any, dtype: mx.Dtype | None = None) -> int:
     """Wrap the model's plain non-traditional RoPE modules (`SharedAngleRoPE`); returns how
-    many were wrapped."""
-    return _wrap(
+    many were wrapped, having built their kernels for inputs of `dtype` (`warm`) if given."""
+    wrapped = _wrap(
         model, lambda child: type(child) is nn.RoPE and not child.traditional, SharedAngleRoPE
     )
+    if wrapped and dtype is not None:
+        warm(dtype)
+    return wrapped
+
+
+def warm(dtype: mx.Dtype) -> None:
+    """Build the angles' and the rotation's kernels now: MLX compiles each for the CPU on first
+    use (with the system's C++ compiler, about a second on a machine that has not cached it
+    yet), one per layout of the inputs (one row or many, one head or many, one token or many),
+    and a request should not wait for that."""
+    layer = SharedAngleRoPE(nn.RoPE(8))
+    for rows in (1, 2):
+        for heads in (1, 2):
+            for tokens in (1, 3):
+                offsets = mx.arange(rows) if rows > 1 else 0
+                mx.eval(layer(mx.ones((rows, heads, tokens, 8), dtype), offsets))
+                _ANGLES.entries.clear()
 
 
 @dataclass(eq=False)

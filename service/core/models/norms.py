@@ -1,0 +1,81 @@
+"""RMSNorm for the CPU backend as compiled chains.
+
+MLX's CPU `mx.fast.rms_norm` is its fallback: a cast, square, mean, add, rsqrt, two multiplies,
+a cast and the broadcasts between them, each a primitive. On the CPU every primitive costs host
+work twice, on the thread that queues it and on the stream's thread that runs it, and a small
+model's step is mostly that. Traced once by `mx.compile` (shapeless), the same operations are
+four primitives: the square, the sum, the width (shapeless: read from the input) and one fused
+kernel for the rest. They round the same
+way (MLX builds its CPU kernels for the baseline instruction set: no contraction into
+multiply-adds), so the output is `mx.fast.rms_norm`'s bit for bit (tests/test_norms.py).
+
+`install` swaps every `nn.RMSNorm` of a model (mlx-lm's, in most families; Gemma's own norms add
+one to the weight and are left alone) for a `CompiledRMSNorm` holding the same weight.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@functools.cache
+def _norm_for(x_dtype: mx.Dtype, weight_dtype: mx.Dtype) -> Callable[..., mx.array]:
+    """The fallback's operations in its order, the result in the input's and the weight's
+    promoted type, traced once (shapeless) per pair of dtypes."""
+    dtype = (mx.zeros((), x_dtype) + mx.zeros((), weight_dtype)).dtype
+
+    def norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
+        x = x.astype(mx.float32)
+        x = x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
+        return x.astype(dtype) * weight.astype(dtype)
+
+    return mx.compile(norm, shapeless=True)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
+    """`mx.fast.rms_norm(x, weight, eps)` with `eps` a float32 scalar array."""
+    return _norm_for(x.dtype, weight.dtype)(x, weight, eps)
+
+
+class CompiledRMSNorm(nn.Module):
+    """An `nn.RMSNorm` (same weight, same parameter name) normalizing with `rms_norm`."""
+
+    def __init__(self, norm: nn.RMSNorm) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self._eps = mx.array(norm.eps, mx.float32)  # underscored: not a parameter
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self["weight"], self._eps)
+
+
+def install(model: Any) -> int:
+    """Swap every `nn.RMSNorm` of the model for a CompiledRMSNorm; returns how many, having
+    built their kernels (`warm`)."""
+    swapped, dtypes = 0, set()
+    for module in model.modules():
+        for name, child in list(module.items()):
+            if type(child) is nn.RMSNorm:
+                module[name] = CompiledRMSNorm(child)
+                dtypes.add(child.weight.dtype)
+                swapped += 1
+    for dtype in dtypes:
+        warm(dtype)
+    return swapped
+
+
+def warm(dtype: mx.Dtype) -> None:
+    """Build the kernels a forward's norms use now: MLX compiles each for the CPU on first use
+    (with the system's C++ compiler, about a second on a machine that has not cached it yet),
+    one per layout of the inputs (a row or many, 3 or 4 dimensions), and a request should not
+    wait for that."""
+    eps = mx.array(1e-6, mx.float32)
+    weight = mx.ones((8,), dtype)
+    for shape in ((1, 1, 8), (2, 3, 8), (1, 1, 1, 8), (2, 3, 2, 8)):
+        mx.eval(rms_norm(mx.ones(shape, dtype), weight, eps))
