@@ -220,7 +220,10 @@ def test_the_reference_path_can_be_forced(monkeypatch):
 def test_only_the_cpu_dequantizes_quantized_weights():
     cpu = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=False, cpu=True)
     assert cpu == EngineConfig(
-        decode_attention="mirror", dequantize_weights=True, shared_rope_angles=True
+        decode_attention="mirror",
+        dequantize_weights=True,
+        shared_rope_angles=True,
+        compiled_norms=True,
     )
     metal = resolve(family("llama"), LLAMA, paged=True, batched=True, cuda=False, cpu=False)
     assert metal == EngineConfig(decode_attention="mirror")
