@@ -21,9 +21,10 @@ def test_normalizes_as_mx_fast_rms_norm_bit_for_bit(dtype, shape, eps):
     x = (mx.random.normal(shape) * 4).astype(dtype)
     plain = nn.RMSNorm(shape[-1], eps=eps)
     plain.weight = mx.random.normal(shape[-1:]).astype(dtype)
-    compiled = CompiledRMSNorm(plain)
-    assert mx.array_equal(compiled(x), plain(x)).item()
-    assert compiled(x).dtype == plain(x).dtype
+    chain = norms.rms_norm(x, plain.weight, mx.array(eps, mx.float32))
+    assert mx.array_equal(chain, plain(x)).item()
+    assert chain.dtype == plain(x).dtype
+    assert mx.array_equal(CompiledRMSNorm(plain)(x), plain(x)).item()
 
 
 def test_a_weight_of_another_dtype_promotes_as_the_fallback_does():
@@ -35,13 +36,17 @@ def test_a_weight_of_another_dtype_promotes_as_the_fallback_does():
     assert mx.array_equal(out, plain(x)).item()
 
 
-def test_a_norm_is_four_primitives():
-    """The square, the sum, the width (shapeless: from the input) and one fused kernel."""
-    x = mx.random.normal((16, 1, 64))
+def test_a_small_input_takes_the_compiled_chain_and_a_large_one_the_fallback():
+    """The chain is the square, the sum, the width (shapeless: from the input) and one fused
+    kernel; past COMPILED_MAX_ELEMENTS the fallback's vectorized operations cost less."""
     plain = nn.RMSNorm(64)
-    mx.eval(x, plain.parameters())
-    assert sum(primitives(plain(x)).values()) > 8  # MLX's CPU fallback, op by op
-    assert sum(primitives(CompiledRMSNorm(plain)(x)).values()) == 4
+    small = mx.random.normal((norms.COMPILED_MAX_ELEMENTS // 64, 1, 64))
+    large = mx.random.normal((norms.COMPILED_MAX_ELEMENTS // 64 + 1, 1, 64))
+    mx.eval(small, large, plain.parameters())
+    compiled = CompiledRMSNorm(plain)
+    assert sum(primitives(plain(small)).values()) > 8  # MLX's CPU fallback, op by op
+    assert sum(primitives(compiled(small)).values()) == 4
+    assert primitives(compiled(large)) == primitives(plain(large))
 
 
 def test_install_swaps_every_rms_norm_and_keeps_the_weights():

@@ -9,6 +9,12 @@ kernel for the rest. They round the same
 way (MLX builds its CPU kernels for the baseline instruction set: no contraction into
 multiply-adds), so the output is `mx.fast.rms_norm`'s bit for bit (tests/test_norms.py).
 
+The compiled kernel's inputs broadcast (the sum over each row, the weight over the rows), so MLX
+runs it as a strided kernel that indexes every element: past a few thousand elements it costs
+more than the fallback's vectorized operations save in primitives
+(`bench/cpu_compiled_chains.py`), and larger inputs (a prefill pass, a wide decode batch) keep
+the fallback.
+
 `install` swaps every `nn.RMSNorm` of a model (mlx-lm's, in most families; Gemma's own norms add
 one to the weight and are left alone) for a `CompiledRMSNorm` holding the same weight.
 """
@@ -21,6 +27,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+# Elements from which the fallback's operations cost less than the compiled chain.
+COMPILED_MAX_ELEMENTS = 4096
 
 
 @functools.cache
@@ -52,6 +61,8 @@ class CompiledRMSNorm(nn.Module):
         self._eps = mx.array(norm.eps, mx.float32)  # underscored: not a parameter
 
     def __call__(self, x: mx.array) -> mx.array:
+        if x.size > COMPILED_MAX_ELEMENTS:
+            return mx.fast.rms_norm(x, self["weight"], self.eps)
         return rms_norm(x, self["weight"], self._eps)
 
 
