@@ -13,6 +13,14 @@ from service.core.models.norms import CompiledRMSNorm
 from tests.helpers.tiny import LAYERS, tiny_llama
 
 
+@pytest.fixture(autouse=True)
+def on_cpu():
+    """The compiled norms are the CPU's (the engine config's compiled_norms): they are held to
+    MLX's CPU fallback, on the CPU's stream also where a GPU is the default device."""
+    with mx.stream(mx.cpu):
+        yield
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("shape", [(1, 1, 64), (5, 1, 64), (3, 7, 576), (2, 9, 4, 128)])
 @pytest.mark.parametrize("eps", [1e-5, 1e-6])

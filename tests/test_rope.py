@@ -13,6 +13,15 @@ from service.core.models.rope import SharedAngleRoPE
 from tests.helpers.tiny import LAYERS, tiny_llama
 
 
+@pytest.fixture
+def on_cpu():
+    """SharedAngleRoPE is the CPU's (the engine config's shared_rope_angles): it is held to MLX's
+    CPU fallback, on the CPU's stream also where a GPU is the default device."""
+    with mx.stream(mx.cpu):
+        yield
+
+
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("dims,head_dim", [(64, 64), (32, 64)])
 @pytest.mark.parametrize("tokens", [1, 7])
@@ -28,6 +37,7 @@ def test_shared_angles_rotate_as_mx_fast_rope_bit_for_bit(dtype, dims, head_dim,
         assert mx.array_equal(shared(x, 11), plain(x, 11)).item()
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_a_forward_makes_its_angles_once(monkeypatch: pytest.MonkeyPatch):
     """Every layer of a forward rotates at the same offsets: its angles are made once for all
     of them; a new offsets array (the next forward) makes them anew."""
@@ -49,6 +59,7 @@ def test_a_forward_makes_its_angles_once(monkeypatch: pytest.MonkeyPatch):
         assert len(calls) == step + 1
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_a_rotation_is_a_few_primitives():
     """The angles and the rotation are compiled chains: a layer's q rotation after the first
     is its two halves' slices, a fused kernel per half and the concatenation (the fallback's
