@@ -152,7 +152,9 @@ def test_install_takes_small_plain_products_only() -> None:
 @pytest.mark.parametrize("rows,n,k", GATED_SHAPES)
 def test_the_gated_kernel_is_mlx_lms_swiglu(rows: int, n: int, k: int) -> None:
     """silu(x @ gate.T) * (x @ up.T) for a fused gate/up weight, against MLX's product and
-    mlx-lm's swiglu: within a few roundings of the half type."""
+    mlx-lm's swiglu: within a few roundings of the half type (the products' sums run in
+    another order than cuBLAS's, and each of the half-type gate and up can round the other
+    way; a lost chunk of K or a wrong column would be off by far more)."""
     from mlx_lm.models.activations import swiglu
 
     x, w = _operands(rows, n, k, mx.bfloat16, seed=rows + n)
@@ -162,7 +164,7 @@ def test_the_gated_kernel_is_mlx_lms_swiglu(rows: int, n: int, k: int) -> None:
     assert got.shape == (rows, n // 2) and got.dtype == mx.bfloat16
     diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
     scale = mx.abs(want.astype(mx.float32)) + 1e-2
-    assert (diff / scale).max().item() < 4 * 2.0**-8
+    assert (diff / scale).max().item() < 8 * 2.0**-8
 
 
 def test_swiglu_mlps_take_the_gated_kernel_while_their_group_is_whole(

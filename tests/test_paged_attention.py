@@ -246,7 +246,8 @@ def test_the_attention_writes_the_new_kv_as_the_store_kernel_would(rotated: bool
     write = mx.take_along_axis(tables, (last // block)[:, None], axis=1)[:, 0] * block + (
         last % block
     )
-    start = mx.random.normal((40, kv_heads, head_dim)).astype(mx.bfloat16)
+    # Every slot the tables name (blocks up to 4 * rows - 1) lies inside the pools.
+    start = mx.random.normal((4 * rows * block, kv_heads, head_dim)).astype(mx.bfloat16)
     k_a, v_a, k_b, v_b = (start * 1 for _ in range(4))
     mx.eval(k_a, v_a, k_b, v_b)
     done = store_decode_kv(k_a, v_a, keys, values, write, lengths, rotation)

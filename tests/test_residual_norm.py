@@ -105,10 +105,11 @@ def test_the_kernel_is_mlxs_add_and_rms_norm(dtype: mx.Dtype, width: int) -> Non
     want_h = x + r
     want_y = mx.fast.rms_norm(want_h, weight, 1e-5)
     assert mx.array_equal(h, want_h)
-    # the sum of squares in another order: at most one rounding of y apart
+    # The sum of squares in another order can move the inner rounding T(x * n) by an ulp, which
+    # the outer w * (.) rounding can make two: at most two roundings of y apart.
     ulp = {mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10, mx.float32: 2.0**-22}[dtype]
     diff = mx.abs(y.astype(mx.float32) - want_y.astype(mx.float32))
-    assert (diff <= ulp * mx.abs(want_y.astype(mx.float32)) + 1e-6).all().item()
+    assert (diff <= 2 * ulp * mx.abs(want_y.astype(mx.float32)) + 1e-6).all().item()
 
 
 @pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")

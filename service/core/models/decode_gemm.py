@@ -58,15 +58,16 @@ _HEADER = """
 __device__ __forceinline__ void mlxserve_copy16(void* shared, const void* global, int bytes) {
     const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(to), "l"(global),
-                 "r"(bytes));
+                 "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mlxserve_copies_commit() {
-    asm volatile("cp.async.commit_group;\\n" ::);
+    asm volatile("cp.async.commit_group;\\n" ::: "memory");
 }
 // Wait until at most `Pending` committed groups of this thread's copies are still in flight.
 template <int Pending>
 __device__ __forceinline__ void mlxserve_copies_wait() {
-    asm volatile("cp.async.wait_group %0;\\n" ::"n"(Pending));
+    // The "memory" clobbers keep the compiler from moving shared-memory reads across the wait.
+    asm volatile("cp.async.wait_group %0;\\n" ::"n"(Pending) : "memory");
 }
 """
 
@@ -187,7 +188,11 @@ _SOURCE = """
                     const float g = static_cast<float>(value);
                     const float u = static_cast<float>(
                         static_cast<T>(cs[r * (BN + 4) + BN / 2 + c + e]));
-                    const T sig = static_cast<T>(1.0f / (1.0f + expf(-g)));
+                    // MLX's Sigmoid on T: y = 1 / (1 + exp|g|) rounded to T (its exp of a
+                    // T rounded too), then y or 1 - y by the sign, rounded again.
+                    const T e = static_cast<T>(expf(fabsf(g)));
+                    const T y = static_cast<T>(1.0f / (1.0f + static_cast<float>(e)));
+                    const T sig = g < 0.0f ? y : static_cast<T>(1.0f - static_cast<float>(y));
                     const T silu = static_cast<T>(g * static_cast<float>(sig));
                     out8[e] = static_cast<T>(static_cast<float>(silu) * u);
                 } else {

@@ -221,7 +221,10 @@ class Rotation:
     """What `mx.fast.rope` does to a token at position p: pairs of its first `dims` dimensions
     ((i, i + dims / 2), or (2i, 2i + 1) when `traditional`) rotate by the angle
     (scale * p) * inv_freqs[i], computed in float32 as MLX's CUDA kernel does; the result is
-    rounded to the input's dtype. `module` applies the same rotation through MLX."""
+    rounded to the input's dtype. `module` applies the same rotation through MLX. The inverse
+    frequencies of a plain `nn.RoPE` come from the host (numpy's exp2), MLX's from the device's
+    exp2f: a frequency can differ by an ulp or two, so a rotated element can differ from
+    `mx.fast.rope`'s by an ulp of its dtype (the tests allow one)."""
 
     module: nn.Module
     dims: int
