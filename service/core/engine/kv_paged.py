@@ -257,6 +257,19 @@ class PagedKVStorage:
         plan.pending[layer] = (NewKV(keys, values, plan.write), rotation)
         return self._keys[layer], self._values[layer]
 
+    def end_forward(self) -> None:
+        """The forward's layers are built: a direct step's new K/V that `write` held for the
+        layer's attention kernel and no attention took would be lost; raise instead (the last
+        layer's: a lower layer's is caught by the next `write`)."""
+        plan = self._plan
+        if plan is not None and plan.pending:
+            layer = next(iter(plan.pending))
+            plan.pending.clear()
+            raise RuntimeError(
+                f"layer {layer}'s new K/V were never written: its attention did not come "
+                "through the decode kernel"
+            )
+
     def _scatter(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:

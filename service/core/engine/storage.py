@@ -64,6 +64,10 @@ class KVStorage(Protocol):
         plain way even for a decode step (a verification forward)."""
         ...
 
+    def end_forward(self) -> None:
+        """A forward's layers are built: raises if a write it held for later was never made."""
+        ...
+
 
 @dataclass(frozen=True)
 class PoolShape:
