@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from service.core.models import rope
 from service.core.models.rope import SharedAngleRoPE
+from tests.helpers import cuda_source
 from tests.helpers.tiny import LAYERS, tiny_llama
 
 
@@ -156,3 +161,28 @@ def test_defer_wraps_the_fixed_frequency_ropes_of_a_model() -> None:
     model = tiny_llama()
     assert rope.defer(model) == LAYERS
     assert all(isinstance(layer.self_attn.rope, rope.DeferredRoPE) for layer in model.layers)
+
+
+def test_a_plain_ropes_frequencies_off_cuda_are_mlxs_expression_on_the_host():
+    half, base = 32, 10000.0
+    d = np.arange(half, dtype=np.float32) / np.float32(half)
+    want = np.exp2(-d * np.float32(math.log2(base))).astype(np.float32)
+    if not mx.cuda.is_available():
+        assert np.array_equal(np.array(rope.plain_inv_freqs(half, base)), want)
+    # On CUDA the device's exp2 may round some of them another way, by an ulp or two.
+    got = np.array(rope.plain_inv_freqs(half, base))
+    assert np.allclose(got, want, rtol=4 * 2.0**-23, atol=0)
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
+def test_the_frequency_kernel_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device's inverse frequencies (what CUDA machines use) for a few widths: no error,
+    no spill."""
+    recorder = cuda_source.Recorder(monkeypatch)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rope, "_inv_freqs_kernel", rope._inv_freqs_kernel.__wrapped__)
+    for half in (4, 32, 64):
+        rope.plain_inv_freqs(half, 500000.0)
+    compiled = recorder.compile(tmp_path)
+    assert len(compiled.registers) == len(recorder.launches) == 3, compiled.log
+    assert compiled.spills == 0, compiled.log

@@ -43,8 +43,8 @@ from service.core.models.rope import Rotation
 WARPS = 16  # warps per (row, head): each takes every WARPS-th key, then they merge
 
 # RoPE of one element, for the kernels that take a decode step's rotation (service.core.models.
-# rope.Rotation): MLX's CUDA RoPE kernel's arithmetic (its frequencies to an ulp: see
-# Rotation), the pair's other element read by the caller. ROPE_DIMS 0: no rotation.
+# rope.Rotation): MLX's CUDA RoPE kernel's arithmetic (to an ulp: see Rotation), the pair's
+# other element read by the caller. ROPE_DIMS 0: no rotation.
 _ROPE_HEADER = """
 template <int ROPE_DIMS, int TRADITIONAL>
 __device__ __forceinline__ int mlxserve_rope_partner(int d) {

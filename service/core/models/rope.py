@@ -221,10 +221,11 @@ class Rotation:
     """What `mx.fast.rope` does to a token at position p: pairs of its first `dims` dimensions
     ((i, i + dims / 2), or (2i, 2i + 1) when `traditional`) rotate by the angle
     (scale * p) * inv_freqs[i], computed in float32 as MLX's CUDA kernel does; the result is
-    rounded to the input's dtype. `module` applies the same rotation through MLX. The inverse
-    frequencies of a plain `nn.RoPE` come from the host (numpy's exp2), MLX's from the device's
-    exp2f: a frequency can differ by an ulp or two, so a rotated element can differ from
-    `mx.fast.rope`'s by an ulp of its dtype (the tests allow one)."""
+    rounded to the input's dtype. `module` applies the same rotation through MLX. A plain
+    `nn.RoPE`'s inverse frequencies come from the device's exp2 as MLX's do
+    (`plain_inv_freqs`); the compilers may still contract the rotation's products into
+    multiply-adds differently, so a rotated element may differ from `mx.fast.rope`'s by an ulp
+    of its dtype (the tests allow one)."""
 
     module: nn.Module
     dims: int
@@ -240,14 +241,12 @@ def rotation_of(module: Any) -> Rotation | None:
     """The rotation of a RoPE module whose call is `mx.fast.rope(x, ...)` with fixed
     frequencies (mlx-lm's plain `nn.RoPE` and `Llama3RoPE`); None for any other."""
     if type(module) is nn.RoPE:
-        # MLX's kernel: inv_freq = exp2(-(i / half) * log2(base)), in float32.
-        half = module.dims // 2
-        d = np.arange(half, dtype=np.float32) / np.float32(half)
-        inv = np.exp2(-d * np.float32(math.log2(module.base))).astype(np.float32)
+        inv_freqs = plain_inv_freqs(module.dims // 2, module.base)
         scale = module.scale
     elif type(module) is Llama3RoPE:
         # MLX's kernel with frequencies: inv_freq = 1.0 / freqs[i] (a double division).
         inv = (1.0 / np.array(module._freqs, dtype=np.float64)).astype(np.float32)
+        inv_freqs = mx.array(inv)
         scale = 1.0
     else:
         return None
@@ -255,9 +254,51 @@ def rotation_of(module: Any) -> Rotation | None:
         module=module,
         dims=module.dims,
         traditional=module.traditional,
-        inv_freqs=mx.array(inv),
+        inv_freqs=inv_freqs,
         scale=mx.array([scale], dtype=mx.float32),
     )
+
+
+# MLX's CUDA RoPE kernel's own expression (rope.cu): d = i / half, inv_freq = exp2(-d * log2 base),
+# with log2(base) computed on the host and passed as a float.
+_INV_FREQS_SOURCE = """
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < HALF) {
+        const float d = static_cast<float>(i) / static_cast<float>(HALF);
+        inv_freqs[i] = exp2(-d * log2_base[0]);
+    }
+"""
+
+
+@functools.cache
+def _inv_freqs_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_rope_inv_freqs",
+        input_names=["log2_base"],
+        output_names=["inv_freqs"],
+        source=_INV_FREQS_SOURCE,
+    )
+
+
+def plain_inv_freqs(half: int, base: float) -> mx.array:
+    """A plain RoPE's inverse frequencies (float32 [half]) as MLX's RoPE computes them: on CUDA
+    by the device's exp2, as its kernel does (the host's exp2 can round another way); elsewhere
+    on the host."""
+    log2_base = np.float32(math.log2(base))
+    if not mx.cuda.is_available():
+        d = np.arange(half, dtype=np.float32) / np.float32(half)
+        return mx.array(np.exp2(-d * log2_base).astype(np.float32))
+    threads = min(256, half)
+    (inv_freqs,) = _inv_freqs_kernel()(
+        inputs=[mx.array([float(log2_base)], dtype=mx.float32)],
+        template=[("HALF", half)],
+        grid=(-(-half // threads) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(half,)],
+        output_dtypes=[mx.float32],
+    )
+    mx.eval(inv_freqs)
+    return inv_freqs
 
 
 class _Deferral(threading.local):
