@@ -5,9 +5,11 @@ and leave the batch all the time) on a preset's random weights, token-id prompts
 until --requests have finished; prints tokens/s and the process's CPU microseconds per
 generated token for each round, their median and range, and writes JSON (`--out`). For A/Bs
 of two versions of the code, run it from each checkout in alternation (`--repo` names the
-checkout to import; the JSON records its commit):
+checkout to import; the JSON records its commit). One OpenBLAS thread, as
+bench/serving_overhead.py gives the server: this model's products gain nothing from a second,
+whose idle spinning would be billed as the core's CPU.
 
-    env $(python -m service.common.blas --env) python bench/core_alone.py \\
+    env $(python -m service.common.blas --env) OPENBLAS_NUM_THREADS=1 python bench/core_alone.py \\
         --preset tiny-vocab --concurrency 256 --requests 1024 --rounds 3 --out a.json
 """
 

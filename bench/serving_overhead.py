@@ -14,6 +14,8 @@ seconds of load it measures --rounds consecutive windows of --window seconds, an
 - CPU microseconds per generated token (user + system, all threads, from /proc/PID/stat) of the
   engine core (the launcher's child that maps libmlx), of the front ends (the launcher, which is
   front end 0, and its other children) and of the client processes, with the cores each used;
+  the core's split by thread (/proc/PID/task): its engine threads (named by the server), MLX's
+  stream threads and OpenBLAS's, and its transport (main thread, ZeroMQ's);
 - with --metrics (the server then keeps its Prometheus metrics, which costs the front ends CPU),
   the engine core's steps per second and the share of them planned only after the step before
   was read (`mlxserve_core_steps_total{pipeline="serial"}`: admissions, prefills, ...);
@@ -60,6 +62,7 @@ from client.bench.server import ServerProcess, free_port
 from client.client import GenerationClient, build_request, to_stream_request
 from mlxserve.v1 import generation_pb2 as pb
 from mlxserve.v1 import generation_pb2_grpc as pb_grpc
+from service.common.os_thread import ENGINE_THREAD, UPDATE_THREAD
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,6 +99,34 @@ def children(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
     return sorted(out)
+
+
+# The engine core's threads by what they do: the engine's (the loop's, and the one that reads a
+# step beside the next one's dispatch: service.common.os_thread names them), MLX's stream
+# threads and OpenBLAS's (they keep the process's name), and the transport (the main thread's
+# ZeroMQ sockets, ZeroMQ's own I/O threads).
+THREAD_ROLES = ("engine", "mlx", "transport")
+
+
+def thread_role(pid: int, tid: int, name: str) -> str:
+    if name in (ENGINE_THREAD, UPDATE_THREAD):
+        return "engine"
+    if tid == pid or name.startswith("ZMQbg"):
+        return "transport"
+    return "mlx"
+
+
+def thread_ticks(pid: int) -> dict[str, int]:
+    """The process's CPU time so far by thread role (THREAD_ROLES), in clock ticks."""
+    out = dict.fromkeys(THREAD_ROLES, 0)
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            text = stat.read_text()
+            name = text[text.index("(") + 1 : text.rindex(")")]
+            out[thread_role(pid, int(stat.parent.name), name)] += parse_stat(text)[1]
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
 
 
 def _maps_mlx(pid: int) -> bool:
@@ -295,6 +326,7 @@ def _sample(roles: dict[str, list[int]], target: str, metrics_url: str | None) -
         "machine_busy": busy,
         "machine_total": total,
         "ticks": {str(pid): cpu_ticks(pid) for pids in roles.values() for pid in pids},
+        "core_threads": {str(pid): thread_ticks(pid) for pid in roles["core"]},
     }
     try:
         with GenerationClient(target) as client:
@@ -345,6 +377,18 @@ def _window(
         }
     total_steps = sum(steps.values())
 
+    def thread_seconds(role: str) -> float:
+        used = 0
+        for pid in roles["core"]:
+            a, b = start["core_threads"].get(str(pid)), end["core_threads"].get(str(pid))
+            if a is not None and b is not None:
+                used += max(0, b[role] - a[role])  # a thread that ended took its ticks along
+        return used / CLK_TCK
+
+    by_thread = {
+        f"core_{role}_us_per_token": per_token(thread_seconds(role)) for role in THREAD_ROLES
+    }
+
     return {
         "window": k + 1,
         "seconds": seconds,
@@ -358,6 +402,8 @@ def _window(
         "frontend_cpu_seconds": frontend,
         "client_cpu_seconds": client,
         "core_us_per_token": per_token(core),
+        # The core's by thread role (THREAD_ROLES): engine, MLX's streams, transport.
+        **by_thread,
         "frontend_us_per_token": per_token(frontend),
         "client_us_per_token": per_token(client),
         "core_cores": core / seconds,
@@ -382,6 +428,9 @@ def _window(
 SUMMARY_KEYS = (
     "tokens_per_second",
     "core_us_per_token",
+    "core_engine_us_per_token",
+    "core_mlx_us_per_token",
+    "core_transport_us_per_token",
     "frontend_us_per_token",
     "client_us_per_token",
     "core_cores",
@@ -397,7 +446,7 @@ SUMMARY_KEYS = (
 def summarize(windows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     out = {}
     for key in SUMMARY_KEYS:
-        values = [w[key] for w in windows if w[key] is not None]
+        values = [w[key] for w in windows if w.get(key) is not None]
         if values:
             out[key] = {
                 "median": statistics.median(values),
@@ -418,6 +467,8 @@ def format_table(windows: list[dict[str, Any]], summary: dict[str, dict[str, flo
         "others",
         "tok/s",
         "core us/tok",
+        "engine",
+        "mlx",
         "fe us/tok",
         "client us/tok",
         "core",
@@ -436,6 +487,8 @@ def format_table(windows: list[dict[str, Any]], summary: dict[str, dict[str, flo
             f"{w['others_cores']:.2f}",
             f"{w['tokens_per_second']:.0f}",
             f"{w['core_us_per_token']:.1f}",
+            _fmt(w.get("core_engine_us_per_token"), ".1f"),
+            _fmt(w.get("core_mlx_us_per_token"), ".1f"),
             f"{w['frontend_us_per_token']:.1f}",
             f"{w['client_us_per_token']:.1f}",
             f"{w['core_cores']:.2f}",
@@ -462,6 +515,8 @@ def format_table(windows: list[dict[str, Any]], summary: dict[str, dict[str, flo
             value("others_cores", ".2f"),
             value("tokens_per_second", ".0f"),
             value("core_us_per_token", ".1f"),
+            value("core_engine_us_per_token", ".1f"),
+            value("core_mlx_us_per_token", ".1f"),
             value("frontend_us_per_token", ".1f"),
             value("client_us_per_token", ".1f"),
             value("core_cores", ".2f"),
@@ -477,7 +532,9 @@ def format_table(windows: list[dict[str, Any]], summary: dict[str, dict[str, flo
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
     lines.append(
-        "(us/tok: CPU microseconds per generated token; core/fe/client/others: cores in use; "
+        "(us/tok: CPU microseconds per generated token; engine / mlx: the core's on its engine "
+        "threads / on MLX's stream threads (the rest is its transport); "
+        "core/fe/client/others: cores in use; "
         "load1: 1-minute load average before the window; serial: the share of the engine's "
         "steps planned after the step before was read)"
     )

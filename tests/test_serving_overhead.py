@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import mlx.core as mx
 import pytest
 
 from bench import serving_overhead as so
+from service.common.os_thread import ENGINE_THREAD, name_this_thread
 from service.core.models.presets import dummy_model
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -106,3 +108,34 @@ def test_summary_and_table() -> None:
     table = so.format_table(windows, summary)
     assert "1000-3000" in table and "median" in table
     assert "0.60-0.70" in table and "401-402" in table
+
+
+def test_the_cores_threads_by_role_from_their_os_names() -> None:
+    """The server names its engine threads for the OS; MLX's and OpenBLAS's keep the process's
+    name; the main thread and ZeroMQ's carry the transport."""
+    assert so.thread_role(10, 12, "engine") == "engine"
+    assert so.thread_role(10, 13, "engine-update") == "engine"
+    assert so.thread_role(10, 10, "python") == "transport"
+    assert so.thread_role(10, 14, "ZMQbg/IO/0") == "transport"
+    assert so.thread_role(10, 15, "python") == "mlx"
+    spent = threading.Event()
+    done = threading.Event()
+
+    def engine() -> None:
+        name_this_thread(ENGINE_THREAD)
+        deadline = time.thread_time() + 0.2
+        while time.thread_time() < deadline:
+            pass
+        spent.set()
+        done.wait(30)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        assert spent.wait(30)
+        ticks = so.thread_ticks(os.getpid())
+        assert set(ticks) == set(so.THREAD_ROLES)
+        assert ticks["engine"] >= 10  # its 0.2 s of CPU time, in 10 ms ticks
+    finally:
+        done.set()
+        thread.join()

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import structlog
 
 from service.common.model_source import ModelLoadError
+from service.common.os_thread import UPDATE_THREAD, name_this_thread
 from service.core.scheduler.adapters import AdapterUnavailableError
 from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 from service.core.scheduler.request import Request, SequenceStatus
@@ -125,7 +126,12 @@ class CoreLoop:
         if update_beside_dispatch and not overlap_steps:
             raise ValueError("reading a step beside the next one's dispatch needs overlap_steps")
         self._beside = (
-            ThreadPoolExecutor(1, thread_name_prefix="engine-update")
+            ThreadPoolExecutor(
+                1,
+                thread_name_prefix=UPDATE_THREAD,
+                initializer=name_this_thread,
+                initargs=(UPDATE_THREAD,),
+            )
             if update_beside_dispatch
             else None
         )

@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from service.common import grammar
 from service.common.config import GPU_PREFILL_TOKENS, ConfigError, CoreConfig
+from service.common.os_thread import ENGINE_THREAD, name_this_thread
 from service.common.tokenizer import Tokenizer
 from service.core import warm_up
 from service.core.engine import paged_attention
@@ -157,7 +158,7 @@ class Runtime:
         """Load and serve on one thread: MLX binds arrays and compiled graphs to the streams of
         the thread that makes them, so the thread that loads the model (and evaluates what
         mlx-lm creates lazily) is the one that runs every forward."""
-        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=ENGINE_THREAD, daemon=True)
         self._thread.start()
 
     @property
@@ -188,6 +189,9 @@ class Runtime:
             mx.clear_streams()
             self._ready.set()
             return
+        # Named for the OS only now: a thread takes its creator's OS name, and MLX's stream
+        # threads, made while loading, should keep the process's.
+        name_this_thread(ENGINE_THREAD)
         self._ready.set()
         assert self.loop is not None
         try:
