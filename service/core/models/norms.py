@@ -5,9 +5,9 @@ a cast and the broadcasts between them, each a primitive. On the CPU every primi
 work twice, on the thread that queues it and on the stream's thread that runs it, and a small
 model's step is mostly that. Traced once by `mx.compile` (shapeless), the same operations are
 four primitives: the square, the sum, the width (shapeless: read from the input) and one fused
-kernel for the rest. They round the same
-way (MLX builds its CPU kernels for the baseline instruction set: no contraction into
-multiply-adds), so the output is `mx.fast.rms_norm`'s bit for bit (tests/test_norms.py).
+kernel for the rest. They round the same way (MLX builds its CPU kernels for the baseline
+instruction set: no contraction into multiply-adds), so the output is `mx.fast.rms_norm`'s bit
+for bit (tests/test_norms.py).
 
 The compiled kernel's inputs broadcast (the sum over each row, the weight over the rows), so MLX
 runs it as a strided kernel that indexes every element: past a few thousand elements it costs
