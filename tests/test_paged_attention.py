@@ -210,8 +210,8 @@ def test_kernels_apply_a_deferred_rope_as_mlx_does(module: nn.Module) -> None:
     done = store_decode_kv(k_got, v_got, keys, values, write, lengths, rotation)
     mx.eval(done)
     rotated_keys = module(keys, offset=lengths - 1)
-    store_decode_kv(k_want, v_want, rotated_keys, values, write, lengths)
-    mx.eval(k_want)
+    # The in-place write runs when its returned array is evaluated, not the pool.
+    mx.eval(store_decode_kv(k_want, v_want, rotated_keys, values, write, lengths))
     ulp = 2.0**-7 * mx.abs(k_want[write].astype(mx.float32)) + 1e-6
     assert (mx.abs(k_got[write] - k_want[write]).astype(mx.float32) <= ulp).all().item()
     # Attention over a random pool: every row reads slots 0.. of it, up to its length, its

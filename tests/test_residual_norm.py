@@ -44,7 +44,9 @@ def _tiny_qwen3() -> nn.Module:
 @pytest.mark.parametrize("make", [tiny_llama, _tiny_qwen3], ids=["llama", "qwen3"])
 def test_fused_layers_give_the_models_own_outputs(make, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every layer's adds go through add_rms_norm (the first layer's input norm excepted:
-    2 * layers - 1 calls a forward) and the logits are the model's own, bit for bit here."""
+    2 * layers - 1 calls a forward) and the logits are the model's own: bit for bit on the CPU
+    (MLX's operations), to float32 roundings on CUDA (the kernel sums the squares in another
+    order than MLX's RMSNorm)."""
     model = make()
     tokens = mx.array([[5, 9, 2, 7, 1], [3, 3, 8, 0, 4]])
     want = model(tokens)
@@ -60,7 +62,10 @@ def test_fused_layers_give_the_models_own_outputs(make, monkeypatch: pytest.Monk
     monkeypatch.setattr(residual_norm, "add_rms_norm", counted)
     got = model(tokens)
     assert len(calls) == 2 * layers - 1
-    assert mx.array_equal(got, want)
+    if mx.cuda.is_available():
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+    else:
+        assert mx.array_equal(got, want)
     first = model.layers[0]
     assert type(first).__name__ == "FusedTransformerBlock"
     assert isinstance(first, type(make().layers[0]))  # names, weights and class kept

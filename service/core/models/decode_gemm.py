@@ -190,8 +190,8 @@ _SOURCE = """
                         static_cast<T>(cs[r * (BN + 4) + BN / 2 + c + e]));
                     // MLX's Sigmoid on T: y = 1 / (1 + exp|g|) rounded to T (its exp of a
                     // T rounded too), then y or 1 - y by the sign, rounded again.
-                    const T e = static_cast<T>(expf(fabsf(g)));
-                    const T y = static_cast<T>(1.0f / (1.0f + static_cast<float>(e)));
+                    const T exp_abs = static_cast<T>(expf(fabsf(g)));
+                    const T y = static_cast<T>(1.0f / (1.0f + static_cast<float>(exp_abs)));
                     const T sig = g < 0.0f ? y : static_cast<T>(1.0f - static_cast<float>(y));
                     const T silu = static_cast<T>(g * static_cast<float>(sig));
                     out8[e] = static_cast<T>(static_cast<float>(silu) * u);
