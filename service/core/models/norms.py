@@ -28,6 +28,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from service.core.models.rope import swap_modules
+
 # Elements from which the fallback's operations cost less than the compiled chain.
 COMPILED_MAX_ELEMENTS = 4096
 
@@ -69,13 +71,13 @@ class CompiledRMSNorm(nn.Module):
 def install(model: Any) -> int:
     """Swap every `nn.RMSNorm` of the model for a CompiledRMSNorm; returns how many, having
     built their kernels (`warm`)."""
-    swapped, dtypes = 0, set()
-    for module in model.modules():
-        for name, child in list(module.items()):
-            if type(child) is nn.RMSNorm:
-                module[name] = CompiledRMSNorm(child)
-                dtypes.add(child.weight.dtype)
-                swapped += 1
+    dtypes = set()
+
+    def compiled(norm: nn.RMSNorm) -> CompiledRMSNorm:
+        dtypes.add(norm.weight.dtype)
+        return CompiledRMSNorm(norm)
+
+    swapped = swap_modules(model, lambda child: type(child) is nn.RMSNorm, compiled)
     for dtype in dtypes:
         warm(dtype)
     return swapped

@@ -84,12 +84,14 @@ def reads_offsets_on_host(model: Any) -> bool:
 
 def install(model: Any) -> int:
     """Wrap the model's dynamic-NTK RoPE modules; returns how many were wrapped."""
-    return _wrap(
+    return swap_modules(
         model, lambda child: isinstance(child, DynamicNTKScalingRoPE), RowwiseDynamicNTKRoPE
     )
 
 
-def _wrap(model: Any, wanted: Callable[[Any], bool], wrapper: Callable[[Any], nn.Module]) -> int:
+def swap_modules(
+    model: Any, wanted: Callable[[Any], bool], wrapper: Callable[[Any], nn.Module]
+) -> int:
     """Replace every child module for which `wanted` holds by `wrapper(child)`; returns how
     many."""
     wrapped = 0
@@ -194,7 +196,7 @@ def _rotate(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array) -> tuple[m
 def share_angles(model: Any, dtype: mx.Dtype | None = None) -> int:
     """Wrap the model's plain non-traditional RoPE modules (`SharedAngleRoPE`); returns how
     many were wrapped, having built their kernels for inputs of `dtype` (`warm`) if given."""
-    wrapped = _wrap(
+    wrapped = swap_modules(
         model, lambda child: type(child) is nn.RoPE and not child.traditional, SharedAngleRoPE
     )
     if wrapped and dtype is not None:
