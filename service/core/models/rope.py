@@ -366,7 +366,7 @@ class DeferredRoPE(nn.Module):
 def defer(model: Any) -> int:
     """Wrap the model's RoPE modules whose rotation the decode kernels can apply
     (`rotation_of`); returns how many were wrapped."""
-    return _wrap(
+    return swap_modules(
         model,
         lambda child: rotation_of(child) is not None,
         lambda child: DeferredRoPE(child, _rotation(child)),
