@@ -171,7 +171,8 @@ def test_swiglu_mlps_take_the_gated_kernel_while_their_group_is_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A half-precision llama whose gate/up groups take the kernel: each MLP computes through
-    `swiglu_t` (here MLX's product and swiglu, as off CUDA) with the model's outputs unchanged;
+    `swiglu_t` (off CUDA MLX's product and swiglu) with the model's outputs unchanged (on CUDA
+    within bfloat16 rounding);
     an MLP whose gate is no longer its group's member (as adapters wrap it) computes as before."""
     from mlx import nn
 
@@ -188,7 +189,12 @@ def test_swiglu_mlps_take_the_gated_kernel_while_their_group_is_whole(
     calls = []
     gated = decode_gemm.swiglu_t
     monkeypatch.setattr(decode_gemm, "swiglu_t", lambda x, w: calls.append(w.shape) or gated(x, w))
-    assert mx.array_equal(model(tokens), want)
+    got = model(tokens)
+    if decode_gemm.available():  # the kernel's bfloat16 products round apart from cuBLAS's
+        spread = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+        assert (spread <= 0.02 * mx.abs(want.astype(mx.float32)).max()).item()
+    else:
+        assert mx.array_equal(got, want)
     assert len(calls) == LAYERS
     mlp = model.layers[0].mlp
     mlp.gate_proj = nn.Linear(64, 128, bias=False)  # no longer the group's member
