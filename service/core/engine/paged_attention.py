@@ -38,6 +38,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from service.core.engine.device_memory import float_bits
 from service.core.models.rope import Rotation
 
 WARPS = 16  # warps per (row, head): each takes every WARPS-th key, then they merge
@@ -83,9 +84,10 @@ _SOURCE = """
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int length = lengths[b * lengths_strides[0]];
-    const int window = window_arr[0];  // 0: full attention; else the last `window` positions
-    const int first = (window > 0 && length > window) ? length - window : 0;
-    const float scale = scale_arr[0];
+    // WINDOW 0: full attention; else the last WINDOW positions. The constants are template
+    // values, not arrays: see device_memory.
+    const int first = (WINDOW > 0 && length > WINDOW) ? length - WINDOW : 0;
+    const float scale = __int_as_float(SCALE_BITS);
 
     float qv[PER];
     float acc[PER];
@@ -97,7 +99,7 @@ _SOURCE = """
             const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
             qd = static_cast<float>(static_cast<T>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
                 d, qd, static_cast<float>(q[q_at + partner * q_strides[3]]), length - 1,
-                inv_freqs, rope_scale[0])));
+                inv_freqs, __int_as_float(ROPE_SCALE_BITS))));
         }
         qv[i] = qd * scale;
         acc[i] = 0.0f;
@@ -118,7 +120,7 @@ _SOURCE = """
                 const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
                 k = static_cast<float>(static_cast<K>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
                     d, k, static_cast<float>(k_new[kn_at + partner * k_new_strides[3]]),
-                    length - 1, inv_freqs, rope_scale[0])));
+                    length - 1, inv_freqs, __int_as_float(ROPE_SCALE_BITS))));
             }
             return static_cast<P>(k);
         };
@@ -214,10 +216,7 @@ def _kernel() -> Any:
             "v_pool",
             "slots",
             "lengths",
-            "window_arr",
-            "scale_arr",
             "inv_freqs",
-            "rope_scale",
             "k_new",
             "v_new",
             "write",
@@ -231,26 +230,23 @@ def _kernel() -> Any:
 
 
 @cache
-def _scale_array(scale: float) -> mx.array:
-    return mx.array([scale], dtype=mx.float32)
-
-
-@cache
 def _no_rotation() -> mx.array:
-    return mx.zeros((1,), dtype=mx.float32)
+    return mx.zeros((1,), dtype=mx.float32)  # never read: ROPE_DIMS is 0
 
 
 def _rope_inputs(rotation: Rotation | None) -> list[mx.array]:
-    """`inv_freqs` and `rope_scale` of the kernels that apply a deferred RoPE."""
-    if rotation is None:
-        return [_no_rotation(), _no_rotation()]
-    return [rotation.inv_freqs, rotation.scale]
+    """`inv_freqs` of the kernels that apply a deferred RoPE."""
+    return [_no_rotation() if rotation is None else rotation.inv_freqs]
 
 
 def _rope_template(rotation: Rotation | None) -> list[tuple[str, int]]:
     if rotation is None:
-        return [("ROPE_DIMS", 0), ("TRADITIONAL", 0)]
-    return [("ROPE_DIMS", rotation.dims), ("TRADITIONAL", int(rotation.traditional))]
+        return [("ROPE_DIMS", 0), ("TRADITIONAL", 0), ("ROPE_SCALE_BITS", 0)]
+    return [
+        ("ROPE_DIMS", rotation.dims),
+        ("TRADITIONAL", int(rotation.traditional)),
+        ("ROPE_SCALE_BITS", float_bits(rotation.scale)),
+    ]
 
 
 def paged_decode_attention(
@@ -298,8 +294,6 @@ def paged_decode_attention(
             v_pool,
             slots,
             lengths,
-            _window_array(window),
-            _scale_array(scale),
             *_rope_inputs(rotation),
             *new,
             after if after is not None else lengths,
@@ -313,6 +307,8 @@ def paged_decode_attention(
             ("KV_HEADS", kv_heads),
             ("WARPS", WARPS),
             ("BLOCK", block),
+            ("WINDOW", window or 0),
+            ("SCALE_BITS", float_bits(scale)),
             ("STORE", int(store is not None)),
             *_rope_template(rotation),
         ],
@@ -354,7 +350,7 @@ _STORE_SOURCE = """
         const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
         k = static_cast<float>(static_cast<K>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
             d, k, static_cast<float>(k_new[k_at + partner * k_new_strides[3]]),
-            lengths[b * lengths_strides[0]] - 1, inv_freqs, rope_scale[0])));
+            lengths[b * lengths_strides[0]] - 1, inv_freqs, __int_as_float(ROPE_SCALE_BITS))));
     }
     const_cast<P*>(k_pool)[dst] = static_cast<P>(k);
     const_cast<P*>(v_pool)[dst] =
@@ -377,7 +373,6 @@ def _store_kernel() -> Any:
             "slots",
             "lengths",
             "inv_freqs",
-            "rope_scale",
         ],
         output_names=["done"],
         source=_STORE_SOURCE,
@@ -429,12 +424,6 @@ def store_decode_kv(
 
 def kernel_supports(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256
-
-
-@cache
-def _window_array(window: int | None) -> mx.array:
-    """The kernel's [1] int32 `window_arr`: the window (0 = none)."""
-    return mx.array([window or 0], dtype=mx.int32)
 
 
 def _reference(queries, k_pool, v_pool, slots, lengths, scale, window=None) -> mx.array:

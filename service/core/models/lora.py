@@ -57,6 +57,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from service.common.model_source import ModelLoadError
+from service.core.engine.device_memory import resident
 from service.core.models import lora_kernel, projections
 from service.core.models.projections import SHARED_INPUT, SharedInput
 from service.protocol import AdapterDescription
@@ -411,7 +412,8 @@ class _Scales:
     def array(self, dtype: mx.Dtype) -> mx.array:
         table = self._arrays.get(dtype)
         if table is None:
-            table = self._arrays[dtype] = mx.array(self.values, dtype=dtype).reshape(-1, 1, 1)
+            values = resident(np.array(self.values, np.float32), dtype)
+            table = self._arrays[dtype] = values[:, None, None]
         return table
 
 
@@ -427,7 +429,7 @@ class _Maps:
         key = tuple(table)
         held = self._held.get(key)
         if held is None:
-            held = self._held[key] = mx.array(key, dtype=mx.int32)
+            held = self._held[key] = resident(np.array(key, dtype=np.int32))
         return held
 
     def retain(self, live: Iterable[mx.array | None]) -> None:

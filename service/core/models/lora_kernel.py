@@ -33,8 +33,10 @@ from functools import cache
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 # The same condition as the decode attention kernel's: MLX's CUDA backend, the GPU the default.
+from service.core.engine.device_memory import resident
 from service.core.engine.paged_attention import kernel_available as available
 
 SHRINK_WARPS = 8  # warps per token in `shrink`: each takes every SHRINK_WARPS-th rank column
@@ -690,10 +692,12 @@ _ROW_LENGTHS: dict[int, mx.array] = {}
 
 
 def _row_length(row_tokens: int) -> mx.array:
-    """The row length as the kernels' input (kept: one array per length)."""
+    """The row length as the kernels' input (kept: one array per length), in device memory
+    (device_memory: an input, not a template value, so a prefill pass's length does not compile
+    a kernel)."""
     held = _ROW_LENGTHS.get(row_tokens)
     if held is None:
-        held = _ROW_LENGTHS[row_tokens] = mx.array([row_tokens], mx.int32)
+        held = _ROW_LENGTHS[row_tokens] = resident(np.array([row_tokens], np.int32))
     return held
 
 

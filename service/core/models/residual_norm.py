@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from service.core.engine.device_memory import float_bits
 from service.core.engine.paged_attention import kernel_available as available
 
 THREADS = 128
@@ -69,7 +70,7 @@ _SOURCE = """
     for (int k = 0; k < THREADS / 32; ++k) {
         total += warp_sums[k];
     }
-    const float normalizer = rsqrt(total / D + eps[0]);
+    const float normalizer = rsqrt(total / D + __int_as_float(EPS_BITS));
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = tid + j * THREADS;
@@ -84,15 +85,10 @@ _SOURCE = """
 def _kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="mlxserve_add_rms_norm",
-        input_names=["x", "r", "w", "eps"],
+        input_names=["x", "r", "w"],
         output_names=["h", "y"],
         source=_SOURCE,
     )
-
-
-@cache
-def _eps_array(eps: float) -> mx.array:
-    return mx.array([eps], dtype=mx.float32)
 
 
 def supported(x: mx.array, r: mx.array, weight: mx.array) -> bool:
@@ -120,8 +116,14 @@ def add_rms_norm(
     if rows == 0:
         return x + r, mx.zeros_like(x)
     h, y = _kernel()(
-        inputs=[x, r, weight, _eps_array(eps)],
-        template=[("T", x.dtype), ("D", width), ("THREADS", THREADS)],
+        inputs=[x, r, weight],
+        # eps is a template value, not an array: see device_memory.
+        template=[
+            ("T", x.dtype),
+            ("D", width),
+            ("THREADS", THREADS),
+            ("EPS_BITS", float_bits(eps)),
+        ],
         grid=(rows * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[x.shape, x.shape],

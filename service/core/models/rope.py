@@ -42,6 +42,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, Llama3RoPE
 
+from service.core.engine.device_memory import resident
+
 # The new tokens of each row of the forward being built (set by the engine around it).
 ROW_LENGTHS: ContextVar[list[int] | None] = ContextVar("row_lengths", default=None)
 
@@ -233,7 +235,7 @@ class Rotation:
     dims: int
     traditional: bool
     inv_freqs: mx.array  # float32 [dims / 2]
-    scale: mx.array  # float32 [1]
+    scale: float  # the kernels' template value (device_memory)
 
     def apply(self, x: mx.array, offset: int | mx.array) -> mx.array:
         return self.module(x, offset=offset)
@@ -248,7 +250,7 @@ def rotation_of(module: Any) -> Rotation | None:
     elif type(module) is Llama3RoPE:
         # MLX's kernel with frequencies: inv_freq = 1.0 / freqs[i] (a double division).
         inv = (1.0 / np.array(module._freqs, dtype=np.float64)).astype(np.float32)
-        inv_freqs = mx.array(inv)
+        inv_freqs = resident(inv)
         scale = 1.0
     else:
         return None
@@ -257,7 +259,7 @@ def rotation_of(module: Any) -> Rotation | None:
         dims=module.dims,
         traditional=module.traditional,
         inv_freqs=inv_freqs,
-        scale=mx.array([scale], dtype=mx.float32),
+        scale=float(scale),
     )
 
 
