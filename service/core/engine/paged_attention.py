@@ -89,32 +89,33 @@ _SOURCE = """
     const int first = (WINDOW > 0 && length > WINDOW) ? length - WINDOW : 0;
     const float scale = __int_as_float(SCALE_BITS);
 
-    float qv[PER];
-    float acc[PER];
-    const int64_t q_at = b * q_strides[0] + h * q_strides[1];
-    for (int i = 0; i < PER; ++i) {
-        const int d = lane * PER + i;
-        float qd = static_cast<float>(q[q_at + d * q_strides[3]]);
-        if (d < ROPE_DIMS) {  // the query's deferred RoPE (its position: length - 1)
-            const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
-            qd = static_cast<float>(static_cast<T>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
-                d, qd, static_cast<float>(q[q_at + partner * q_strides[3]]), length - 1,
-                inv_freqs, __int_as_float(ROPE_SCALE_BITS))));
+    // The query (its deferred RoPE applied: position length - 1) and, with STORE, this
+    // step's new K/V ([B, KV_HEADS, 1, D], read through their strides) are the same for every
+    // warp: one warp rotates each (precise sin and cos, as MLX's RoPE kernel) into shared
+    // memory, and every warp reads them from there. The key is rounded as the store kernel
+    // would have written it.
+    __shared__ float q_shared[D];
+    __shared__ float k_shared[D];
+    __shared__ float v_shared[D];
+    if (warp == 0) {
+        const int64_t q_at = b * q_strides[0] + h * q_strides[1];
+        for (int i = 0; i < PER; ++i) {
+            const int d = lane * PER + i;
+            float qd = static_cast<float>(q[q_at + d * q_strides[3]]);
+            if (d < ROPE_DIMS) {
+                const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
+                qd = static_cast<float>(static_cast<T>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
+                    d, qd, static_cast<float>(q[q_at + partner * q_strides[3]]), length - 1,
+                    inv_freqs, __int_as_float(ROPE_SCALE_BITS))));
+            }
+            q_shared[d] = qd * scale;
         }
-        qv[i] = qd * scale;
-        acc[i] = 0.0f;
     }
-    // STORE: this step's new K/V ([B, KV_HEADS, 1, D], read through their strides) go into
-    // the pools here, in place, by the first query head of each KV head; every block reads the
-    // row's newest position (length - 1) from them, not from the pool, so no block reads a
-    // slot while it is written. The key is rotated (its deferred RoPE) and rounded as the
-    // store kernel would have written it.
-    float new_k[PER];
-    float new_v[PER];
-    if (STORE) {
+    if (STORE && warp == (WARPS > 1 ? 1 : 0)) {
         const int64_t kn_at = b * k_new_strides[0] + kvh * k_new_strides[1];
         const int64_t vn_at = b * v_new_strides[0] + kvh * v_new_strides[1];
-        auto rotated_key = [&](int d) -> P {
+        for (int i = 0; i < PER; ++i) {
+            const int d = lane * PER + i;
             float k = static_cast<float>(k_new[kn_at + d * k_new_strides[3]]);
             if (d < ROPE_DIMS) {
                 const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
@@ -122,20 +123,29 @@ _SOURCE = """
                     d, k, static_cast<float>(k_new[kn_at + partner * k_new_strides[3]]),
                     length - 1, inv_freqs, __int_as_float(ROPE_SCALE_BITS))));
             }
-            return static_cast<P>(k);
-        };
-        for (int i = 0; i < PER; ++i) {
-            const int d = lane * PER + i;
-            new_k[i] = static_cast<float>(rotated_key(d));
-            new_v[i] = static_cast<float>(static_cast<P>(v_new[vn_at + d * v_new_strides[3]]));
+            k_shared[d] = static_cast<float>(static_cast<P>(k));
+            v_shared[d] = static_cast<float>(static_cast<P>(v_new[vn_at + d * v_new_strides[3]]));
         }
-        if (h % (HEADS / KV_HEADS) == 0) {
-            const size_t dst = ((size_t)write[b * write_strides[0]] * KV_HEADS + kvh) * D;
-            for (int d = threadIdx.x; d < D; d += WARPS * 32) {
-                const_cast<P*>(k_pool)[dst + d] = rotated_key(d);
-                const_cast<P*>(v_pool)[dst + d] =
-                    static_cast<P>(v_new[vn_at + d * v_new_strides[3]]);
-            }
+    }
+    __syncthreads();
+    float qv[PER];
+    float acc[PER];
+    float new_k[PER];
+    float new_v[PER];
+    for (int i = 0; i < PER; ++i) {
+        qv[i] = q_shared[lane * PER + i];
+        acc[i] = 0.0f;
+        new_k[i] = STORE ? k_shared[lane * PER + i] : 0.0f;
+        new_v[i] = STORE ? v_shared[lane * PER + i] : 0.0f;
+    }
+    // STORE: the new K/V go into the pools here, in place, by the first query head of each
+    // KV head; every block reads the row's newest position (length - 1) from them, not from
+    // the pool, so no block reads a slot while it is written.
+    if (STORE && h % (HEADS / KV_HEADS) == 0) {
+        const size_t dst = ((size_t)write[b * write_strides[0]] * KV_HEADS + kvh) * D;
+        for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+            const_cast<P*>(k_pool)[dst + d] = static_cast<P>(k_shared[d]);
+            const_cast<P*>(v_pool)[dst + d] = static_cast<P>(v_shared[d]);
         }
     }
     float m = NEG_INF;
