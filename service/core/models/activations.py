@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from service.core.models.swap import swap_modules
+
 _LOG2E = 1.4426950408889634
 # ln 2 split so that n * _LN2_HI is exact for the |n| <= 128 used here (Cody–Waite).
 _LN2_HI = 0.693145751953125
@@ -79,12 +81,7 @@ class FastSwiGLUMLP(nn.Module):
 def install(model: Any) -> int:
     """Give each llama-family float32 layer a FastSwiGLUMLP; returns how many were swapped
     (0 for other architectures and dtypes, which keep mlx-lm's MLP)."""
-    swapped = 0
-    for layer in getattr(model, "layers", []):
-        mlp = getattr(layer, "mlp", None)
-        if _is_swiglu_mlp(mlp):
-            layer["mlp"] = FastSwiGLUMLP(mlp)
-            swapped += 1
+    swapped = swap_modules(model, _is_swiglu_mlp, FastSwiGLUMLP)
     if swapped:
         warm()
     return swapped

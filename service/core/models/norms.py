@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from service.core.models.rope import swap_modules
+from service.core.models.swap import swap_modules
 
 # Elements from which the fallback's operations cost less than the compiled chain.
 COMPILED_MAX_ELEMENTS = 4096

@@ -44,6 +44,8 @@ from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, Llama3RoPE
 
 from service.core.engine.device_memory import resident
 
+from service.core.models.swap import swap_modules
+
 # The new tokens of each row of the forward being built (set by the engine around it).
 ROW_LENGTHS: ContextVar[list[int] | None] = ContextVar("row_lengths", default=None)
 
@@ -89,20 +91,6 @@ def install(model: Any) -> int:
     return swap_modules(
         model, lambda child: isinstance(child, DynamicNTKScalingRoPE), RowwiseDynamicNTKRoPE
     )
-
-
-def swap_modules(
-    model: Any, wanted: Callable[[Any], bool], wrapper: Callable[[Any], nn.Module]
-) -> int:
-    """Replace every child module for which `wanted` holds by `wrapper(child)`; returns how
-    many."""
-    wrapped = 0
-    for module in model.modules():
-        for name, child in list(module.items()):
-            if wanted(child):
-                module[name] = wrapper(child)
-                wrapped += 1
-    return wrapped
 
 
 class _Angles(threading.local):
