@@ -43,7 +43,6 @@ import numpy as np
 from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, Llama3RoPE
 
 from service.core.engine.device_memory import resident
-
 from service.core.models.swap import swap_modules
 
 # The new tokens of each row of the forward being built (set by the engine around it).
