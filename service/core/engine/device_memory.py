@@ -1,13 +1,13 @@
 """Constants our CUDA kernels read, kept out of unified memory.
 
-MLX's CUDA allocator puts every array made from host data, and every array of 8 bytes or less
-(its scalar pool), in CUDA managed memory; only arrays that ops make on a stream go to device
-memory. The host keeps writing managed pages: each step's inputs, and the scalar operands MLX
-makes for Python numbers, share the scalar pool's pages. A kernel that reads a constant from
-such a page waits for it (read across the bus, or migrated back), which costs tens of
-microseconds where the read itself costs nanoseconds. So a kernel takes its constants as
-template values (a float as its bits: `float_bits`) or, where one would compile a kernel per
-value, as an array copied into device memory once (`resident`).
+MLX's CUDA allocator puts every array made from host data, and every array of 8 bytes or less,
+in CUDA managed memory; only arrays that ops make on a stream go to device memory. The small
+arrays share one pool of pages, and the host keeps writing it: the scalar operands MLX makes for
+Python numbers land there. A kernel that reads a constant from such a page waits for the page
+(read across the bus, or migrated back), which can cost more than the kernel's own work. So a
+kernel takes its constants as template values (a float as its bits: `float_bits`) or, where one
+would compile a kernel per value, as an array copied into device memory once (`resident`).
+docs/cuda-backend.md explains it; `bench/managed_memory.py` measures it.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-# The same condition as the decode attention kernel's: MLX's CUDA backend, the GPU the default.
 from service.core.engine.device_memory import resident
+
+# The same condition as the decode attention kernel's: MLX's CUDA backend, the GPU the default.
 from service.core.engine.paged_attention import kernel_available as available
 
 SHRINK_WARPS = 8  # warps per token in `shrink`: each takes every SHRINK_WARPS-th rank column
