@@ -67,6 +67,21 @@ __device__ __forceinline__ float mlxserve_rotate(
     const float s = sin(theta);
     return first ? x * c - other * s : other * s + x * c;
 }
+
+// Element d of a head vector read at x[at + j * stride] (j: its dimension), as float: rotated
+// for a token at position `pos` when d < ROPE_DIMS, and then rounded to R as MLX's RoPE kernel
+// rounds its output.
+template <int ROPE_DIMS, int TRADITIONAL, typename R, typename X>
+__device__ __forceinline__ float mlxserve_rotated(
+    const X* x, int64_t at, int64_t stride, int d, int pos, const float* inv_freqs, float scale) {
+    const float v = static_cast<float>(x[at + d * stride]);
+    if (d >= ROPE_DIMS) {
+        return v;
+    }
+    const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
+    return static_cast<float>(static_cast<R>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
+        d, v, static_cast<float>(x[at + partner * stride]), pos, inv_freqs, scale)));
+}
 """
 
 _SOURCE = """
@@ -101,14 +116,8 @@ _SOURCE = """
         const int64_t q_at = b * q_strides[0] + h * q_strides[1];
         for (int i = 0; i < PER; ++i) {
             const int d = lane * PER + i;
-            float qd = static_cast<float>(q[q_at + d * q_strides[3]]);
-            if (d < ROPE_DIMS) {
-                const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
-                qd = static_cast<float>(static_cast<T>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
-                    d, qd, static_cast<float>(q[q_at + partner * q_strides[3]]), length - 1,
-                    inv_freqs, __int_as_float(ROPE_SCALE_BITS))));
-            }
-            q_shared[d] = qd * scale;
+            q_shared[d] = scale * mlxserve_rotated<ROPE_DIMS, TRADITIONAL, T>(
+                q, q_at, q_strides[3], d, length - 1, inv_freqs, __int_as_float(ROPE_SCALE_BITS));
         }
     }
     if (STORE && warp == (WARPS > 1 ? 1 : 0)) {
@@ -116,13 +125,8 @@ _SOURCE = """
         const int64_t vn_at = b * v_new_strides[0] + kvh * v_new_strides[1];
         for (int i = 0; i < PER; ++i) {
             const int d = lane * PER + i;
-            float k = static_cast<float>(k_new[kn_at + d * k_new_strides[3]]);
-            if (d < ROPE_DIMS) {
-                const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
-                k = static_cast<float>(static_cast<K>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
-                    d, k, static_cast<float>(k_new[kn_at + partner * k_new_strides[3]]),
-                    length - 1, inv_freqs, __int_as_float(ROPE_SCALE_BITS))));
-            }
+            const float k = mlxserve_rotated<ROPE_DIMS, TRADITIONAL, K>(k_new, kn_at,
+                k_new_strides[3], d, length - 1, inv_freqs, __int_as_float(ROPE_SCALE_BITS));
             k_shared[d] = static_cast<float>(static_cast<P>(k));
             v_shared[d] = static_cast<float>(static_cast<P>(v_new[vn_at + d * v_new_strides[3]]));
         }
@@ -355,13 +359,10 @@ _STORE_SOURCE = """
     const int64_t d = i % D;
     const size_t dst = (size_t)slots[b * slots_strides[0]] * per_token + i % per_token;
     const int64_t k_at = b * k_new_strides[0] + h * k_new_strides[1];
-    float k = static_cast<float>(k_new[k_at + d * k_new_strides[3]]);
-    if (d < ROPE_DIMS) {  // the key's deferred RoPE, rounded to k's dtype as MLX's RoPE is
-        const int partner = mlxserve_rope_partner<ROPE_DIMS, TRADITIONAL>(d);
-        k = static_cast<float>(static_cast<K>(mlxserve_rotate<ROPE_DIMS, TRADITIONAL>(
-            d, k, static_cast<float>(k_new[k_at + partner * k_new_strides[3]]),
-            lengths[b * lengths_strides[0]] - 1, inv_freqs, __int_as_float(ROPE_SCALE_BITS))));
-    }
+    // The key's deferred RoPE, rounded to k's dtype as MLX's RoPE is.
+    const float k = mlxserve_rotated<ROPE_DIMS, TRADITIONAL, K>(k_new, k_at, k_new_strides[3],
+        static_cast<int>(d), lengths[b * lengths_strides[0]] - 1, inv_freqs,
+        __int_as_float(ROPE_SCALE_BITS));
     const_cast<P*>(k_pool)[dst] = static_cast<P>(k);
     const_cast<P*>(v_pool)[dst] =
         static_cast<P>(v_new[b * v_new_strides[0] + h * v_new_strides[1] + d * v_new_strides[3]]);
