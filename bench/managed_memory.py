@@ -14,7 +14,8 @@ chained `--calls` times and evaluated, `--rounds` times, with its constant c rea
 
 and, for MLX's own kernels, `x * 0.5 + x` with the Python number against the same product with
 a resident [width] vector. Between rounds the host makes `--host-scalars` fresh scalar arrays, as
-an engine step does. Prints each variant's mean kernel time (CUPTI) and writes JSON (`--out`):
+an engine step does. Prints each variant's mean kernel times (CUPTI, its three costliest
+kernels) and writes JSON (`--out`):
 
     python3 bench/managed_memory.py --rows 256 --width 576 --calls 59 --out managed.json
 """
@@ -22,10 +23,7 @@ an engine step does. Prints each variant's mean kernel time (CUPTI) and writes J
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,16 +41,6 @@ _SOURCE = """
 """
 
 
-def kernel_means(kernels: list[tuple[float, float, str]]) -> dict[str, dict[str, float]]:
-    """Mean duration (µs) and count of each kernel name in CUPTI's records."""
-    durations: dict[str, list[float]] = defaultdict(list)
-    for start, stop, name in kernels:
-        durations[name].append(stop - start)
-    return {
-        name: {"mean_us": statistics.fmean(d), "count": len(d)} for name, d in durations.items()
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -68,8 +56,9 @@ def main() -> None:
         raise SystemExit("needs PyTorch (its profiler reads CUPTI's kernel records)") from None
     import mlx.core as mx
     import numpy as np
-    from cuda_timeline import traced
+    from cuda_timeline import summarize, traced
 
+    from bench.report import write_json
     from service.core.engine.device_memory import float_bits, resident
 
     if not mx.cuda.is_available():
@@ -126,14 +115,12 @@ def main() -> None:
 
         run()
         _, kernels = traced(run)
-        means = kernel_means(kernels)
-        results[label] = means
-        top = sorted(means.items(), key=lambda kv: -kv[1]["mean_us"] * kv[1]["count"])[:3]
-        for name, m in top:
-            print(f"{label:>20}: {m['mean_us']:8.2f} µs x{m['count']:<5} {name[:70]}")
-    if args.out:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, **results}))
-        print(f"wrote {args.out}")
+        top = summarize(kernels, steps=args.rounds, top=3).get("top", [])
+        results[label] = top
+        for kernel in top:
+            mean_us = 1e3 * kernel["total_ms"] / kernel["count"]
+            print(f"{label:>20}: {mean_us:8.2f} µs x{kernel['count']:<5} {kernel['name'][:70]}")
+    write_json(args.out, args, variants=results)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import llguidance as llg
 import numpy as np
 import structlog
 
-from service.common.os_thread import name_this_thread
+from service.common.os_thread import named_executor
 from service.protocol import FORMAT_KINDS, ResponseFormat
 
 if TYPE_CHECKING:
@@ -343,12 +343,7 @@ def fill_masks_later(
 
     with _filler_lock:
         if _filler is None:
-            _filler = ThreadPoolExecutor(
-                1,
-                thread_name_prefix="grammar-masks",
-                initializer=name_this_thread,
-                initargs=("grammar-masks",),
-            )
+            _filler = named_executor(1, "grammar-masks")
         return _filler.submit(fill)
 
 
@@ -426,19 +421,9 @@ class GrammarCache:
         self._observer = observer
         fuel = max(_MIN_INITIAL_FUEL, int(_FUEL_PER_MS * self.max_compile_ms))
         self._limits = llg.LLParserLimits(initial_lexer_fuel=fuel, verbose_errors=False)
-        self._pool = ThreadPoolExecutor(
-            compile_threads,
-            thread_name_prefix="grammar-compile",
-            initializer=name_this_thread,
-            initargs=("grammar-compile",),
-        )
+        self._pool = named_executor(compile_threads, "grammar-compile")
         self.lexers = max(1, int(lexers))
-        self._lexer_pool = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="grammar-lexers",
-            initializer=name_this_thread,
-            initargs=("grammar-lexers",),
-        )
+        self._lexer_pool = named_executor(1, "grammar-lexers")
         self._lock = threading.Lock()
         self._done: OrderedDict[str, Compiled | GrammarError] = OrderedDict()
         self._pending: dict[str, Future] = {}

@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 _PR_SET_NAME = 15
 NAME_BYTES = 15  # the kernel keeps 15 bytes and a terminating zero
@@ -32,3 +33,10 @@ def name_this_thread(name: str) -> None:
     libc = _libc()
     if libc is not None:
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:NAME_BYTES]), 0, 0, 0)
+
+
+def named_executor(workers: int, name: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads carry `name` in Python and for the OS (`name_this_thread`)."""
+    return ThreadPoolExecutor(
+        workers, thread_name_prefix=name, initializer=name_this_thread, initargs=(name,)
+    )

@@ -35,14 +35,13 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
 
 from service.common.model_source import ModelLoadError
-from service.common.os_thread import UPDATE_THREAD, name_this_thread
+from service.common.os_thread import UPDATE_THREAD, named_executor
 from service.core.scheduler.adapters import AdapterUnavailableError
 from service.core.scheduler.plan import RowMasks, StepPlan, StepResult
 from service.core.scheduler.request import Request, SequenceStatus
@@ -125,16 +124,7 @@ class CoreLoop:
         self._overlap = overlap_steps
         if update_beside_dispatch and not overlap_steps:
             raise ValueError("reading a step beside the next one's dispatch needs overlap_steps")
-        self._beside = (
-            ThreadPoolExecutor(
-                1,
-                thread_name_prefix=UPDATE_THREAD,
-                initializer=name_this_thread,
-                initargs=(UPDATE_THREAD,),
-            )
-            if update_beside_dispatch
-            else None
-        )
+        self._beside = named_executor(1, UPDATE_THREAD) if update_beside_dispatch else None
         self._on_turn = on_turn
         # Steps planned while the step before ran, and after it was read (the metrics').
         self.steps = StepCounters()

@@ -12,12 +12,15 @@ docs/cuda-backend.md explains it; `bench/managed_memory.py` measures it.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
 _MIN_ELEMENTS = 16  # past the 8 bytes of MLX's scalar pool, whatever the dtype
 
 
+@functools.cache  # a kernel call asks for its constants' bits every time; they are few
 def float_bits(value: float) -> int:
     """`value` rounded to float32, as the int32 of its bits (a kernel's template value, which
     the kernel reads back with `__int_as_float`)."""
