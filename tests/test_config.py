@@ -160,6 +160,7 @@ def test_cuda_path_of_a_plain_attention_family():
     assert config == EngineConfig(
         decode_attention="direct",
         in_place_writes=True,
+        rope_in_kernels=True,
         overlap_steps=True,
         update_beside_dispatch=True,
         compile_decode=True,
@@ -167,6 +168,7 @@ def test_cuda_path_of_a_plain_attention_family():
         lora_kernel=True,
         fused_projections=True,
         decode_gemm=True,
+        fused_add_norm=True,
         fold_quantized_rows=True,
     )
 
@@ -179,6 +181,7 @@ def test_cuda_path_narrowed_by_the_model():
             lora_kernel=True,
             fused_projections=True,
             decode_gemm=True,
+            fused_add_norm=True,
             fold_quantized_rows=True,
         )
     )
@@ -190,6 +193,7 @@ def test_cuda_path_narrowed_by_the_model():
             lora_kernel=True,
             fused_projections=True,
             decode_gemm=True,
+            fused_add_norm=True,
             fold_quantized_rows=True,
         )
     )

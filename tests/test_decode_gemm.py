@@ -17,6 +17,8 @@ cuda_only = pytest.mark.skipif(not decode_gemm.available(), reason="needs MLX's 
 
 # (rows, N, K): SmolLM2's q/k/v, gate/up, o, down and head at row buckets, the 8B's q/k/v.
 SHAPES = [(1, 960, 576), (7, 3072, 576), (33, 576, 576), (256, 576, 1536), (64, 6144, 4096)]
+# (rows, 2 * intermediate, K): SmolLM2's and the 8B's gate/up weights.
+GATED_SHAPES = [(1, 3072, 576), (256, 3072, 576), (64, 28672, 4096)]
 
 
 def _operands(rows: int, n: int, k: int, dtype: mx.Dtype, seed: int = 0):
@@ -101,8 +103,11 @@ def test_the_source_compiles_for_every_shape(
     for rows, n, k in SHAPES:
         for dtype in (mx.bfloat16, mx.float16):
             decode_gemm.matmul_t(*_operands(rows, n, k, dtype))
+    for rows, n, k in GATED_SHAPES:
+        decode_gemm.swiglu_t(*_operands(rows, n, k, mx.bfloat16))
     compiled = recorder.compile(tmp_path)
-    assert len(compiled.registers) == len(recorder.launches) == 2 * len(SHAPES), compiled.log
+    launches = 2 * len(SHAPES) + len(GATED_SHAPES)
+    assert len(compiled.registers) == len(recorder.launches) == launches, compiled.log
     assert compiled.spills == 0, compiled.log
     assert max(compiled.registers) * decode_gemm.THREADS <= 65536, compiled.registers
 
@@ -141,3 +146,58 @@ def test_install_takes_small_plain_products_only() -> None:
     # Off CUDA the kernel's layers compute MLX's product, so the model's outputs are unchanged.
     assert mx.array_equal(block.q_proj(x), x @ block.q_proj.weight.T)
     assert mx.array_equal(block.o_proj(block.q_proj(x)), block.q_proj(x) @ weight.T)
+
+
+@cuda_only
+@pytest.mark.parametrize("rows,n,k", GATED_SHAPES)
+def test_the_gated_kernel_is_mlx_lms_swiglu(rows: int, n: int, k: int) -> None:
+    """silu(x @ gate.T) * (x @ up.T) for a fused gate/up weight, against MLX's product and
+    mlx-lm's swiglu: within a few roundings of the half type (the products' sums run in
+    another order than cuBLAS's, and each of the half-type gate and up can round the other
+    way; a lost chunk of K or a wrong column would be off by far more)."""
+    from mlx_lm.models.activations import swiglu
+
+    x, w = _operands(rows, n, k, mx.bfloat16, seed=rows + n)
+    got = decode_gemm.swiglu_t(x, w)
+    gate, up = mx.split(x @ w.T, [n // 2], axis=-1)
+    want = swiglu(gate, up)
+    assert got.shape == (rows, n // 2) and got.dtype == mx.bfloat16
+    diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
+    scale = mx.abs(want.astype(mx.float32)) + 1e-2
+    assert (diff / scale).max().item() < 8 * 2.0**-8
+
+
+def test_swiglu_mlps_take_the_gated_kernel_while_their_group_is_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A half-precision llama whose gate/up groups take the kernel: each MLP computes through
+    `swiglu_t` (off CUDA MLX's product and swiglu) with the model's outputs unchanged (on CUDA
+    within bfloat16 rounding);
+    an MLP whose gate is no longer its group's member (as adapters wrap it) computes as before."""
+    from mlx import nn
+
+    from service.core.models import projections
+    from tests.helpers.tiny import LAYERS, tiny_llama
+
+    model = tiny_llama()
+    model.set_dtype(mx.bfloat16)
+    projections.fuse(model)
+    tokens = mx.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    want = model(tokens)
+    decode_gemm.install(model)
+    assert all(isinstance(layer.mlp, decode_gemm.KernelSwiGLU) for layer in model.layers)
+    calls = []
+    gated = decode_gemm.swiglu_t
+    monkeypatch.setattr(decode_gemm, "swiglu_t", lambda x, w: calls.append(w.shape) or gated(x, w))
+    got = model(tokens)
+    if decode_gemm.available():  # the kernel's bfloat16 products round apart from cuBLAS's
+        spread = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+        assert (spread <= 0.02 * mx.abs(want.astype(mx.float32)).max()).item()
+    else:
+        assert mx.array_equal(got, want)
+    assert len(calls) == LAYERS
+    mlp = model.layers[0].mlp
+    mlp.gate_proj = nn.Linear(64, 128, bias=False)  # no longer the group's member
+    calls.clear()
+    model(tokens)
+    assert len(calls) == LAYERS - 1

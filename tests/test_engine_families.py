@@ -26,7 +26,7 @@ from service.core.engine.paged_attention import kernel_available, kernel_support
 from service.core.engine.runner import ModelRunner
 from service.core.engine.sampler import SamplingParams
 from service.core.engine.storage import PoolShape, make_storage
-from service.core.models import decode_gemm, norms, projections, quantized, rope
+from service.core.models import decode_gemm, norms, projections, quantized, residual_norm, rope
 from service.core.models.families import family
 from service.core.models.layout import probe_layout
 from service.core.models.loader import float_dtype, materialize, model_family
@@ -145,7 +145,7 @@ def model_family_of(config: dict) -> str:
     return model_class.__module__.rsplit(".", 1)[-1]
 
 
-def build(name: str) -> nn.Module:
+def build(name: str, dtype: mx.Dtype = mx.float32) -> nn.Module:
     base, bits, group = QUANTIZED.get(name, (name, 0, 0))
     config = CONFIGS[base]
     model_class, args_class = _get_classes(config)
@@ -161,15 +161,22 @@ def build(name: str) -> nn.Module:
         model.lm_head.weight = model.lm_head.weight * 8
     if bits:
         nn.quantize(model, group_size=group, bits=bits)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
 
 
-def alone(name: str, prompt: list[int], steps: int) -> list[tuple[int, float]]:
+def alone(
+    name: str, prompt: list[int], steps: int, dtype: mx.Dtype = mx.float32
+) -> list[tuple[int, float]]:
     """mlx-lm's own greedy generation of one prompt, on a fresh copy of the model."""
     out = []
     stream = generate_step(
-        mx.array(prompt), build(name), max_tokens=steps, sampler=lambda x: mx.argmax(x, axis=-1)
+        mx.array(prompt),
+        build(name, dtype),
+        max_tokens=steps,
+        sampler=lambda x: mx.argmax(x, axis=-1),
     )
     for token, logprobs in stream:
         out.append((int(token), logprobs[int(token)].item()))
@@ -185,6 +192,7 @@ def serve(
     fused: bool | None = None,
     folded: bool | None = None,
     dequantized: bool = False,
+    dtype: mx.Dtype = mx.float32,
 ):
     """Our engine: prefill the prompts (together unless the model keeps recurrent state, which
     prefills one row per forward), then decode every row together, pipelined as the scheduler
@@ -192,8 +200,9 @@ def serve(
     attention read from the pool, through the MLX-ops reference of the CUDA kernel; `fused`:
     sibling projections as one matmul (None: where the platform fuses them, as the server);
     `folded`: quantized projections fold the rows into one product (None: as the platform);
-    `dequantized`: quantized layers made float at load (the CPU server's form)."""
-    model = build(name)
+    `dequantized`: quantized layers made float at load (the CPU server's form); `dtype`: the
+    model's (bfloat16: the GPU server's)."""
+    model = build(name, dtype)
     if dequantized:
         assert quantized.dequantize(model) > 0
     rope.install(model)
@@ -212,16 +221,27 @@ def serve(
         grouped_heads=heads > layout.kv_heads,
         compilable=not rope.reads_offsets_on_host(model),
     )
-    if direct:
-        config = replace(config, decode_attention="direct", fast_mirror_attention=False)
+    if direct:  # as CUDA: RoPE left to the write and the attention; adds and norms fused
+        config = replace(
+            config,
+            decode_attention="direct",
+            fast_mirror_attention=False,
+            rope_in_kernels=True,
+            shared_rope_angles=False,
+            fused_add_norm=True,
+        )
     if config.shared_rope_angles:  # as the runtime: the CPU's layers share RoPE's angles
         rope.share_angles(model)
+    if config.rope_in_kernels:  # as the runtime: direct steps' RoPE left to the decode kernels
+        rope.defer(model)
     if config.compiled_norms:  # and normalize with compiled chains
         norms.install(model)
     if config.fused_projections if fused is None else fused:
         projections.fuse(model)
     if config.decode_gemm:
         decode_gemm.install(model)
+    if config.fused_add_norm:
+        residual_norm.install(model)
     if config.fold_quantized_rows if folded is None else folded:
         quantized.fold_rows(model)
     storage = make_storage(config, model, layout, PoolShape(num_blocks=256))
@@ -294,13 +314,49 @@ def test_batched_rows_give_mlx_lm_alone(name):
 @pytest.mark.parametrize(
     "name", [n for n, c in CONFIGS.items() if family(model_family_of(c)).direct_decode]
 )
-def test_direct_decode_reference_gives_mlx_lm_alone(name):
-    """The families the CUDA kernel serves, through the kernel's MLX-ops reference here."""
+def test_direct_decode_reference_gives_mlx_lm_alone(name, monkeypatch: pytest.MonkeyPatch):
+    """The families the CUDA kernel serves, through the kernel's MLX-ops reference here, with
+    their RoPE deferred to the pool write and the attention as on CUDA (where the family's
+    RoPE is one the kernels apply)."""
+    taken = []
+    take = rope.take
+
+    def counted(x: mx.array) -> rope.Rotation | None:
+        rotation = take(x)
+        if rotation is not None:
+            taken.append(rotation)
+        return rotation
+
+    monkeypatch.setattr(rope, "take", counted)
     prompts = prompts_for()
     want = [alone(name, p, 8) for p in prompts]
     engine, got = serve(name, prompts, 8, direct=True)
-    assert engine.config.decode_attention == "direct"
+    assert engine.config.decode_attention == "direct" and engine.config.rope_in_kernels
     assert_same(want, got)
+    deferred = [m for m in engine.engine.model.modules() if isinstance(m, rope.DeferredRoPE)]
+    assert bool(taken) == bool(deferred)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the CUDA path's bfloat16 kernels")
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "mistral-layer-types"])
+def test_bfloat16_cuda_path_follows_mlx_lm(name):
+    """In bfloat16 every product, norm and attention of the CUDA path is a kernel of ours
+    (decode_gemm, its gated SwiGLU, the add+RMSNorm, the attention that rotates and stores),
+    rounding where MLX's do but summing in other orders, so tokens may part from mlx-lm's
+    once two logits come within a rounding. With the peaked head they almost never do: the
+    rows' tokens up to their first difference must cover most of them (a wrong kernel leaves
+    next to none)."""
+    prompts = prompts_for()
+    steps = 8
+    want = [alone(name, p, steps, mx.bfloat16) for p in prompts]
+    _, got = serve(name, prompts, steps, dtype=mx.bfloat16)
+    agreed = 0
+    for w, g in zip(want, got):
+        for (a, _), (b, _) in zip(w, g):
+            if a != b:
+                break
+            agreed += 1
+    assert agreed >= 0.75 * steps * len(prompts), (agreed, want, got)
 
 
 @pytest.mark.parametrize("name", [*CONFIGS, *QUANTIZED])

@@ -451,3 +451,18 @@ def test_decode_inputs_pack_each_rows_block_table():
     assert (blocks[5:] == scratch_block).all()
     with pytest.raises(SlotsNotReservedError):
         storage.decode_inputs(step_layout([None], [8], [1], [tables[0]]), 32, 1)
+
+
+def test_new_kv_held_for_an_attention_that_never_takes_them_raise_at_the_forwards_end():
+    """A direct step's in-place write holds the layer's new K/V for its attention kernel; a
+    last layer whose attention did not take them would drop them silently: the end of the
+    forward raises instead."""
+    storage = paged(decode_attention="direct", in_place=True)
+    storage.apply(BlockUpdate(capacity=4))
+    handles = [storage.new_sequence() for _ in range(2)]
+    batch = step_layout(handles, [3, 5], [1, 1], [[0], [1]])
+    kv = mx.zeros((2, KV_HEADS, 1, HEAD_DIM))
+    storage.write(LAYERS - 1, batch, kv, kv)
+    with pytest.raises(RuntimeError, match="never written"):
+        storage.end_forward()
+    storage.end_forward()  # raised once: nothing is held any more

@@ -8,13 +8,21 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx_lm.models.rope_utils import Llama3RoPE
 
 from service.core.engine import paged_attention
 from service.core.engine.config import EngineConfig
 from service.core.engine.kv_paged import PagedKVStorage
-from service.core.engine.paged_attention import _reference, paged_decode_attention, store_decode_kv
+from service.core.engine.paged_attention import (
+    NewKV,
+    _reference,
+    paged_decode_attention,
+    store_decode_kv,
+)
 from service.core.engine.sampler import SamplingParams
+from service.core.models import rope
 from tests.helpers import cuda_source
 from tests.helpers.attention import naive, random_case
 from tests.helpers.tiny import (
@@ -123,7 +131,7 @@ def test_in_place_write_lands_in_its_slots_before_attention_reads_them():
     values = mx.random.normal((3, kv_heads, 1, head_dim)).astype(mx.bfloat16)
     queries = mx.random.normal((3, heads, 1, head_dim)).astype(mx.bfloat16)
     slots = mx.array([7, 0, 33], dtype=mx.int32)
-    done = store_decode_kv(k_pool, v_pool, keys, values, slots)
+    done = store_decode_kv(k_pool, v_pool, keys, values, slots, mx.ones(3, mx.int32))
     # One position per row: attention returns that position's value, so it must see the
     # write queued in the same graph (ordered by `after`), not the zeros before it.
     out = paged_decode_attention(
@@ -163,7 +171,7 @@ def test_kernels_read_strided_inputs_through_their_strides():
     mx.eval(k_pool, v_pool, k_want, v_want)
     k_want[mx.array(write_slots)] = keys[:, :, 0]
     v_want[mx.array(write_slots)] = values[:, :, 0]
-    done = store_decode_kv(k_pool, v_pool, keys, values, write)
+    done = store_decode_kv(k_pool, v_pool, keys, values, write, lens)
     got = paged_decode_attention(
         queries, k_pool, v_pool, table, lens, 0.125, after=done, block=block
     ).astype(mx.float32)
@@ -172,6 +180,95 @@ def test_kernels_read_strided_inputs_through_their_strides():
     want = naive(queries, k_want, v_want, slots, mx.array(lengths), 0.125, None)
     assert mx.array_equal(k_pool, k_want).item() and mx.array_equal(v_pool, v_want).item()
     assert mx.abs(got - want.astype(mx.float32)).max().item() < 2e-2
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.RoPE(64),
+        nn.RoPE(32, traditional=True, base=500000.0, scale=0.5),
+        Llama3RoPE(64, base=500000.0, scaling_config={"factor": 8.0}),
+    ],
+    ids=["plain", "traditional-partial", "llama3"],
+)
+def test_kernels_apply_a_deferred_rope_as_mlx_does(module: nn.Module) -> None:
+    """A step's RoPE left to the kernels (service.core.models.rope.DeferredRoPE): the K/V
+    store rotates the keys, the attention the queries, each row's token at position
+    length - 1, as MLX's RoPE would have before them."""
+    rotation = rope.rotation_of(module)
+    rows, heads, kv_heads, head_dim = 4, 8, 2, 64
+    mx.random.seed(8)
+    queries = mx.random.normal((rows, heads, 1, head_dim)).astype(mx.bfloat16)
+    keys = mx.random.normal((rows, kv_heads, 1, head_dim)).astype(mx.bfloat16)
+    values = mx.random.normal((rows, kv_heads, 1, head_dim)).astype(mx.bfloat16)
+    lengths = mx.array([1, 6, 40, 1000], dtype=mx.int32)
+    write = mx.array([3, 9, 27, 50], dtype=mx.int32)
+    pools = [mx.zeros((64, kv_heads, head_dim), mx.bfloat16) for _ in range(4)]
+    mx.eval(pools)
+    k_got, v_got, k_want, v_want = pools
+    done = store_decode_kv(k_got, v_got, keys, values, write, lengths, rotation)
+    mx.eval(done)
+    rotated_keys = module(keys, offset=lengths - 1)
+    # The in-place write runs when its returned array is evaluated, not the pool.
+    mx.eval(store_decode_kv(k_want, v_want, rotated_keys, values, write, lengths))
+    ulp = 2.0**-7 * mx.abs(k_want[write].astype(mx.float32)) + 1e-6
+    assert (mx.abs(k_got[write] - k_want[write]).astype(mx.float32) <= ulp).all().item()
+    # Attention over a random pool: every row reads slots 0.. of it, up to its length, its
+    # query at position length - 1.
+    k_pool = mx.random.normal((64, kv_heads, head_dim)).astype(mx.bfloat16)
+    v_pool = mx.random.normal((64, kv_heads, head_dim)).astype(mx.bfloat16)
+    spans = mx.array([1, 5, 17, 33], dtype=mx.int32)
+    slots = mx.broadcast_to(mx.arange(40, dtype=mx.int32), (rows, 40))
+    got = paged_decode_attention(queries, k_pool, v_pool, slots, spans, 0.125, rotation=rotation)
+    rotated = module(queries, offset=spans - 1)
+    want = paged_decode_attention(rotated, k_pool, v_pool, slots, spans, 0.125)
+    unrotated = paged_decode_attention(queries, k_pool, v_pool, slots, spans, 0.125)
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 2e-2
+    assert mx.abs(unrotated.astype(mx.float32) - want.astype(mx.float32)).max().item() > 0.1
+
+
+@cuda_only
+@pytest.mark.parametrize("rotated", [False, True])
+def test_the_attention_writes_the_new_kv_as_the_store_kernel_would(rotated: bool) -> None:
+    """`store=`: the attention kernel writes the step's new K/V in place (one block per K/V
+    head) and reads each row's newest position from them: the pools and the output equal the
+    store kernel's write followed by the attention."""
+    rows, heads, kv_heads, head_dim, block = 4, 8, 2, 64, 4
+    rotation = rope.rotation_of(nn.RoPE(head_dim)) if rotated else None
+    mx.random.seed(9)
+    queries = mx.random.normal((rows, heads, 1, head_dim)).astype(mx.bfloat16)
+    keys = mx.random.normal((rows, kv_heads, 1, head_dim)).astype(mx.bfloat16)
+    values = mx.random.normal((rows, kv_heads, 1, head_dim)).astype(mx.bfloat16)
+    lengths = mx.array([1, 4, 7, 12], dtype=mx.int32)
+    tables = mx.array([[4 * r + 1, 4 * r + 2, 4 * r + 3] for r in range(rows)], dtype=mx.int32)
+    last = lengths - 1
+    write = mx.take_along_axis(tables, (last // block)[:, None], axis=1)[:, 0] * block + (
+        last % block
+    )
+    # Every slot the tables name (blocks up to 4 * rows - 1) lies inside the pools.
+    start = mx.random.normal((4 * rows * block, kv_heads, head_dim)).astype(mx.bfloat16)
+    k_a, v_a, k_b, v_b = (start * 1 for _ in range(4))
+    mx.eval(k_a, v_a, k_b, v_b)
+    done = store_decode_kv(k_a, v_a, keys, values, write, lengths, rotation)
+    want = paged_decode_attention(
+        queries, k_a, v_a, tables, lengths, 0.125, after=done, block=block, rotation=rotation
+    )
+    mx.eval(want)
+    got = paged_decode_attention(
+        queries,
+        k_b,
+        v_b,
+        tables,
+        lengths,
+        0.125,
+        block=block,
+        rotation=rotation,
+        store=NewKV(keys, values, write),
+    )
+    mx.eval(got)
+    assert mx.array_equal(k_b, k_a).item() and mx.array_equal(v_b, v_a).item()
+    assert mx.array_equal(got, want).item()
 
 
 @cuda_only
@@ -221,24 +318,40 @@ def test_overlapped_steps_with_in_place_writes_give_the_gathered_tokens(compiled
 @pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
 def test_the_kernels_source_compiles(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode attention and in-place K/V write kernels, launched by their own host code
-    (three dtypes, head dims 64 and 128, grouped heads, paged blocks, a window) and compiled
+    (three dtypes, head dims 64 and 128, grouped heads, paged blocks, a window, RoPE over a
+    whole head and over half of one, traditional; the attention writing the new K/V itself too)
+    and compiled
     by nvcc as MLX wraps them: no error, no spill."""
     recorder = cuda_source.Recorder(monkeypatch)
     monkeypatch.setattr(paged_attention, "kernel_available", lambda: True)
     monkeypatch.setattr(paged_attention, "_kernel", paged_attention._kernel.__wrapped__)
     monkeypatch.setattr(paged_attention, "_store_kernel", paged_attention._store_kernel.__wrapped__)
-    cases = [(mx.bfloat16, 64, 9, 3, 1, None), (mx.float16, 128, 8, 8, 16, 512)]
-    cases += [(mx.float32, 64, 4, 1, 1, None)]
-    for dtype, head_dim, heads, kv_heads, block, window in cases:
+    plain = rope.rotation_of(nn.RoPE(64))
+    partial = rope.rotation_of(nn.RoPE(64, traditional=True))  # 64 of a head's 128 dims
+    cases = [(mx.bfloat16, 64, 9, 3, 1, None, plain), (mx.float16, 128, 8, 8, 16, 512, partial)]
+    cases += [(mx.float32, 64, 4, 1, 1, None, None)]
+    for dtype, head_dim, heads, kv_heads, block, window, rotation in cases:
         q = mx.zeros((2, heads, 1, head_dim), dtype)
         pool = mx.zeros((64, kv_heads, head_dim), dtype)
         slots, lengths = mx.zeros((2, 4), mx.int32), mx.zeros((2,), mx.int32)
-        done = store_decode_kv(
-            pool, pool, mx.zeros((2, kv_heads, 1, head_dim), dtype), pool, slots[:, 0]
-        )
-        paged_decode_attention(
-            q, pool, pool, slots, lengths, 0.125, after=done, window=window, block=block
-        )
+        keys = mx.zeros((2, kv_heads, 1, head_dim), dtype)
+        done = store_decode_kv(pool, pool, keys, pool, slots[:, 0], lengths, rotation)
+        values = mx.zeros((2, kv_heads, 1, head_dim), dtype)
+        # after the store kernel, and writing the new K/V itself
+        for after, store in ((done, None), (None, NewKV(keys, values, slots[:, 0]))):
+            paged_decode_attention(
+                q,
+                pool,
+                pool,
+                slots,
+                lengths,
+                0.125,
+                after=after,
+                window=window,
+                block=block,
+                rotation=rotation,
+                store=store,
+            )
     compiled = recorder.compile(tmp_path)
-    assert len(compiled.registers) == len(recorder.launches) == 2 * len(cases), compiled.log
+    assert len(compiled.registers) == len(recorder.launches) == 3 * len(cases), compiled.log
     assert compiled.spills == 0, compiled.log

@@ -41,6 +41,7 @@ from service.core.models import (
     norms,
     projections,
     quantized,
+    residual_norm,
     rope,
 )
 from service.core.models.families import Family, family
@@ -213,11 +214,15 @@ class Runtime:
         if engine_config.shared_rope_angles:
             rope.share_angles(lm.model, lm.dtype)
         compiled_norms = norms.install(lm.model) if engine_config.compiled_norms else 0
+        if engine_config.rope_in_kernels:
+            rope.defer(lm.model)
         fused_groups = projections.fuse(lm.model) if engine_config.fused_projections else 0
         if fused_groups:
             release_freed_memory()  # the members' own weights, now views of their groups'
         if engine_config.decode_gemm:
             decode_gemm.install(lm.model)  # after fusing: a group's one product takes it
+        if engine_config.fused_add_norm:
+            residual_norm.install(lm.model)
         if engine_config.fold_quantized_rows:
             quantized.fold_rows(lm.model)  # after fusing: the fused members fold in their group
         # After the MLPs' swap (it recognizes the projections as plain nn.Linear) and the fusing

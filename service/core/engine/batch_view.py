@@ -26,6 +26,7 @@ import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
 from service.core.engine.state_store import StateView, StepStates
+from service.core.models import rope
 from service.core.models.layout import AttentionEntry, CacheLayout, ListEntry, StateEntry
 
 
@@ -116,7 +117,10 @@ class AttentionView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         mode = self._shared.mode
         if mode == "direct":
-            return self._storage.write(self._layer, self._layout, keys, values)
+            rotation = rope.take(keys)  # deferred by the layer's RoPE: the write applies it
+            return self._storage.write(
+                self._layer, self._layout, keys, values, rotation, self.offset
+            )
         if mode == "fresh":
             return self._storage.write_fresh(self._layer, self._layout, keys, values)
         if mode == "mirror":
@@ -128,8 +132,10 @@ class AttentionView:
         service.core.engine.paged_attention)."""
         if self._shared.mode == "mirror":
             return self._storage.attend_mirrored(queries, keys, values, scale)
+        rotation = rope.take(queries)
+        rope.settle()
         return self._storage.attend(
-            self._layer, self._layout, queries, keys, values, scale, self._window
+            self._layer, self._layout, queries, keys, values, scale, self._window, rotation
         )
 
     def make_mask(
@@ -165,6 +171,7 @@ class _StepShared:
         mirror_mask: mx.array | None,
         grouped: bool,
         mirror_attends: bool = False,
+        defer_rope: bool = False,
     ) -> None:
         self.mode = mode  # "gather", "direct", "mirror" or "fresh"
         self.attends = mode == "direct" or (mode == "mirror" and mirror_attends)
@@ -182,6 +189,13 @@ class _StepShared:
             self.offset = int(layout.starts[0])
         else:
             self.offset = mx.array(layout.starts.astype(np.int32))
+        if defer_rope:
+            # The layers' RoPE calls recognize this step by its offsets array.
+            if not isinstance(self.offset, mx.array):
+                self.offset = mx.array(layout.starts.astype(np.int32))
+            rope.begin_step(self.offset)
+        else:
+            rope.begin_step(None)
 
     def mask(self, return_array: bool, window: int | None) -> mx.array | str | None:
         key = (return_array, window)
@@ -224,14 +238,17 @@ def make_views(
     mirror_mask: mx.array | None = None,
     grouped_mask: bool = False,
     mirror_attends: bool = False,
+    defer_rope: bool = False,
 ) -> list[Any]:
     """One view per entry of the model's cache list. `mode`: "gather" (K/V gathered from the
     storage, masked), "direct" (decode attention reads the paged pool itself), "mirror"
     (decode attention over the storage's contiguous copy; `mirror_mask` hides left padding),
     or "fresh" (rows that all start at 0 attend over their own new K/V, causally).
     `grouped_mask`: batched masks get a heads-repeat axis (service.core.models.families);
-    `mirror_attends`: a mirrored step's attention is the storage's (`attend_mirrored`)."""
-    shared = _StepShared(layout, mode, mirror_mask, grouped_mask, mirror_attends)
+    `mirror_attends`: a mirrored step's attention is the storage's (`attend_mirrored`);
+    `defer_rope`: a direct step's RoPE is left to the storage's `write` and `attend`
+    (service.core.models.rope.DeferredRoPE)."""
+    shared = _StepShared(layout, mode, mirror_mask, grouped_mask, mirror_attends, defer_rope)
 
     def view(entry: AttentionEntry | StateEntry) -> Any:
         if isinstance(entry, AttentionEntry):

@@ -35,9 +35,10 @@ import numpy as np
 
 from service.core.engine.batch_view import StepLayout
 from service.core.engine.kv_paged import unpack_decode_inputs
-from service.core.engine.paged_attention import paged_decode_attention, store_decode_kv
-from service.core.models import lora
+from service.core.engine.paged_attention import NewKV, paged_decode_attention, store_decode_kv
+from service.core.models import lora, rope
 from service.core.models.layout import AttentionEntry, CacheLayout
+from service.core.models.rope import Rotation
 
 SLOT_BUCKET = 256  # block-table width granularity: one compiled shape per 256 positions
 ROW_STEP = 32  # rows: powers of two up to this, then multiples of it
@@ -66,7 +67,8 @@ class _GraphView:
         self._step = step
         self._layer = entry.pool_layer
         self._window = entry.window
-        self._after: mx.array | None = None
+        # The layer's new K/V and their keys' deferred RoPE, for its attention kernel to write.
+        self.pending: tuple[NewKV, Rotation | None] | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -74,12 +76,23 @@ class _GraphView:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         step, layer = self._step, self._layer
-        k_pool, v_pool = step.pools[layer], step.pools[step.num_layers + layer]
-        self._after = store_decode_kv(k_pool, v_pool, keys, values, step.write)
-        return k_pool, v_pool
+        rotation = rope.take(keys)  # deferred by the layer's RoPE: the write applies it
+        self.pending = (NewKV(keys, values, step.write), rotation)
+        return step.pools[layer], step.pools[step.num_layers + layer]
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
         step = self._step
+        rotation = rope.take(queries)
+        rope.settle()
+        new, after = self.pending or (None, None), None
+        self.pending = None
+        if new[0] is not None and new[1] is not rotation:
+            # The keys' RoPE is not the queries': the store kernel writes them first.
+            kv, key_rotation = new
+            after = store_decode_kv(
+                keys, values, kv.keys, kv.values, kv.slots, step.lengths, key_rotation
+            )
+            new = (None, None)
         return paged_decode_attention(
             queries,
             keys,
@@ -87,9 +100,11 @@ class _GraphView:
             step.blocks,
             step.lengths,
             scale,
-            after=self._after,
+            after=after,
             window=self._window,
             block=step.block_size,
+            rotation=rotation,
+            store=new[0],
         )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
@@ -167,7 +182,14 @@ class DecodeGraph:
             packed, tokens.shape[0], pools, self._num_layers, self._storage.block_size
         )
         views = [_GraphView(step, entry) for entry in self._entries]
+        # The layers' RoPE calls recognize this step by its offsets array.
+        rope.begin_step(step.offsets if self._storage.rope_in_kernels else None)
         hidden = self._head.hidden(tokens, views, rows)  # [B, 1, H]
+        if any(view.pending is not None for view in views):
+            raise RuntimeError(
+                "a layer's new K/V were never written: its attention did not come through the "
+                "decode kernel"
+            )
         logits = self._head.logits(hidden[:, 0], rows)
         # The pools are written in place: returning them would only copy them.
         return [mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits]

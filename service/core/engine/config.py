@@ -2,15 +2,17 @@
 anything is built, and frozen. Nothing changes a built engine's mode afterwards.
 
 One decode path per platform:
-- CUDA: decode steps attend straight from the paged pool with the CUDA kernel and write their
-  K/V in place, so step N+1 is queued before step N is read (overlap), N is read and handed to
-  the scheduler on a second thread while N+1's dispatch runs, and a step replays a compiled
-  graph; prefill forwards are padded to a few shape buckets (attention builds a plan
-  per new shape there). Sibling projections that read one input (q/k/v, gate/up) run as one
-  matmul, split (service.core.models.projections): a matmul costs MLX's host work the most of
-  any primitive, where on the CPU the split costs more than it saves. For the same reason a
+- CUDA: decode steps attend straight from the paged pool with the CUDA kernel, which also
+  writes their K/V in place and applies q's and k's RoPE (three kernels a layer fewer), so
+  step N+1 is queued before step N is read (overlap), N is read and handed to the scheduler
+  on a second thread while N+1's dispatch runs, and a step replays a compiled graph; prefill
+  forwards are padded to a few shape buckets (attention builds a plan per new shape there).
+  Sibling projections that read one input (q/k/v, gate/up) run as one matmul, split
+  (service.core.models.projections): a matmul costs MLX's host work the most of any
+  primitive, where on the CPU the split costs more than it saves. For the same reason a
   decode step's products over small weights come from one custom tensor-core kernel
-  (service.core.models.decode_gemm). LoRA rows' updates come
+  (service.core.models.decode_gemm), and a residual add and the RMSNorm after it are one kernel
+  (service.core.models.residual_norm). LoRA rows' updates come
   from two custom kernels per adapted layer: MLX's CUDA gather_mm runs a row's product at a
   time, and every extra primitive costs host work. Quantized projections fold a batch's rows
   into one product (service.core.models.quantized): MLX's CUDA quantized matmul reads the whole
@@ -57,6 +59,9 @@ class EngineConfig:
     batched: bool = True  # one forward for all rows; False: each row alone
     decode_attention: str = "gather"  # "gather", "mirror" (CPU) or "direct" (CUDA kernel)
     in_place_writes: bool = False  # decode K/V written in place by the CUDA kernel
+    # Direct decode steps' q/k RoPE applied by the attention and K/V store kernels
+    # (service.core.models.rope.DeferredRoPE) rather than by two RoPE kernels a layer.
+    rope_in_kernels: bool = False
     overlap_steps: bool = False  # step N+1 queued before step N is read
     # Step N is read and handed to the scheduler on a second thread while this one is inside
     # step N+1's `mx.async_eval` (MLX's host work, the GIL released): the scheduler's Python
@@ -84,6 +89,9 @@ class EngineConfig:
     # Decode products over small plain weights from the custom tensor-core kernel
     # (service.core.models.decode_gemm) rather than cuBLASLt.
     decode_gemm: bool = False
+    # A layer's residual adds and the RMSNorms after them one kernel each
+    # (service.core.models.residual_norm).
+    fused_add_norm: bool = False
     # Quantized projections fold a forward's rows into one product
     # (service.core.models.quantized).
     fold_quantized_rows: bool = False
@@ -117,6 +125,10 @@ class EngineConfig:
             raise ValueError("mlx-lm's own caches run one sequence per forward")
         if self.in_place_writes and self.decode_attention != "direct":
             raise ValueError("in-place K/V writes come with direct decode attention")
+        if self.rope_in_kernels and self.decode_attention != "direct":
+            raise ValueError("RoPE in the decode kernels comes with direct decode attention")
+        if self.rope_in_kernels and self.shared_rope_angles:
+            raise ValueError("RoPE is either left to the decode kernels or shares its angles")
         if self.overlap_steps and not self.in_place_writes:
             raise ValueError("overlapped steps need in-place K/V writes")
         if self.update_beside_dispatch and not self.overlap_steps:
@@ -169,6 +181,7 @@ def resolve(
             batched=batched,
             decode_attention="direct" if direct else "gather",
             in_place_writes=direct,
+            rope_in_kernels=direct,
             overlap_steps=direct,
             update_beside_dispatch=direct,
             compile_decode=direct and family.split_head and not layout.stateful and compilable,
@@ -178,6 +191,7 @@ def resolve(
             lora_kernel=True,
             fused_projections=True,
             decode_gemm=True,
+            fused_add_norm=True,
             fold_quantized_rows=True,
         )
     mirror = paged and batched and not layout.sliding

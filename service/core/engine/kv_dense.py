@@ -59,6 +59,9 @@ class DenseKVStorage:
     def apply(self, update: BlockUpdate) -> None:
         pass  # no blocks: each sequence's arrays grow as they are written
 
+    def end_forward(self) -> None:
+        """Nothing is held past a layer here."""
+
     def views(
         self,
         layout: StepLayout,

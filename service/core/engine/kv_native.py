@@ -42,6 +42,9 @@ class NativeCacheStorage:
     def apply(self, update: BlockUpdate) -> None:
         pass  # no blocks: mlx-lm's caches grow as they are written
 
+    def end_forward(self) -> None:
+        """Nothing is held past a layer here."""
+
     def views(
         self,
         layout: StepLayout,

@@ -36,10 +36,11 @@ from service.core.engine.batch_view import StepLayout, make_views
 from service.core.engine.kv_mirror import DecodeMirror, slot_head_rows
 from service.core.engine.kv_mirror import attend as mirror_attention
 from service.core.engine.memory import release_freed_memory
-from service.core.engine.paged_attention import paged_decode_attention, store_decode_kv
+from service.core.engine.paged_attention import NewKV, paged_decode_attention, store_decode_kv
 from service.core.engine.state_store import StepStates
 from service.core.kv.block_pool import BlockUpdate
 from service.core.models.layout import CacheLayout
+from service.core.models.rope import Rotation
 
 MIRROR_MAX_BYTES = 1 << 30  # past this (big batch x long rows), decode steps gather instead
 
@@ -64,7 +65,8 @@ class _StepPlan:
     table_of: Callable[[], np.ndarray]  # makes slot_table: only gathers and kernels read it
     totals: list[int]  # positions each row attends to
     kv_heads: int
-    written: dict[int, mx.array] = field(default_factory=dict)  # layer -> its in-place write
+    # layer -> its new K/V (and their keys' deferred RoPE), for its attention kernel to write
+    pending: dict[int, tuple[NewKV, Rotation | None]] = field(default_factory=dict)
 
     @cached_property
     def slot_table(self) -> np.ndarray:
@@ -105,6 +107,7 @@ class PagedKVStorage:
         decode_attention: str = "gather",
         in_place: bool = False,
         mirror_attends: bool = False,
+        rope_in_kernels: bool = False,
     ) -> None:
         """decode_attention: how decode steps read K/V ("gather" from the pool, "mirror": a
         contiguous copy of the batch, service.core.engine.kv_mirror, "direct": the CUDA kernel reads
@@ -115,6 +118,11 @@ class PagedKVStorage:
             raise ValueError(f"a paged pool needs at least one block, got {num_blocks}")
         if decode_attention not in ("gather", "mirror", "direct"):
             raise ValueError(f"unknown decode attention {decode_attention!r}")
+        if rope_in_kernels and decode_attention != "direct":
+            raise ValueError("RoPE in the decode kernels needs direct decode attention")
+        # Direct decode steps leave q's and k's RoPE to `attend` and `write`
+        # (service.core.models.rope.DeferredRoPE).
+        self.rope_in_kernels = rope_in_kernels
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -186,7 +194,15 @@ class PagedKVStorage:
         elif not gather and not layout.starts.any():
             mode = "fresh"
         return make_views(
-            self, cache, layout, states, mode, mirror_mask, grouped_mask, self.mirror_attends
+            self,
+            cache,
+            layout,
+            states,
+            mode,
+            mirror_mask,
+            grouped_mask,
+            self.mirror_attends,
+            defer_rope=mode == "direct" and self.rope_in_kernels,
         )
 
     # -- stats -----------------------------------------------------------------------
@@ -215,18 +231,44 @@ class PagedKVStorage:
 
     # -- the forward -----------------------------------------------------------------
     def write(
-        self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
+        self,
+        layer: int,
+        batch: StepLayout,
+        keys: mx.array,
+        values: mx.array,
+        rotation: Rotation | None = None,
+        offset: int | mx.array = 0,
     ) -> tuple[mx.array, mx.array]:
         """A direct decode step's write (`attend` reads the pool next): the rows' new K/V
         ([B, kv_heads, 1, head_dim]) into their slots; returns the layer's pool arrays. With
-        `write_in_place` this is the in-place CUDA kernel, whose result orders this layer's
-        `attend` after it; otherwise `_scatter`."""
+        `write_in_place` the layer's attention kernel writes them (`attend`), in place;
+        otherwise `_scatter` now. `rotation`: the keys' deferred RoPE (at the rows'
+        `offset`)."""
         if not (self.write_in_place and batch.width == 1):
+            if rotation is not None:
+                keys = rotation.apply(keys, offset)
             return self._scatter(layer, batch, keys, values)
         plan = self._step_plan(layer, batch)
-        k_store, v_store = self._keys[layer], self._values[layer]
-        plan.written[layer] = store_decode_kv(k_store, v_store, keys, values, plan.write)
-        return k_store, v_store
+        if plan.pending:
+            raise RuntimeError(
+                f"layer {next(iter(plan.pending))}'s new K/V were never written: its attention "
+                "did not come through the decode kernel"
+            )
+        plan.pending[layer] = (NewKV(keys, values, plan.write), rotation)
+        return self._keys[layer], self._values[layer]
+
+    def end_forward(self) -> None:
+        """The forward's layers are built: a direct step's new K/V that `write` held for the
+        layer's attention kernel and no attention took would be lost; raise instead (the last
+        layer's: a lower layer's is caught by the next `write`)."""
+        plan = self._plan
+        if plan is not None and plan.pending:
+            layer = next(iter(plan.pending))
+            plan.pending.clear()
+            raise RuntimeError(
+                f"layer {layer}'s new K/V were never written: its attention did not come "
+                "through the decode kernel"
+            )
 
     def _scatter(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
@@ -307,10 +349,20 @@ class PagedKVStorage:
         v_pool: mx.array,
         scale: float,
         window: int | None = None,
+        rotation: Rotation | None = None,
     ) -> mx.array:
         """Decode attention of the step's rows read through their slots (after `write`), over
-        their last `window` positions for a sliding-window layer."""
+        their last `window` positions for a sliding-window layer; `rotation`: the queries'
+        deferred RoPE."""
         plan = self._step_plan(layer, batch)
+        new, after = plan.pending.pop(layer, (None, None)), None
+        if new[0] is not None and new[1] is not rotation:
+            # The keys' RoPE is not the queries': the store kernel writes them first.
+            kv, key_rotation = new
+            after = store_decode_kv(
+                k_pool, v_pool, kv.keys, kv.values, kv.slots, plan.lengths, key_rotation
+            )
+            new = (None, None)
         return paged_decode_attention(
             queries,
             k_pool,
@@ -318,8 +370,10 @@ class PagedKVStorage:
             plan.slots,
             plan.lengths,
             scale,
-            after=plan.written.get(layer),
+            after=after,
             window=window,
+            rotation=rotation,
+            store=new[0],
         )
 
     def decode_inputs(self, batch: StepLayout, bucket: int, rows: int) -> mx.array:

@@ -573,6 +573,7 @@ class ModelRunner:
             try:
                 # [B, N, H] (logits if not split)
                 hidden = self._head.hidden(run_tokens, views, self._adapter_rows(run_adapters))
+                self.storage.end_forward()
             finally:
                 rope.ROW_LENGTHS.reset(row_lengths)
             if pad:

@@ -64,6 +64,10 @@ class KVStorage(Protocol):
         plain way even for a decode step (a verification forward)."""
         ...
 
+    def end_forward(self) -> None:
+        """A forward's layers are built: raises if a write it held for later was never made."""
+        ...
+
 
 @dataclass(frozen=True)
 class PoolShape:
@@ -97,6 +101,7 @@ def make_storage(
         decode_attention=config.decode_attention,
         in_place=config.in_place_writes,
         mirror_attends=config.fast_mirror_attention,
+        rope_in_kernels=config.rope_in_kernels,
     )
 
 

@@ -175,6 +175,23 @@ class _Member:
         return outs[index]
 
 
+def whole_group(layers: list[nn.Module]) -> _Fused | None:
+    """The group whose members are exactly `layers`, in member order, when it still computes
+    for them as one (enabled, nothing held); None otherwise (a layer not fused, or wrapped)."""
+    members = [m for m in layers if isinstance(m, _Member)]
+    if not members or len(members) < len(layers):
+        return None
+    group = members[0]._fused
+    if (
+        any(m._fused is not group for m in members)
+        or [m._fused_index for m in members] != list(range(len(group.splits) + 1))
+        or not group.enabled
+        or group.pending()
+    ):
+        return None
+    return group
+
+
 def columns(layers: list[nn.Module], x: mx.array) -> list[tuple[mx.array, int]]:
     """Each layer's output for x as (y, start): the layer's output is y's columns from `start`.
 

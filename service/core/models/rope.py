@@ -11,6 +11,11 @@ not the step's padded width: the engine publishes them for the step in `ROW_LENG
 Every other variant mlx-lm ships (default, linear, llama3, yarn, longrope/su, proportional)
 rotates with fixed frequencies and takes per-row offsets as they are.
 
+`DeferredRoPE` (CUDA decode steps that read the pool directly): the rotation of one new token per
+row is left to the kernels that read q and k anyway, the paged attention (q) and the in-place K/V
+store (k), which saves two kernels a layer. Only the fixed-frequency variants whose rotation is
+`mx.fast.rope` of the input as it is (plain and llama3) are deferred; see `Rotation`.
+
 `SharedAngleRoPE` (the CPU): every layer of a forward rotates at the same positions, yet MLX's
 CPU RoPE, an unfused fallback, computes the positions, frequencies, angles and their cos and sin
 again in every call: a dozen primitives each, twice a layer. The wrapper takes the cos and sin
@@ -29,12 +34,15 @@ import math
 import threading
 from collections.abc import Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+import numpy as np
+from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, Llama3RoPE
 
+from service.core.engine.device_memory import resident
 from service.core.models.swap import swap_modules
 
 # The new tokens of each row of the forward being built (set by the engine around it).
@@ -197,3 +205,164 @@ def warm(dtype: mx.Dtype) -> None:
                 offsets = mx.arange(rows) if rows > 1 else 0
                 mx.eval(layer(mx.ones((rows, heads, tokens, 8), dtype), offsets))
                 _ANGLES.entries.clear()
+
+
+@dataclass(eq=False)
+class Rotation:
+    """What `mx.fast.rope` does to a token at position p: pairs of its first `dims` dimensions
+    ((i, i + dims / 2), or (2i, 2i + 1) when `traditional`) rotate by the angle
+    (scale * p) * inv_freqs[i], computed in float32 as MLX's CUDA kernel does; the result is
+    rounded to the input's dtype. `module` applies the same rotation through MLX. A plain
+    `nn.RoPE`'s inverse frequencies come from the device's exp2 as MLX's do
+    (`plain_inv_freqs`); the compilers may still contract the rotation's products into
+    multiply-adds differently, so a rotated element may differ from `mx.fast.rope`'s by an ulp
+    of its dtype (the tests allow one)."""
+
+    module: nn.Module
+    dims: int
+    traditional: bool
+    inv_freqs: mx.array  # float32 [dims / 2]
+    scale: float  # the kernels' template value (device_memory)
+
+    def apply(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        return self.module(x, offset=offset)
+
+
+def rotation_of(module: Any) -> Rotation | None:
+    """The rotation of a RoPE module whose call is `mx.fast.rope(x, ...)` with fixed
+    frequencies (mlx-lm's plain `nn.RoPE` and `Llama3RoPE`); None for any other."""
+    if type(module) is nn.RoPE:
+        inv_freqs = plain_inv_freqs(module.dims // 2, module.base)
+        scale = module.scale
+    elif type(module) is Llama3RoPE:
+        # MLX's kernel with frequencies: inv_freq = 1.0 / freqs[i] (a double division).
+        inv = (1.0 / np.array(module._freqs, dtype=np.float64)).astype(np.float32)
+        inv_freqs = resident(inv)
+        scale = 1.0
+    else:
+        return None
+    return Rotation(
+        module=module,
+        dims=module.dims,
+        traditional=module.traditional,
+        inv_freqs=inv_freqs,
+        scale=float(scale),
+    )
+
+
+# MLX's CUDA RoPE kernel's own expression (rope.cu): d = i / half, inv_freq = exp2(-d * log2 base),
+# with log2(base) computed on the host and passed as a float.
+_INV_FREQS_SOURCE = """
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < HALF) {
+        const float d = static_cast<float>(i) / static_cast<float>(HALF);
+        inv_freqs[i] = exp2(-d * log2_base[0]);
+    }
+"""
+
+
+@functools.cache
+def _inv_freqs_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_rope_inv_freqs",
+        input_names=["log2_base"],
+        output_names=["inv_freqs"],
+        source=_INV_FREQS_SOURCE,
+    )
+
+
+def plain_inv_freqs(half: int, base: float) -> mx.array:
+    """A plain RoPE's inverse frequencies (float32 [half]) as MLX's RoPE computes them: on CUDA
+    by the device's exp2, as its kernel does (the host's exp2 can round another way); elsewhere
+    on the host."""
+    log2_base = np.float32(math.log2(base))
+    if not mx.cuda.is_available():
+        d = np.arange(half, dtype=np.float32) / np.float32(half)
+        return mx.array(np.exp2(-d * log2_base).astype(np.float32))
+    threads = min(256, half)
+    (inv_freqs,) = _inv_freqs_kernel()(
+        inputs=[mx.array([float(log2_base)], dtype=mx.float32)],
+        template=[("HALF", half)],
+        grid=(-(-half // threads) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(half,)],
+        output_dtypes=[mx.float32],
+    )
+    mx.eval(inv_freqs)
+    return inv_freqs
+
+
+class _Deferral(threading.local):
+    """This thread's direct decode step: its offsets array (what marks a RoPE call as one of
+    its calls) and the rotations deferred, each with the array it returned unrotated."""
+
+    def __init__(self) -> None:
+        self.offset: mx.array | None = None
+        self.held: list[tuple[mx.array, Rotation]] = []
+
+
+_DEFERRAL = _Deferral()
+
+
+def begin_step(offset: mx.array | None) -> None:
+    """A forward is being built: RoPE calls with this offsets array (a direct decode step's,
+    one token a row) defer their rotation; None: this forward's calls rotate as usual. What an
+    earlier forward cut short (an error while it was built) left deferred is dropped."""
+    _DEFERRAL.offset = offset
+    _DEFERRAL.held = []
+
+
+def take(x: mx.array) -> Rotation | None:
+    """The rotation deferred for x (a direct step's queries or keys, as the RoPE call returned
+    them), now the caller's to apply; None: x was not deferred (rotated already, or never)."""
+    held = _DEFERRAL.held
+    for i, (array, rotation) in enumerate(held):
+        if array is x:
+            del held[i]
+            return rotation
+    return None
+
+
+def settle() -> None:
+    """A layer's attention is done: every rotation it deferred has been taken. One left over
+    means the model changed q or k between RoPE and the cache, and the rotation was lost."""
+    if _DEFERRAL.held:
+        count = len(_DEFERRAL.held)
+        _DEFERRAL.held = []
+        raise RuntimeError(
+            f"{count} deferred RoPE rotation(s) not applied: the model transforms q or k between "
+            "RoPE and attention, which folding RoPE into the decode kernels cannot serve"
+        )
+
+
+class DeferredRoPE(nn.Module):
+    """A RoPE module that, in a direct decode step, returns its input unrotated and leaves the
+    rotation to the kernels (`take`); every other call rotates as the module does."""
+
+    def __init__(self, inner: nn.Module, rotation: Rotation) -> None:
+        super().__init__()
+        self.inner = inner
+        self._rotation = rotation
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        step = _DEFERRAL.offset
+        if step is not None and offset is step and x.shape[-2] == 1:
+            _DEFERRAL.held.append((x, self._rotation))
+            return x
+        return self.inner(x, offset)
+
+
+def defer(model: Any) -> int:
+    """Wrap the model's RoPE modules whose rotation the decode kernels can apply
+    (`rotation_of`); returns how many were wrapped."""
+    return swap_modules(
+        model,
+        lambda child: rotation_of(child) is not None,
+        lambda child: DeferredRoPE(child, _rotation(child)),
+    )
+
+
+def _rotation(module: Any) -> Rotation:
+    rotation = rotation_of(module)
+    assert rotation is not None
+    return rotation
