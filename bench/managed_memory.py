@@ -30,7 +30,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 _SOURCE = """
     const size_t i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -56,8 +55,8 @@ def main() -> None:
         raise SystemExit("needs PyTorch (its profiler reads CUPTI's kernel records)") from None
     import mlx.core as mx
     import numpy as np
-    from cuda_timeline import summarize, traced
 
+    from bench.cuda_timeline import summarize, traced
     from bench.report import write_json
     from service.core.engine.device_memory import float_bits, resident
 

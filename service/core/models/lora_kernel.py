@@ -689,17 +689,12 @@ def _expand_add_rows() -> Any:
     )
 
 
-_ROW_LENGTHS: dict[int, mx.array] = {}
-
-
+@cache
 def _row_length(row_tokens: int) -> mx.array:
     """The row length as the kernels' input (kept: one array per length), in device memory
     (device_memory: an input, not a template value, so a prefill pass's length does not compile
     a kernel)."""
-    held = _ROW_LENGTHS.get(row_tokens)
-    if held is None:
-        held = _ROW_LENGTHS[row_tokens] = resident(np.array([row_tokens], np.int32))
-    return held
+    return resident(np.array([row_tokens], np.int32))
 
 
 def _tiles(tokens: int, row_tokens: int) -> int:
