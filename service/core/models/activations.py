@@ -27,19 +27,22 @@ _LN2_LO = 1.428606765330187e-06
 _TAYLOR = [1.0 / math.factorial(k) for k in range(8)]  # e^f, |f| <= 0.35: error < 1e-8
 _SWIGLU_MODULES = ("llama", "qwen2", "qwen3", "mistral")
 # Tokens in a forward from which fast_swiglu beats mlx-lm's swiglu (bench/swiglu.py).
-FAST_MIN_ROWS = 4
+FAST_MIN_ROWS = 2
 
 
 def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
     """e^x as (e^f, the int32 bits of 2^n): the product of the first and the second viewed as
     float32. Inputs are clamped to [-87, 88] (no inf/0)."""
     x = mx.clip(x, -87.0, 88.0)
-    n = mx.floor(x * _LOG2E + 0.5)
+    # n = floor(x·log2e + 0.5) as the truncation of a positive sum (offset by 128): in MLX's
+    # compiled CPU kernels `floor` costs more than the whole polynomial, a conversion little.
+    biased = (x * _LOG2E + 128.5).astype(mx.int32)  # n + 128
+    n = (biased - 128).astype(mx.float32)
     f = (x - n * _LN2_HI) - n * _LN2_LO
     p = _TAYLOR[7]
     for c in reversed(_TAYLOR[:7]):
         p = p * f + c
-    return p, mx.left_shift(n.astype(mx.int32) + 127, 23)
+    return p, mx.left_shift(biased - 1, 23)  # 2^n: exponent bits n + 127
 
 
 # Compiled, the chain is a few fused primitives whatever the shape (MLX splits long chains), not
