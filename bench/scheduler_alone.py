@@ -139,10 +139,14 @@ def _round(loop: Any, args: argparse.Namespace, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     sink = _Sink()
     submitted = 0
+    # Made before the clock starts: a client's work, not the scheduler's.
+    prompts = [
+        tuple(rng.randrange(17, 500) for _ in range(args.prompt_len)) for _ in range(args.requests)
+    ]
 
     def submit() -> None:
         nonlocal submitted
-        prompt = tuple(rng.randrange(17, 500) for _ in range(args.prompt_len))
+        prompt = prompts[submitted]
         # The first C requests end at staggered lengths, so that from then on a few requests
         # end, and a few join, at every step (as in a closed loop that has settled).
         first = submitted < args.concurrency
