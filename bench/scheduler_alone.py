@@ -112,14 +112,9 @@ def _loop(args: argparse.Namespace) -> Any:
         ObservabilityConfig,
         SchedulingConfig,
     )
-    from service.common.logging import configure_logging
     from service.core.loop import CoreLoop
     from service.core.runtime import Runtime
 
-    # JSON lines, as a server whose stdout is not a terminal writes them, to --log-file.
-    log_file = open(args.log_file, "w")  # noqa: SIM115 (open for the process's life)
-    with contextlib.redirect_stdout(log_file):
-        configure_logging(args.log_level, "json")
     config = CoreConfig(
         model=ModelConfig(load_format=f"dummy:{args.preset}", dtype="float32"),
         scheduling=SchedulingConfig(
@@ -205,6 +200,12 @@ def main() -> None:
     a("--profile", type=int, default=0, help="print cProfile's top N of the last round")
     a("--out", type=Path)
     args = parser.parse_args()
+    from service.common.logging import configure_logging
+
+    # JSON lines, as a server whose stdout is not a terminal writes them, to --log-file.
+    log_file = open(args.log_file, "w")  # noqa: SIM115 (open for the process's life)
+    with contextlib.redirect_stdout(log_file):
+        configure_logging(args.log_level, "json")
     loop = _loop(args)
     rounds = []
     for r in range(args.rounds):

@@ -4,7 +4,6 @@ nothing still serve every request its whole completion, with rows joining and le
 from __future__ import annotations
 
 import argparse
-import os
 
 from bench import scheduler_alone
 
@@ -18,7 +17,6 @@ def test_every_request_gets_its_completion_and_the_batch_turns_over():
         max_tokens=6,
         prefill_ms=0.05,
         log_level="info",
-        log_file=os.devnull,
     )
     loop = scheduler_alone._loop(args)
     row = scheduler_alone._round(loop, args, seed=0)
