@@ -1,10 +1,11 @@
 """MLX's CPU fallbacks against our compiled chains, per call, by input size (not a test).
 
 RMSNorm: `mx.fast.rms_norm` (on the CPU, a fallback of a dozen primitives) against
-service.core.models.norms' compiled chain. RoPE's rotation with a forward's shared angles:
-the fallback's products op by op against service.core.models.rope's compiled `_rotate`. Each
-figure is the CPU microseconds of one call, from a chain of --chain calls evaluated together
-(as a forward's layers are), the median of --reps. The crossover sets
+service.core.models.norms' compiled chain and its wide path (`rms_norm_wide`, the rows' scales
+compiled, the multiplies vectorized). RoPE's rotation with a forward's shared angles: the
+fallback's products op by op against service.core.models.rope's compiled `_rotate`. Each figure
+is the CPU microseconds of one call, from a chain of --chain calls evaluated together (as a
+forward's layers are), the median of --reps. The crossover of the chain and the wide path sets
 norms.COMPILED_MAX_ELEMENTS.
 
     env $(python -m service.common.blas --env) OPENBLAS_NUM_THREADS=1 \\
@@ -29,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench.report import write_json  # noqa: E402
 from service.core.models import norms, rope  # noqa: E402
 
-NORM_SHAPES = [(rows, 1, width) for width in (64, 576) for rows in (1, 4, 16, 64, 256)]
+NORM_SHAPES = [(rows, 1, width) for width in (64, 576) for rows in (1, 4, 16, 64, 228, 256)]
 ROTATION_SHAPES = [(1, 9, 1, 64), (16, 9, 1, 64), (256, 9, 1, 64), (256, 2, 1, 32), (4, 9, 32, 64)]
 
 
@@ -60,7 +61,14 @@ def norm_row(shape: tuple[int, ...], chain: int, reps: int) -> dict:
     mx.eval(x, weight)
     fallback = per_call_us(lambda y: mx.fast.rms_norm(y, weight, 1e-5), x, chain, reps)
     compiled = per_call_us(lambda y: norms.rms_norm(y, weight, eps), x, chain, reps)
-    return {"op": "rms_norm", "shape": shape, "fallback_us": fallback, "compiled_us": compiled}
+    wide = per_call_us(lambda y: norms.rms_norm_wide(y, weight, eps), x, chain, reps)
+    return {
+        "op": "rms_norm",
+        "shape": shape,
+        "fallback_us": fallback,
+        "compiled_us": compiled,
+        "wide_us": wide,
+    }
 
 
 def rotation_row(shape: tuple[int, ...], chain: int, reps: int) -> dict:
@@ -89,12 +97,13 @@ def main() -> None:
         ("norm [rows, 1, width]", NORM_SHAPES, norm_row),
         ("rotation [rows, heads, tokens, head_dim]", ROTATION_SHAPES, rotation_row),
     ):
-        print(f"{title:42s} {'elements':>10s} {'fallback us':>12s} {'compiled us':>12s}")
+        print(f"{title:42s} {'elements':>10s} {'fallback us':>12s} {'compiled us':>12s} wide us")
         for shape in shapes:
             row = measure(shape, args.chain, args.reps)
             rows.append(row)
             fallback, compiled = row["fallback_us"], row["compiled_us"]
-            print(f"{shape!s:42s} {math.prod(shape):10d} {fallback:12.1f} {compiled:12.1f}")
+            wide = f"{row['wide_us']:8.1f}" if "wide_us" in row else ""
+            print(f"{shape!s:42s} {math.prod(shape):10d} {fallback:12.1f} {compiled:12.1f} {wide}")
     write_json(args.out, args, rows=rows)
 
 

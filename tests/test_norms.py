@@ -22,16 +22,20 @@ def on_cpu():
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("shape", [(1, 1, 64), (5, 1, 64), (3, 7, 576), (2, 9, 4, 128)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 64), (5, 1, 64), (3, 7, 576), (2, 9, 4, 128), (80, 1, 64), (256, 1, 576)]
+)
 @pytest.mark.parametrize("eps", [1e-5, 1e-6])
 def test_normalizes_as_mx_fast_rms_norm_bit_for_bit(dtype, shape, eps):
     mx.random.seed(3)
     x = (mx.random.normal(shape) * 4).astype(dtype)
     plain = nn.RMSNorm(shape[-1], eps=eps)
     plain.weight = mx.random.normal(shape[-1:]).astype(dtype)
-    chain = norms.rms_norm(x, plain.weight, mx.array(eps, mx.float32))
-    assert mx.array_equal(chain, plain(x)).item()
-    assert chain.dtype == plain(x).dtype
+    eps_array = mx.array(eps, mx.float32)
+    for path in (norms.rms_norm, norms.rms_norm_wide):
+        out = path(x, plain.weight, eps_array)
+        assert mx.array_equal(out, plain(x)).item()
+        assert out.dtype == plain(x).dtype
     assert mx.array_equal(CompiledRMSNorm(plain)(x), plain(x)).item()
 
 
@@ -44,17 +48,20 @@ def test_a_weight_of_another_dtype_promotes_as_the_fallback_does():
     assert mx.array_equal(out, plain(x)).item()
 
 
-def test_a_small_input_takes_the_compiled_chain_and_a_large_one_the_fallback():
+def test_a_small_input_takes_the_compiled_chain_and_a_large_one_the_wide_path():
     """The chain is the square, the sum, the width (shapeless: from the input) and one fused
-    kernel; past COMPILED_MAX_ELEMENTS the fallback's vectorized operations cost less."""
+    kernel; past COMPILED_MAX_ELEMENTS the rows' scales alike, then two vectorized multiplies."""
     plain = nn.RMSNorm(64)
     small = mx.random.normal((norms.COMPILED_MAX_ELEMENTS // 64, 1, 64))
     large = mx.random.normal((norms.COMPILED_MAX_ELEMENTS // 64 + 1, 1, 64))
     mx.eval(small, large, plain.parameters())
     compiled = CompiledRMSNorm(plain)
-    assert sum(primitives(plain(small)).values()) > 8  # MLX's CPU fallback, op by op
+    fallback = sum(primitives(plain(large)).values())  # MLX's CPU fallback, op by op
+    assert fallback > 8
     assert sum(primitives(compiled(small)).values()) == 4
-    assert primitives(compiled(large)) == primitives(plain(large))
+    wide = primitives(compiled(large))
+    assert wide["Multiply"] == 2 and sum(wide.values()) < fallback
+    assert mx.array_equal(compiled(large), plain(large)).item()
 
 
 def test_install_swaps_every_rms_norm_and_keeps_the_weights():

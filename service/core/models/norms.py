@@ -12,8 +12,10 @@ for bit (tests/test_norms.py).
 The compiled kernel's inputs broadcast (the sum over each row, the weight over the rows), so MLX
 runs it as a strided kernel that indexes every element: past a few thousand elements it costs
 more than the fallback's vectorized operations save in primitives
-(`bench/cpu_compiled_chains.py`), and larger inputs (a prefill pass, a wide decode batch) keep
-the fallback.
+(`bench/cpu_compiled_chains.py`). Larger inputs (a prefill pass, a wide decode batch) take
+`rms_norm_wide`: only the per-row part is compiled (one value a row: no broadcast), and the two
+multiplies that broadcast the rows' scales and the weight stay MLX's vectorized operations, two
+primitives fewer than the fallback. Both round as the fallback does, bit for bit.
 
 `install` swaps every `nn.RMSNorm` of a model (mlx-lm's, in most families; Gemma's own norms add
 one to the weight and are left alone) for a `CompiledRMSNorm` holding the same weight.
@@ -30,15 +32,20 @@ import mlx.nn as nn
 
 from service.core.models.swap import swap_modules
 
-# Elements from which the fallback's operations cost less than the compiled chain.
+# Elements from which the vectorized multiplies (rms_norm_wide) cost less than the compiled chain.
 COMPILED_MAX_ELEMENTS = 4096
+
+
+@functools.cache
+def _promoted(x_dtype: mx.Dtype, weight_dtype: mx.Dtype) -> mx.Dtype:
+    return (mx.zeros((), x_dtype) + mx.zeros((), weight_dtype)).dtype
 
 
 @functools.cache
 def _norm_for(x_dtype: mx.Dtype, weight_dtype: mx.Dtype) -> Callable[..., mx.array]:
     """The fallback's operations in its order, the result in the input's and the weight's
     promoted type, traced once (shapeless) per pair of dtypes."""
-    dtype = (mx.zeros((), x_dtype) + mx.zeros((), weight_dtype)).dtype
+    dtype = _promoted(x_dtype, weight_dtype)
 
     def norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
         x = x.astype(mx.float32)
@@ -53,6 +60,26 @@ def rms_norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
     return _norm_for(x.dtype, weight.dtype)(x, weight, eps)
 
 
+@functools.cache
+def _row_scale_for(x_dtype: mx.Dtype) -> Callable[..., mx.array]:
+    """Each row's 1 / rms in float32 (the fallback's cast, square, mean, add and rsqrt), traced
+    once (shapeless) per dtype: its fused kernel's inputs are all one value a row."""
+
+    def scale(x: mx.array, eps: mx.array) -> mx.array:
+        x = x.astype(mx.float32)
+        return mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
+
+    return mx.compile(scale, shapeless=True)
+
+
+def rms_norm_wide(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
+    """`rms_norm` for large inputs: the rows' scales compiled, the two multiplies that broadcast
+    them and the weight as MLX's own vectorized operations."""
+    dtype = _promoted(x.dtype, weight.dtype)
+    scaled = x.astype(mx.float32) * _row_scale_for(x.dtype)(x, eps)
+    return scaled.astype(dtype) * weight.astype(dtype)
+
+
 class CompiledRMSNorm(nn.Module):
     """An `nn.RMSNorm` (same weight, same parameter name) normalizing with `rms_norm`."""
 
@@ -64,7 +91,7 @@ class CompiledRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.size > COMPILED_MAX_ELEMENTS:
-            return mx.fast.rms_norm(x, self["weight"], self.eps)
+            return rms_norm_wide(x, self["weight"], self._eps)
         return rms_norm(x, self["weight"], self._eps)
 
 
@@ -84,11 +111,12 @@ def install(model: Any) -> int:
 
 
 def warm(dtype: mx.Dtype) -> None:
-    """Build the kernels a forward's norms use now: MLX compiles each for the CPU on first use
-    (with the system's C++ compiler, about a second on a machine that has not cached it yet),
-    one per layout of the inputs (a row or many, 3 or 4 dimensions), and a request should not
-    wait for that."""
+    """Build the kernels a forward's norms use now, narrow and wide: MLX compiles each for the
+    CPU on first use (with the system's C++ compiler, about a second on a machine that has not
+    cached it yet), one per layout of the inputs (a row or many, 3 or 4 dimensions), and a
+    request should not wait for that."""
     eps = mx.array(1e-6, mx.float32)
     weight = mx.ones((8,), dtype)
     for shape in ((1, 1, 8), (2, 3, 8), (1, 1, 1, 8), (2, 3, 2, 8)):
-        mx.eval(rms_norm(mx.ones(shape, dtype), weight, eps))
+        x = mx.ones(shape, dtype)
+        mx.eval(rms_norm(x, weight, eps), rms_norm_wide(x, weight, eps))
