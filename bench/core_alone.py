@@ -96,7 +96,7 @@ def _runtime(args: argparse.Namespace) -> Any:
     return runtime
 
 
-class _Sink:
+class CountingSink:
     """Every request's outputs: counts tokens and finished requests; wakes the driver."""
 
     batch_key = "core-alone"
@@ -118,7 +118,7 @@ def _round(runtime: Any, args: argparse.Namespace, seed: int) -> dict[str, float
     from service.protocol import GenerationRequest
 
     rng = random.Random(seed)
-    sink = _Sink()
+    sink = CountingSink()
     submitted = 0
 
     def submit() -> None:

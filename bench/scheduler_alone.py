@@ -34,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.core_alone import CountingSink  # noqa: E402
 from service.core.scheduler.plan import RowMasks, StepPlan, StepResult  # noqa: E402
 
 TOKEN = 7
@@ -47,7 +48,8 @@ class _Pending:
 
 class IdleRunner:
     """The loop's Runner that runs nothing: each sampling row draws TOKEN; each prefill pass
-    took `prefill_s` seconds."""
+    took `prefill_s` seconds. Not the tests' FakeRunner (tests/helpers/fake_runner.py), which
+    records every forward row by row: that work would be counted as the scheduler's."""
 
     def __init__(self, prefill_s: float) -> None:
         self.prefill_s = prefill_s
@@ -93,18 +95,6 @@ class IdleRunner:
         return result
 
 
-class _Sink:
-    batch_key = "scheduler-alone"
-
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.finished = 0
-
-    def deliver(self, outputs: Any) -> None:
-        self.tokens += len(outputs.tokens)
-        self.finished += len(outputs.finals)
-
-
 def _loop(args: argparse.Namespace) -> Any:
     from service.common.config import (
         CoreConfig,
@@ -132,7 +122,7 @@ def _round(loop: Any, args: argparse.Namespace, seed: int) -> dict[str, float]:
     from service.protocol import GenerationRequest
 
     rng = random.Random(seed)
-    sink = _Sink()
+    sink = CountingSink()
     submitted = 0
     # Made before the clock starts: a client's work, not the scheduler's.
     prompts = [

@@ -41,6 +41,12 @@ def _promoted(x_dtype: mx.Dtype, weight_dtype: mx.Dtype) -> mx.Dtype:
     return (mx.zeros((), x_dtype) + mx.zeros((), weight_dtype)).dtype
 
 
+def _inverse_rms(x: mx.array, eps: mx.array) -> mx.array:
+    """The fallback's square, mean, add and rsqrt over each row of float32 `x` (traced into the
+    compiled functions below)."""
+    return mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
+
+
 @functools.cache
 def _norm_for(x_dtype: mx.Dtype, weight_dtype: mx.Dtype) -> Callable[..., mx.array]:
     """The fallback's operations in its order, the result in the input's and the weight's
@@ -49,8 +55,7 @@ def _norm_for(x_dtype: mx.Dtype, weight_dtype: mx.Dtype) -> Callable[..., mx.arr
 
     def norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
         x = x.astype(mx.float32)
-        x = x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
-        return x.astype(dtype) * weight.astype(dtype)
+        return (x * _inverse_rms(x, eps)).astype(dtype) * weight.astype(dtype)
 
     return mx.compile(norm, shapeless=True)
 
@@ -60,23 +65,16 @@ def rms_norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
     return _norm_for(x.dtype, weight.dtype)(x, weight, eps)
 
 
-@functools.cache
-def _row_scale_for(x_dtype: mx.Dtype) -> Callable[..., mx.array]:
-    """Each row's 1 / rms in float32 (the fallback's cast, square, mean, add and rsqrt), traced
-    once (shapeless) per dtype: its fused kernel's inputs are all one value a row."""
-
-    def scale(x: mx.array, eps: mx.array) -> mx.array:
-        x = x.astype(mx.float32)
-        return mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
-
-    return mx.compile(scale, shapeless=True)
+# Each row's 1 / rms in float32 (the fallback's cast, square, mean, add and rsqrt), traced once
+# (shapeless) per input dtype: its fused kernel's inputs are all one value a row.
+_row_scale = mx.compile(lambda x, eps: _inverse_rms(x.astype(mx.float32), eps), shapeless=True)
 
 
 def rms_norm_wide(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
     """`rms_norm` for large inputs: the rows' scales compiled, the two multiplies that broadcast
     them and the weight as MLX's own vectorized operations."""
     dtype = _promoted(x.dtype, weight.dtype)
-    scaled = x.astype(mx.float32) * _row_scale_for(x.dtype)(x, eps)
+    scaled = x.astype(mx.float32) * _row_scale(x, eps)
     return scaled.astype(dtype) * weight.astype(dtype)
 
 
@@ -86,7 +84,6 @@ class CompiledRMSNorm(nn.Module):
     def __init__(self, norm: nn.RMSNorm) -> None:
         super().__init__()
         self.weight = norm.weight
-        self.eps = norm.eps
         self._eps = mx.array(norm.eps, mx.float32)  # underscored: not a parameter
 
     def __call__(self, x: mx.array) -> mx.array:
