@@ -278,10 +278,14 @@ class PagedKVStorage:
     def write_mirrored(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """`_scatter`, then append to the mirror; returns views of the mirror up to this step."""
-        self._scatter(layer, batch, keys, values)
+        """`_scatter`, then append to the mirror; returns views of the mirror up to this step,
+        which depend on the pool's write: attention reads only the mirror, and a write that
+        no step evaluates would wait in the graph, each step's on the last, until a read of
+        the pool (a prefill's) ran them all at once."""
+        k_store, v_store = self._scatter(layer, batch, keys, values)
         assert self.mirror is not None
-        return self.mirror.append(layer, keys, values, self.pool_rows(layer))
+        views = self.mirror.append(layer, keys, values, self.pool_rows(layer))
+        return tuple(mx.depends(list(views), [k_store, v_store]))
 
     def attend_mirrored(
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float
