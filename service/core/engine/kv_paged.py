@@ -172,9 +172,9 @@ class PagedKVStorage:
         gather: bool = False,
     ) -> list[Any]:
         """The model's cache views for one forward. A decode step (one token per row,
-        unpadded) attends as `decode_attention` says, unless `gather`; a multi-token forward
-        whose rows all start at position 0 attends over its own new K/V (`write_fresh`);
-        everything else gathers."""
+        unpadded, not `gather`: a verification or a prompt's one-token chunk is none) attends
+        as `decode_attention` says; any other forward whose rows all start at position 0
+        attends over its own new K/V (`write_fresh`); everything else gathers."""
         mode, mirror_mask = "gather", None
         if not gather and layout.width == 1 and not layout.padded:
             if self.decode_attention == "direct":
@@ -183,7 +183,7 @@ class PagedKVStorage:
                 step = self.mirror.begin_step(self, layout)
                 if step is not None:
                     mode, mirror_mask = "mirror", step.mask
-        elif not gather and not layout.starts.any():
+        elif not layout.starts.any():
             mode = "fresh"
         return make_views(
             self, cache, layout, states, mode, mirror_mask, grouped_mask, self.mirror_attends
