@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sys.path.insert(0, str(args.repo))
+    from service.common.logging import configure_logging
+
+    configure_logging("warning", "console")  # here, not in a helper a test calls
     rows = [prefill_after_decode(args, int(n)) for n in args.steps.split(",")]
     rows.append(one_token_pass(args))
     if args.out:
@@ -51,10 +54,8 @@ def main() -> None:
 
 def _runtime(args: argparse.Namespace, batch: int) -> Any:
     from service.common.config import CoreConfig, ModelConfig, SchedulingConfig
-    from service.common.logging import configure_logging
     from service.core.runtime import Runtime
 
-    configure_logging("warning", "console")
     runtime = Runtime(
         CoreConfig(
             model=ModelConfig(load_format=f"dummy:{args.preset}", dtype=args.dtype),
