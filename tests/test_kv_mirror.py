@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.decode_primitives import primitives
 from service.core.engine import kv_mirror
 from service.core.engine.config import EngineConfig
 from service.core.engine.sampler import SamplingParams
@@ -174,6 +175,44 @@ def test_a_batch_that_changes_every_step_copies_only_the_rows_that_changed(model
     # All three at first, then the one newcomer per step; the fourth row joins once.
     assert copied == [3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11]
     assert storage.mirror.allocations == 1
+
+
+@pytest.mark.parametrize("attends", [False, True], ids=["mlx-attention", "own-attention"])
+def test_mirrored_steps_leave_no_pool_write_waiting(model, attends):
+    """A mirrored step's attention reads only the mirror, yet its write into the pool is
+    evaluated with it: no chain of writes waits in the graph for the next read of the pool."""
+    engine, storage = mirrored(model, attends=attends)
+    seqs, _ = generate(engine, PROMPTS, steps=6)
+    assert storage.mirror.allocations == 1
+    for pool in storage.pool_arrays():
+        assert "Scatter" not in primitives(pool)
+    for s in seqs:
+        engine.release(s)
+
+
+def test_a_one_token_prompt_beside_mirrored_rows_leaves_the_mirror_alone(model):
+    """A one-token prompt (or a prompt's one-token chunk) prefilled while rows decode over the
+    mirror is no decode step: the mirror keeps its rows (nothing freed, nothing copied back in)
+    and every row's tokens are as when gathering."""
+
+    def run(engine, storage):
+        seqs, out = generate(engine, PROMPTS, steps=3)
+        before = (storage.mirror.allocations, storage.mirror.copied_rows) if storage.mirror else 0
+        lone = engine.add_sequence("lone", SamplingParams(), [7])
+        out.append([engine.prefill([StepRow(lone, [7])])[0].token_id])
+        for o, r in zip(out, engine.step([StepRow(s) for s in seqs])):
+            o.append(r.token_id)
+        after = (storage.mirror.allocations, storage.mirror.copied_rows) if storage.mirror else 0
+        for s in [*seqs, lone]:
+            engine.release(s)
+        return out, before, after
+
+    storage = paged()
+    gathered, _, _ = run(make_engine(model, storage), storage)
+    engine, storage = mirrored(model, attends=True)
+    out, before, after = run(engine, storage)
+    assert out == gathered
+    assert after == before
 
 
 def test_rows_keep_their_place_and_newcomers_fill_the_rows_left():

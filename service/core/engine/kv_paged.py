@@ -180,9 +180,9 @@ class PagedKVStorage:
         gather: bool = False,
     ) -> list[Any]:
         """The model's cache views for one forward. A decode step (one token per row,
-        unpadded) attends as `decode_attention` says, unless `gather`; a multi-token forward
-        whose rows all start at position 0 attends over its own new K/V (`write_fresh`);
-        everything else gathers."""
+        unpadded, not `gather`: a verification or a prompt's one-token chunk is none) attends
+        as `decode_attention` says; any other forward whose rows all start at position 0
+        attends over its own new K/V (`write_fresh`); everything else gathers."""
         mode, mirror_mask = "gather", None
         if not gather and layout.width == 1 and not layout.padded:
             if self.decode_attention == "direct":
@@ -191,7 +191,7 @@ class PagedKVStorage:
                 step = self.mirror.begin_step(self, layout)
                 if step is not None:
                     mode, mirror_mask = "mirror", step.mask
-        elif not gather and not layout.starts.any():
+        elif not layout.starts.any():
             mode = "fresh"
         return make_views(
             self,
@@ -320,10 +320,14 @@ class PagedKVStorage:
     def write_mirrored(
         self, layer: int, batch: StepLayout, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """`_scatter`, then append to the mirror; returns views of the mirror up to this step."""
-        self._scatter(layer, batch, keys, values)
+        """`_scatter`, then append to the mirror; returns views of the mirror up to this step,
+        which depend on the pool's write: attention reads only the mirror, and a write that
+        no step evaluates would wait in the graph, each step's on the last, until a read of
+        the pool (a prefill's) ran them all at once."""
+        k_store, v_store = self._scatter(layer, batch, keys, values)
         assert self.mirror is not None
-        return self.mirror.append(layer, keys, values, self.pool_rows(layer))
+        views = self.mirror.append(layer, keys, values, self.pool_rows(layer))
+        return tuple(mx.depends(list(views), [k_store, v_store]))
 
     def attend_mirrored(
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float

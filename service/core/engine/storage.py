@@ -61,7 +61,8 @@ class KVStorage(Protocol):
         gather: bool = False,
     ) -> list[Any]:
         """The cache objects the model's forward takes for this step. `gather`: read K/V the
-        plain way even for a decode step (a verification forward)."""
+        plain way even where the step looks like a decode step (a verification forward, a
+        prompt's one-token chunk)."""
         ...
 
     def end_forward(self) -> None:
