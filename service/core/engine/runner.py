@@ -572,11 +572,9 @@ class ModelRunner:
                 run = layout.padded_rows(pad)
                 run_tokens = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad, axis=0)])
                 run_adapters = np.concatenate([adapters, np.repeat(adapters[-1:], pad)])
-            # A prompt's one-token chunk is no decode step: the decode path would take its rows
-            # into the storage's decode mirror (or free it, for a lone row).
-            prompt = any(x is not None for x in inputs)
+            prompt = inputs.count(None) < len(inputs)  # a prompt's chunk, maybe one token
             views = self.storage.views(
-                run, self.cache, states, self.config.grouped_query_mask, gather=prompt
+                run, self.cache, states, self.config.grouped_query_mask, prompt=prompt
             )
             if run.width > 1:
                 self._pass_shapes.add((run.batch_size, run.width))
