@@ -69,6 +69,7 @@ class DenseKVStorage:
         states: StepStates | None,
         grouped_mask: bool,
         gather: bool = False,
+        prompt: bool = False,
     ) -> list[Any]:
         """Every step gathers (rows' arrays sliced and padded to the longest)."""
         return make_views(self, cache, layout, states, "gather", None, grouped_mask)

@@ -52,6 +52,7 @@ class NativeCacheStorage:
         states: StepStates | None,
         grouped_mask: bool,
         gather: bool = False,
+        prompt: bool = False,
     ) -> list[Any]:
         """The one row's own caches (they hold every position written so far)."""
         if layout.batch_size != 1 or layout.padded:

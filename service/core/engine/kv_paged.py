@@ -178,20 +178,23 @@ class PagedKVStorage:
         states: StepStates | None,
         grouped_mask: bool,
         gather: bool = False,
+        prompt: bool = False,
     ) -> list[Any]:
         """The model's cache views for one forward. A decode step (one token per row,
-        unpadded, not `gather`: a verification or a prompt's one-token chunk is none) attends
-        as `decode_attention` says; any other forward whose rows all start at position 0
-        attends over its own new K/V (`write_fresh`); everything else gathers."""
+        unpadded; not `gather`, a verification) attends as `decode_attention` says, but never
+        over the mirror for a `prompt` forward (a prompt's one-token chunk: it would pull its
+        rows into the mirror out of order, or free it for a lone row); a multi-token forward
+        whose rows all start at position 0 attends over its own new K/V (`write_fresh`);
+        everything else gathers."""
         mode, mirror_mask = "gather", None
         if not gather and layout.width == 1 and not layout.padded:
             if self.decode_attention == "direct":
                 mode = "direct"
-            elif self.mirror is not None:
+            elif self.mirror is not None and not prompt:
                 step = self.mirror.begin_step(self, layout)
                 if step is not None:
                     mode, mirror_mask = "mirror", step.mask
-        elif not layout.starts.any():
+        elif not gather and not layout.starts.any():
             mode = "fresh"
         return make_views(
             self,

@@ -71,6 +71,10 @@ class EngineError(RuntimeError):
     """An evaluation failed for a row; the message is safe to show to the caller."""
 
 
+class EmptySlotError(ValueError):
+    """A plan names a slot with no row in it (the scheduler's bug, not the rows')."""
+
+
 @dataclass(eq=False)
 class Row:
     """The runner's state of one row (a sequence) while it is in the table."""
@@ -482,7 +486,7 @@ class ModelRunner:
         stop at their logits until `sample`). A build that raises runs its rows one by one."""
         try:
             return self._build_batch(slots, inputs, samples, masks)
-        except SlotsNotReservedError:
+        except (SlotsNotReservedError, EmptySlotError):
             raise  # the scheduler's bug, not the rows': nothing to contain
         except Exception as exc:
             if not self._contain:
@@ -523,10 +527,13 @@ class ModelRunner:
         samples: np.ndarray | None,
         masks: Masks | None,
     ) -> _Forward:
-        rows = [self._row(s) for s in slots]
-        lengths = np.asarray([1 if x is None else len(x) for x in inputs], np.int32)
-        if lengths.min() < 1:
-            raise ValueError("a step row needs at least one token")
+        rows = self._rows_of(slots)
+        if inputs.count(None) == len(inputs):  # a decode step (C-speed, no walk in Python)
+            lengths = np.ones(len(slots), np.int32)
+        else:
+            lengths = np.asarray([1 if x is None else len(x) for x in inputs], np.int32)
+            if lengths.min() < 1:
+                raise ValueError("a step row needs at least one token")
         starts = self.positions[slots].copy()
         layout = self._layout(slots, rows, starts, lengths)
         width = int(lengths.max())
@@ -565,11 +572,9 @@ class ModelRunner:
                 run = layout.padded_rows(pad)
                 run_tokens = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad, axis=0)])
                 run_adapters = np.concatenate([adapters, np.repeat(adapters[-1:], pad)])
-            # A prompt's one-token chunk is no decode step: the decode path would take its rows
-            # into the storage's decode mirror (or free it, for a lone row).
-            prompt = any(x is not None for x in inputs)
+            prompt = inputs.count(None) < len(inputs)  # a prompt's chunk, maybe one token
             views = self.storage.views(
-                run, self.cache, states, self.config.grouped_query_mask, gather=prompt
+                run, self.cache, states, self.config.grouped_query_mask, prompt=prompt
             )
             if run.width > 1:
                 self._pass_shapes.add((run.batch_size, run.width))
@@ -757,7 +762,7 @@ class ModelRunner:
         """The step's [B, width] input ids. Decode rows take the token their last forward
         sampled; when every row feeds from one forward in its order (the steady state), that
         array is the input as it is."""
-        if width == 1 and all(x is None for x in inputs):
+        if width == 1 and inputs.count(None) == len(inputs):
             sources = self._source_step[slots]
             if (sources < 0).any():
                 missing = self._row(slots[int(np.argmax(sources < 0))]).seq_id
@@ -921,8 +926,16 @@ class ModelRunner:
     def _row(self, slot: int | np.integer) -> Row:
         row = self.rows[int(slot)]
         if row is None:
-            raise ValueError(f"slot {slot} runs with no row in it")
+            raise EmptySlotError(f"slot {slot} runs with no row in it")
         return row
+
+    def _rows_of(self, slots: np.ndarray) -> list[Row]:
+        """The rows of a forward's slots (one list lookup a row: a decode step has hundreds)."""
+        table = self.rows
+        rows = [table[s] for s in slots.tolist()]
+        if None in rows:
+            raise EmptySlotError(f"slot {int(slots[rows.index(None)])} runs with no row in it")
+        return rows
 
     # -- LoRA adapters ---------------------------------------------------------------
     def _adapter_rows(self, adapters: np.ndarray) -> lora.RowAdapters | None:

@@ -59,10 +59,11 @@ class KVStorage(Protocol):
         states: StepStates | None,
         grouped_mask: bool,
         gather: bool = False,
+        prompt: bool = False,
     ) -> list[Any]:
         """The cache objects the model's forward takes for this step. `gather`: read K/V the
-        plain way even where the step looks like a decode step (a verification forward, a
-        prompt's one-token chunk)."""
+        plain way even for a decode step (a verification forward); `prompt`: the forward feeds
+        prompt tokens (one a row, it still is no decode step for a storage's own copies)."""
         ...
 
     def end_forward(self) -> None:
