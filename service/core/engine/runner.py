@@ -528,7 +528,8 @@ class ModelRunner:
         masks: Masks | None,
     ) -> _Forward:
         rows = self._rows_of(slots)
-        if inputs.count(None) == len(inputs):  # a decode step (C-speed, no walk in Python)
+        prompt = inputs.count(None) < len(inputs)  # C-speed: a decode step has hundreds of rows
+        if not prompt:
             lengths = np.ones(len(slots), np.int32)
         else:
             lengths = np.asarray([1 if x is None else len(x) for x in inputs], np.int32)
@@ -572,7 +573,6 @@ class ModelRunner:
                 run = layout.padded_rows(pad)
                 run_tokens = mx.concatenate([tokens, mx.repeat(tokens[-1:], pad, axis=0)])
                 run_adapters = np.concatenate([adapters, np.repeat(adapters[-1:], pad)])
-            prompt = inputs.count(None) < len(inputs)  # a prompt's chunk, maybe one token
             views = self.storage.views(
                 run, self.cache, states, self.config.grouped_query_mask, prompt=prompt
             )
@@ -934,7 +934,7 @@ class ModelRunner:
         table = self.rows
         rows = [table[s] for s in slots.tolist()]
         if None in rows:
-            raise EmptySlotError(f"slot {int(slots[rows.index(None)])} runs with no row in it")
+            self._row(slots[rows.index(None)])  # raises EmptySlotError, naming the slot
         return rows
 
     # -- LoRA adapters ---------------------------------------------------------------
