@@ -13,7 +13,8 @@ One decode path per platform:
   decode step's products over small weights come from one custom tensor-core kernel
   (service.core.models.decode_gemm), and a residual add and the RMSNorm after it are one kernel
   (service.core.models.residual_norm). LoRA rows' updates come
-  from two custom kernels per adapted layer: MLX's CUDA gather_mm runs a row's product at a
+  from custom kernels (service.core.models.lora_kernel; in a decode step one per group of
+  adapted projections that read one input): MLX's CUDA gather_mm runs a row's product at a
   time, and every extra primitive costs host work. Quantized projections fold a batch's rows
   into one product (service.core.models.quantized): MLX's CUDA quantized matmul reads the whole
   weight once per row of a [B, 1, D] input.
