@@ -542,7 +542,7 @@ class ModelRunner:
             layout.pad_width = shape_bucket(width)
             span = shape_bucket(int((starts + lengths).max()))
             layout.pad_span = max(span, MIN_PADDED_SPAN)
-        tokens = self._input_tokens(slots, inputs, layout.width)  # [B, N]
+        tokens = self._input_tokens(slots, inputs, layout.width, prompt)  # [B, N]
         decode = layout.width == 1
         sampled = (
             np.arange(len(slots), dtype=np.int32)
@@ -757,12 +757,12 @@ class ModelRunner:
         return self._forward_id
 
     def _input_tokens(
-        self, slots: np.ndarray, inputs: list[list[int] | None], width: int
+        self, slots: np.ndarray, inputs: list[list[int] | None], width: int, prompt: bool
     ) -> mx.array:
         """The step's [B, width] input ids. Decode rows take the token their last forward
         sampled; when every row feeds from one forward in its order (the steady state), that
-        array is the input as it is."""
-        if width == 1 and inputs.count(None) == len(inputs):
+        array is the input as it is. `prompt`: some row feeds prompt tokens."""
+        if not prompt:
             sources = self._source_step[slots]
             if (sources < 0).any():
                 missing = self._row(slots[int(np.argmax(sources < 0))]).seq_id
