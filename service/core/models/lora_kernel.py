@@ -155,6 +155,7 @@ VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes
 # Passes of a block's threads over its outputs: more passes, fewer blocks recomputing z (fewer
 # re-reads of A) but less parallelism.
 PASSES = 1
+TILE = 8  # tokens of one slot a block takes: each element of A and B it reads serves them all
 
 _FUSED_HEADER = """
 // E elements of p as floats. With V (the caller checked that p starts on 16 bytes), one 16-byte
@@ -193,141 +194,289 @@ __device__ __forceinline__ bool mlxserve_aligned(const T* p, int stride) {
   return (reinterpret_cast<size_t>(p) & 15) == 0 && (stride * sizeof(T)) % 16 == 0;
 }
 
-// The warps' partial sums of z = x[t] @ A[s] into zs[warp * R + k]: every thread takes EI
-// inputs at a time for KG ranks at once (registers).
-template <bool V, typename TX, typename TA, int IN, int R, int WARPS, int EI>
-__device__ __forceinline__ void mlxserve_lora_z(const TX* xt, const TA* as, float* zs) {
+// The block's tile of tokens. Tokens of one slot (idx, in token order) fall in tiles of TT; tile
+// `tile` of the list (the first tile of each slot's tokens in the order of their first token)
+// is the block's. Returns its slot (-1: no such tile) with its tokens in toks[0, n); the
+// caller's threads all call it (it holds barriers). lead: the token whose tile a block finds,
+// shared memory of the block's threads, as are toks and info.
+template <int TT>
+__device__ __forceinline__ int mlxserve_tile(
+    const int32_t* idx, const int T, const int tile, int* toks, int* info) {
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int warps = blockDim.x / 32;
+  __shared__ int counts[32];  // leaders per warp, then their prefix
+  if (tid == 0) info[0] = -1;
+  int before = 0;  // leaders in earlier rounds of blockDim.x tokens
+  for (int t0 = 0; t0 < T; t0 += blockDim.x) {
+    const int t = t0 + tid;
+    bool lead = false;
+    if (t < T) {
+      // A token leads a tile when the tokens of its slot before it are a multiple of TT.
+      const int s = idx[t];
+      int r = 0;
+      for (int u = 0; u < t; ++u) r += idx[u] == s;
+      lead = r % TT == 0;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffff, lead);
+    if (lane == 0) counts[warp] = __popc(ballot);
+    __syncthreads();
+    int prior = before;
+    for (int w = 0; w < warp; ++w) prior += counts[w];
+    if (lead && prior + __popc(ballot & ((1u << lane) - 1)) == tile) {
+      info[0] = idx[t];
+      info[1] = t;
+    }
+    for (int w = 0; w < warps; ++w) before += counts[w];
+    __syncthreads();
+  }
+  const int slot = info[0];
+  if (slot >= 0 && tid < 32) {
+    // The leader and the next TT - 1 tokens of its slot.
+    const int first = info[1];
+    int seen = 0;
+    for (int t0 = first; t0 < T && seen < TT; t0 += 32) {
+      const int t = t0 + lane;
+      const bool match = t < T && idx[t] == slot;
+      const unsigned ballot = __ballot_sync(0xffffffff, match);
+      const int r = seen + __popc(ballot & ((1u << lane) - 1));
+      if (match && r < TT) toks[r] = t;
+      seen += __popc(ballot);
+    }
+    if (lane == 0) info[2] = seen < TT ? seen : TT;
+  }
+  __syncthreads();
+  return slot;
+}
+
+// One level of mlxserve_warp_sums: lanes with bit OFF set keep values [OFF, 2 * OFF) of the
+// first 2 * OFF, the others [0, OFF); each adds its partner's share of what it keeps. (OFF is a
+// template value so that the loop unrolls and v stays in registers.)
+template <int OFF>
+__device__ __forceinline__ void mlxserve_warp_level(float (&v)[32]) {
+  const bool upper = (threadIdx.x % 32) & OFF;
+#pragma unroll
+  for (int i = 0; i < OFF; ++i) {
+    const float send = upper ? v[i] : v[i + OFF];
+    const float keep = upper ? v[i + OFF] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffff, send, OFF);
+  }
+}
+
+// Butterfly sum over a warp's lanes of 32 values a lane: lane l ends with value l's sum in v[0].
+// Every value is summed over the same tree of lanes (pairs by lane bit 16, then 8, ..., 1), so a
+// value's sum does not depend on where it sits among the 32.
+__device__ __forceinline__ void mlxserve_warp_sums(float (&v)[32]) {
+  mlxserve_warp_level<16>(v);
+  mlxserve_warp_level<8>(v);
+  mlxserve_warp_level<4>(v);
+  mlxserve_warp_level<2>(v);
+  mlxserve_warp_level<1>(v);
+}
+
+// z[j * R + k] = x[toks[j]] @ A[s][:, k] for the tile's n tokens (float32, shared memory). Every
+// thread takes EI inputs at a time for the tile's tokens and KG ranks at once (registers), so
+// each element of A is read once for the whole tile; the lanes' sums meet in a butterfly, the
+// warps' in shared memory (zw: WARPS * TT * KG floats). A token's numbers are the same whatever
+// the tile holds beside it.
+template <bool V, typename TX, typename TA, int IN, int R, int WARPS, int EI, int TT, int KG>
+__device__ __forceinline__ void mlxserve_lora_z(
+    const TX* x, const int* toks, const int n, const TA* as, float* zw, float* z) {
   constexpr int THREADS = WARPS * 32;
-  constexpr int KG = R < 32 ? R : 32;  // ranks per pass over x: bounds the registers
+  static_assert((TT * KG) % 32 == 0, "a tile's sums go 32 at a time through the butterfly");
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  for (int k0 = 0; k0 < R; k0 += KG) {
-    float acc[KG];
+  const TX* xr[TT];
 #pragma unroll
-    for (int k = 0; k < KG; ++k) acc[k] = 0.0f;
+  for (int j = 0; j < TT; ++j) xr[j] = x + (size_t)toks[j < n ? j : n - 1] * IN;
+  for (int k0 = 0; k0 < R; k0 += KG) {
+    float acc[TT * KG];
+#pragma unroll
+    for (int q = 0; q < TT * KG; ++q) acc[q] = 0.0f;
     for (int i = tid * EI; i < IN; i += THREADS * EI) {
-      float xv[EI];
-      mlxserve_load<V, TX, EI>(xt + i, xv);
+      float xv[TT][EI];
+#pragma unroll
+      for (int j = 0; j < TT; ++j) mlxserve_load<V, TX, EI>(xr[j] + i, xv[j]);
 #pragma unroll
       for (int k = 0; k < KG; ++k) {
-        if (k0 + k < R) {
+        if (R % KG == 0 || k0 + k < R) {
           float av[EI];
           mlxserve_load<V, TA, EI>(as + (size_t)(k0 + k) * IN + i, av);
 #pragma unroll
-          for (int e = 0; e < EI; ++e) acc[k] += xv[e] * av[e];
+          for (int j = 0; j < TT; ++j) {
+#pragma unroll
+            for (int e = 0; e < EI; ++e) acc[j * KG + k] += xv[j][e] * av[e];
+          }
         }
       }
     }
 #pragma unroll
-    for (int k = 0; k < KG; ++k) {
-      float v = acc[k];
-      for (int offset = 16; offset > 0; offset /= 2) {
-        v += __shfl_xor_sync(0xffffffff, v, offset);
-      }
-      if (lane == 0 && k0 + k < R) {
-        zs[warp * R + k0 + k] = v;
-      }
+    for (int g = 0; g < TT * KG; g += 32) {
+      float v[32];
+#pragma unroll
+      for (int q = 0; q < 32; ++q) v[q] = acc[g + q];
+      mlxserve_warp_sums(v);
+      zw[warp * TT * KG + g + lane] = v[0];
     }
+    __syncthreads();
+    for (int q = tid; q < TT * KG; q += THREADS) {
+      const int j = q / KG, k = k0 + q % KG;
+      float v = 0.0f;
+      for (int w = 0; w < WARPS; ++w) v += zw[w * TT * KG + q];
+      if (k < R) z[j * R + k] = v;
+    }
+    __syncthreads();
   }
 }
 
-// Outputs [first, last) of out[t] = yt + (scale * z @ B[s]) cast to TY before the add, EO
-// consecutive outputs a thread.
-template <bool V, typename TY, typename TB, int R, int OUT, int THREADS, int EO>
+// Outputs [first, last) of out[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the add, for
+// the tile's tokens t = toks[j < n]; EO consecutive outputs a thread, each element of B read once
+// for the tile.
+template <bool V, typename TY, typename TB, int R, int OUT, int YW, int COL, int THREADS, int EO,
+          int TT>
 __device__ __forceinline__ void mlxserve_lora_out(
-    const float* z, const TB* bs, const TY* yt, TY* ot, const float scale, const int first,
-    const int last) {
+    const float* z, const int* toks, const int n, const TB* bs, const TY* y, TY* out,
+    const float* scale, const int first, const int last) {
   for (int o = first + threadIdx.x * EO; o < last; o += THREADS * EO) {
-    float acc[EO];
+    float acc[TT][EO];
 #pragma unroll
-    for (int e = 0; e < EO; ++e) acc[e] = 0.0f;
-#pragma unroll 16
+    for (int j = 0; j < TT; ++j) {
+#pragma unroll
+      for (int e = 0; e < EO; ++e) acc[j][e] = 0.0f;
+    }
+#pragma unroll 4
     for (int k = 0; k < R; ++k) {
       float bv[EO];
       mlxserve_load<V, TB, EO>(bs + (size_t)k * OUT + o, bv);
 #pragma unroll
-      for (int e = 0; e < EO; ++e) acc[e] += z[k] * bv[e];
-    }
-    float yv[EO];
-    mlxserve_load<V, TY, EO>(yt + o, yv);
+      for (int j = 0; j < TT; ++j) {
 #pragma unroll
-    for (int e = 0; e < EO; ++e) {
-      const TY d = static_cast<TY>(scale * acc[e]);
-      ot[o + e] = static_cast<TY>(yv[e] + static_cast<float>(d));
+        for (int e = 0; e < EO; ++e) acc[j][e] += z[j * R + k] * bv[e];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+      if (j < n) {
+        const size_t t = toks[j];
+        const float sc = scale[t];
+        float yv[EO];
+        mlxserve_load<V, TY, EO>(y + t * YW + COL + o, yv);
+#pragma unroll
+        for (int e = 0; e < EO; ++e) {
+          const TY d = static_cast<TY>(sc * acc[j][e]);
+          out[t * OUT + o + e] = static_cast<TY>(yv[e] + static_cast<float>(d));
+        }
+      }
     }
   }
 }
 
-// One block's share of a LoRA update: z = x[t] @ A[s] (float32, shared memory), then outputs
-// [chunk * CHUNK, (chunk + 1) * CHUNK) of out[t] = y[t] + (scale * z @ B[s]) cast to TY before
-// the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], out [T, OUT], y [T, YW] of
-// which this module's outputs are columns [COL, COL + OUT) (a fused projection's whole product:
-// read in place, not copied out first), a_t [S, R, IN] (A transposed: a thread's EI inputs are
-// consecutive), b [S, R, OUT]. The warps' partial sums of z meet in shared memory; then each
-// thread writes EO consecutive outputs.
-template <typename TX, typename TY, typename TA, typename TB,
-          int IN, int R, int OUT, int YW, int COL, int CHUNK, int WARPS, int EI, int EO>
+// The update of n <= TC tokens of slot s (toks), outputs [first, last): z, then the outputs. TC
+// tokens at once, 32 / TC ranks a pass (one butterfly of 32 sums a pass).
+template <typename TX, typename TY, typename TA, typename TB, int IN, int R, int OUT, int YW,
+          int COL, int WARPS, int EI, int EO, int TC>
+__device__ __forceinline__ void mlxserve_lora_tokens(
+    const TX* x, const TY* y, const TA* a_t, const TB* b, const float* scale, const int s,
+    const int* toks, const int n, const int first, const int last, TY* out, float* zw, float* z) {
+  constexpr int KG = 32 / TC;
+  const TA* as = a_t + (size_t)s * R * IN;
+  if (mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN)) {
+    mlxserve_lora_z<true, TX, TA, IN, R, WARPS, EI, TC, KG>(x, toks, n, as, zw, z);
+  } else {
+    mlxserve_lora_z<false, TX, TA, IN, R, WARPS, EI, TC, KG>(x, toks, n, as, zw, z);
+  }
+  const TB* bs = b + (size_t)s * R * OUT;
+  if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(y + COL, YW)) {
+    mlxserve_lora_out<true, TY, TB, R, OUT, YW, COL, WARPS * 32, EO, TC>(
+        z, toks, n, bs, y, out, scale, first, last);
+  } else {
+    mlxserve_lora_out<false, TY, TB, R, OUT, YW, COL, WARPS * 32, EO, TC>(
+        z, toks, n, bs, y, out, scale, first, last);
+  }
+}
+
+// One block's share of a LoRA update: tile `tile` of one module's tokens (those of one slot s),
+// and outputs [chunk * CHUNK, (chunk + 1) * CHUNK): z = x[t] @ A[s] for the tile's tokens, then
+// out[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the add (mlx-lm's `y + (scale *
+// z).astype(x.dtype)`). x [T, IN], out [T, OUT], y [T, YW] of which this module's outputs are
+// columns [COL, COL + OUT) (a fused projection's whole product: read in place, not copied out
+// first), a_t [S, R, IN] (A transposed: a thread's EI inputs are consecutive), b [S, R, OUT].
+template <typename TX, typename TY, typename TA, typename TB, int IN, int R, int OUT, int YW,
+          int COL, int CHUNK, int WARPS, int EI, int EO, int TT>
 __device__ __forceinline__ void mlxserve_lora_block(
-    const TX* x, const TY* y, const TA* a_t, const TB* b, const int s, const float scale,
-    const size_t t, const int chunk, TY* out, float* zs) {
+    const TX* x, const TY* y, const TA* a_t, const TB* b, const int32_t* idx, const float* scale,
+    const int T, const int tile, const int chunk, TY* out, float* zw, float* z) {
   constexpr int THREADS = WARPS * 32;
+  __shared__ int toks[TT];
+  __shared__ int info[3];
+  const int s = mlxserve_tile<TT>(idx, T, tile, toks, info);
+  if (s < 0) {
+    return;  // past the last tile (s is the block's: the whole block returns)
+  }
+  const int n = info[2];
   const int tid = threadIdx.x;
   const int first = chunk * CHUNK;
   const int last = first + CHUNK < OUT ? first + CHUNK : OUT;
-  const TY* yt = y + t * YW + COL;
-  TY* ot = out + t * OUT;
   if (s == 0) {
     // Local slot 0 is zeros in every stack: the update is zero, A and B need not be read.
-    // (s depends on the block alone, so the whole block returns before the barrier.)
-    for (int o = first + tid; o < last; o += THREADS) {
-      ot[o] = yt[o];
+    for (int j = 0; j < n; ++j) {
+      const size_t t = toks[j];
+      for (int o = first + tid; o < last; o += THREADS) out[t * OUT + o] = y[t * YW + COL + o];
     }
     return;
   }
-  const TX* xt = x + t * IN;
-  const TA* as = a_t + (size_t)s * R * IN;
-  if (mlxserve_aligned(xt, IN) && mlxserve_aligned(as, IN)) {
-    mlxserve_lora_z<true, TX, TA, IN, R, WARPS, EI>(xt, as, zs);
+  // The tile's update at the width of its tokens, so that a tile of one token does no more work
+  // than one token's.
+  if (n == 1) {
+    mlxserve_lora_tokens<TX, TY, TA, TB, IN, R, OUT, YW, COL, WARPS, EI, EO, 1>(
+        x, y, a_t, b, scale, s, toks, n, first, last, out, zw, z);
+  } else if (n == 2) {
+    mlxserve_lora_tokens<TX, TY, TA, TB, IN, R, OUT, YW, COL, WARPS, EI, EO, 2>(
+        x, y, a_t, b, scale, s, toks, n, first, last, out, zw, z);
+  } else if (n <= 4) {
+    mlxserve_lora_tokens<TX, TY, TA, TB, IN, R, OUT, YW, COL, WARPS, EI, EO, 4>(
+        x, y, a_t, b, scale, s, toks, n, first, last, out, zw, z);
   } else {
-    mlxserve_lora_z<false, TX, TA, IN, R, WARPS, EI>(xt, as, zs);
-  }
-  __syncthreads();
-  for (int k = tid; k < R; k += THREADS) {
-    float v = 0.0f;
-    for (int w = 0; w < WARPS; ++w) v += zs[w * R + k];
-    zs[WARPS * R + k] = v;
-  }
-  __syncthreads();
-  const float* z = zs + WARPS * R;
-  const TB* bs = b + (size_t)s * R * OUT;
-  if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(yt, 0)) {
-    mlxserve_lora_out<true, TY, TB, R, OUT, THREADS, EO>(z, bs, yt, ot, scale, first, last);
-  } else {
-    mlxserve_lora_out<false, TY, TB, R, OUT, THREADS, EO>(z, bs, yt, ot, scale, first, last);
+    mlxserve_lora_tokens<TX, TY, TA, TB, IN, R, OUT, YW, COL, WARPS, EI, EO, TT>(
+        x, y, a_t, b, scale, s, toks, n, first, last, out, zw, z);
   }
 }
 """
 
 
 def _fused_source(parts: int) -> str:
-    """The kernel body for `parts` modules: block b of token t is chunk c of the module whose
-    chunks [FIRSTp, FIRSTp + CHUNKSp) of the token's BLOCKS hold c."""
+    """The kernel body for `parts` modules: the blocks of part p follow those of the parts
+    before it, CHUNKSp blocks for each of its tiles (`tiles`: how many there can be)."""
     lines = [
-        "    const size_t t = blockIdx.x / BLOCKS;",
-        "    const int c = blockIdx.x % BLOCKS;",
-        "    const float sc = scale[t];",
-        "    __shared__ float zs[(WARPS + 1) * RMAX];",
+        "    const int T = idx0_shape[0];",
+        "    __shared__ float zw[WARPS * 32];",
+        "    __shared__ float z[TT * RMAX];",
+        "    int block = blockIdx.x;",
     ]
     for p in range(parts):
         lines += [
-            f"    {'if' if p == 0 else 'else if'} (c < FIRST{p} + CHUNKS{p}) {{",
-            f"        mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p},",
-            f"                            YW{p}, COL{p}, CHUNK{p}, WARPS, EI, EO{p}>(",
-            f"            x, y{p}, a{p}, b{p}, idx{p}[t], sc, t, c - FIRST{p}, out{p}, zs);",
+            "    {",
+            f"        const int slots = a{p}_shape[0] < T ? a{p}_shape[0] : T;",
+            f"        const int blocks = ((T + TT - 1) / TT + slots - 1) * CHUNKS{p};",
+            "        if (block < blocks) {",
+            f"            mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p},",
+            f"                                YW{p}, COL{p}, CHUNK{p}, WARPS, EI, EO{p}, TT>(",
+            f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, block / CHUNKS{p},",
+            f"                block % CHUNKS{p}, out{p}, zw, z);",
+            "            return;",
+            "        }",
+            "        block -= blocks;",
             "    }",
         ]
     return "\n".join(lines) + "\n"
+
+
+def tiles(tokens: int, slots: int) -> int:
+    """The most tiles `fused_add` can make of `tokens` tokens over a stack of `slots` local
+    slots: a tile per TILE tokens, and one more for each slot present but the first."""
+    return -(-tokens // TILE) + min(slots, tokens) - 1
 
 
 @dataclass(frozen=True)
@@ -397,7 +546,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
         ("EI", vector(width)),
     ]
     inputs = [x, scale]
-    first = 0
+    blocks = 0
     for p, part in enumerate(parts):
         out = part.width
         chunks, size = chunking(out)
@@ -412,17 +561,19 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
             (f"COL{p}", part.start),
             (f"CHUNK{p}", size),
             (f"CHUNKS{p}", chunks),
-            (f"FIRST{p}", first),
             (f"EO{p}", vector(out)),
         ]
-        first += chunks
-    template += [("BLOCKS", first), ("RMAX", max(part.a_t.shape[1] for part in parts))]
+        blocks += tiles(tokens, part.a_t.shape[0]) * chunks
+    template += [
+        ("TT", TILE),
+        ("RMAX", max(part.a_t.shape[1] for part in parts)),
+    ]
     threads = FUSED_WARPS * 32
     return list(
         _fused(len(parts))(
             inputs=inputs,
             template=template,
-            grid=(tokens * first * threads, 1, 1),
+            grid=(blocks * threads, 1, 1),
             threadgroup=(threads, 1, 1),
             output_shapes=[(*part.y.shape[:-1], part.width) for part in parts],
             output_dtypes=[part.y.dtype for part in parts],
