@@ -6,16 +6,21 @@ forms of a mixed batch's update (a gathered product per row, or every row times 
 with the other adapters masked out) add five to ten primitives to every adapted layer, more than
 the layer itself. Here an update is one kernel, `fused_add`, and one call serves several modules
 that read the same input (an attention's q, k and v; an MLP's gate and up: service.core.models.
-lora groups them), each with its own stacks, slots and output. A block computes z = x[t] @ A[s]
-for its token and module (float32, into shared memory), then a chunk of that module's outputs,
-y + scale * z @ B[s] cast as mlx-lm casts it.
+lora groups them), each with its own stacks, slots and output. A block takes a tile of up to
+TILE tokens of one slot s of one module: it computes z = x[t] @ A[s] for the tile's tokens
+(float32, into shared memory), then a chunk of that module's outputs, y + scale * z @ B[s] cast
+as mlx-lm casts it, so that each element of A and B it reads serves the whole tile.
 
-Grid: a block per (token, module, chunk of outputs). A chunk is what the block's threads write
-in PASSES passes, VEC consecutive outputs each; every block of a token recomputes z, all its threads
-reading VEC inputs at a time for up to 32 ranks at once (the other chunks' re-reads of A hit the
-cache). The chunking depends on the module's shape only, not on the number of tokens: a template
-value that changed with the tokens would compile a kernel variant at the first step of each new
-size, a stall in the middle of serving. It changes which block computes an output, never how.
+Grid: a block per (tile, module, chunk of outputs). The tiles are found in the kernel from the
+tokens' slots (a token leads a tile when the tokens of its slot before it are a multiple of
+TILE); the grid holds as many as there can be (`tiles`) and the blocks past the last return. A
+chunk is what the block's threads write in PASSES passes, VEC consecutive outputs each; every
+block of a tile recomputes its z, all its threads reading VEC inputs at a time for the tile's
+tokens and several ranks at once. A tile is computed at the width of its tokens (1, 2, 4 or
+TILE), and a token's sums run over the same threads in the same order whatever its tile holds,
+so its numbers do not depend on the batch. The chunking depends on the module's shape only, not
+on the number of tokens: a template value that changed with the tokens would compile a kernel
+variant at the first step of each new size, a stall in the middle of serving.
 
 Under tensor parallel a sharded-to-all layer sums z over the group between the two products, so
 it takes two kernels: `shrink` (z = x @ A[s], [tokens, r] float32) and `expand_add`.
@@ -346,7 +351,7 @@ __device__ __forceinline__ void mlxserve_lora_out(
 #pragma unroll
       for (int e = 0; e < EO; ++e) acc[j][e] = 0.0f;
     }
-#pragma unroll 4
+#pragma unroll(TT <= 4 ? 16 : 8)  // B's loads of several ranks in flight at once
     for (int k = 0; k < R; ++k) {
       float bv[EO];
       mlxserve_load<V, TB, EO>(bs + (size_t)k * OUT + o, bv);
@@ -380,7 +385,10 @@ template <typename TX, typename TY, typename TA, typename TB, int IN, int R, int
 __device__ __forceinline__ void mlxserve_lora_tokens(
     const TX* x, const TY* y, const TA* a_t, const TB* b, const float* scale, const int s,
     const int* toks, const int n, const int first, const int last, TY* out, float* zw, float* z) {
-  constexpr int KG = 32 / TC;
+  // Ranks a pass: up to 64 sums a thread (two butterflies), whole ranks of 32 / TC at a time.
+  constexpr int STEP = 32 / TC;
+  constexpr int RUP = (R + STEP - 1) / STEP * STEP;
+  constexpr int KG = 64 / TC < RUP ? 64 / TC : RUP;
   const TA* as = a_t + (size_t)s * R * IN;
   if (mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN)) {
     mlxserve_lora_z<true, TX, TA, IN, R, WARPS, EI, TC, KG>(x, toks, n, as, zw, z);
@@ -451,7 +459,7 @@ def _fused_source(parts: int) -> str:
     before it, CHUNKSp blocks for each of its tiles (`tiles`: how many there can be)."""
     lines = [
         "    const int T = idx0_shape[0];",
-        "    __shared__ float zw[WARPS * 32];",
+        "    __shared__ float zw[WARPS * 64];",
         "    __shared__ float z[TT * RMAX];",
         "    int block = blockIdx.x;",
     ]
