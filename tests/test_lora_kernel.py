@@ -13,6 +13,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.multi_lora import ALL_PROJECTIONS
 from service.core.models import lora, lora_kernel, projections
@@ -177,6 +179,38 @@ def test_the_fused_reference_is_each_parts_own_update() -> None:
     again = lora_kernel.reference_fused_add(x[:6].reshape(2, 3, -1), batched, scale[:6])
     for out, flat in zip(again, got):
         assert mx.array_equal(out.reshape(6, -1), flat[:6])
+
+
+def kernel_tiles(slots: np.ndarray) -> list[tuple[int, list[int]]]:
+    """The tiles `fused_add`'s blocks find, in block order, as the kernel finds them: a token
+    leads a tile when the tokens of its slot before it are a multiple of TILE; the tile is the
+    leader and the next TILE - 1 tokens of its slot."""
+    tiles = []
+    for t, s in enumerate(slots):
+        if np.count_nonzero(slots[:t] == s) % lora_kernel.TILE == 0:
+            same = [u for u in range(t, len(slots)) if slots[u] == s]
+            tiles.append((int(s), same[: lora_kernel.TILE]))
+    return tiles
+
+
+@given(
+    st.integers(1, 9).flatmap(
+        lambda n: st.lists(st.integers(0, n - 1), min_size=1, max_size=300).map(
+            lambda s: (n, np.array(s, np.int32))
+        )
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_the_tiles_take_every_token_once_within_the_grid(case: tuple[int, np.ndarray]) -> None:
+    """Every token is in exactly one tile, of its own slot, of at most TILE tokens, and there are
+    never more tiles than the grid holds (`tiles`, from the tokens and the stack's slots)."""
+    stack, slots = case
+    found = kernel_tiles(slots)
+    assert len(found) <= lora_kernel.tiles(len(slots), stack)
+    members = sorted(t for _, tokens in found for t in tokens)
+    assert members == list(range(len(slots)))
+    for slot, tokens in found:
+        assert 1 <= len(tokens) <= lora_kernel.TILE and all(slots[t] == slot for t in tokens)
 
 
 @pytest.mark.parametrize("out", [14336, 4096, 1024, 576, 100])
