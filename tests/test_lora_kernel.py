@@ -213,15 +213,16 @@ def test_the_tiles_take_every_token_once_within_the_grid(case: tuple[int, np.nda
         assert 1 <= len(tokens) <= lora_kernel.TILE and all(slots[t] == slot for t in tokens)
 
 
-@pytest.mark.parametrize("out", [14336, 4096, 1024, 576, 100])
-def test_chunks_cover_every_output_once(out: int) -> None:
-    """A module's chunks in `fused_add` tile its outputs, none empty: one pass of the block's
-    threads each (PASSES passes), whole vector loads where the width allows them."""
-    chunks, size = lora_kernel.chunking(out)
-    vec = lora_kernel.vector(out)
-    assert size == lora_kernel.FUSED_WARPS * 32 * vec * lora_kernel.PASSES and chunks >= 1
-    assert (chunks - 1) * size < out <= chunks * size
-    assert out % vec == 0 and vec == (lora_kernel.VEC if out % lora_kernel.VEC == 0 else 1)
+@pytest.mark.parametrize("width", [14336, 4096, 1024, 576, 192, 100, 36, 16, 3])
+def test_a_clusters_blocks_share_a_row_once_each(width: int) -> None:
+    """The CLUSTER blocks of a tile take `share(width)` elements of a row each, in rank order
+    (inputs of z, outputs of the update): every element once, each share whole vector loads
+    where the width allows them (the last shares may be short or empty)."""
+    share, vec = lora_kernel.share(width), lora_kernel.vector(width)
+    taken = [range(r * share, min((r + 1) * share, width)) for r in range(lora_kernel.CLUSTER)]
+    assert [e for block in taken for e in block] == list(range(width))
+    assert share % vec == 0 and width % vec == 0
+    assert vec == (lora_kernel.VEC if width % lora_kernel.VEC == 0 else 1)
 
 
 def assert_close_rounded(got: mx.array, want: mx.array, y: mx.array, dtype: mx.Dtype) -> None:
@@ -725,7 +726,7 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
     no error, no register spill, and few enough registers that a block of FUSED_WARPS warps
     can launch at all."""
     recorder = cuda_source.Recorder(monkeypatch)
-    monkeypatch.setattr(lora_kernel, "available", lambda: True)
+    monkeypatch.setattr(lora_kernel, "clusters_available", lambda: True)
     monkeypatch.setattr(lora_kernel, "_fused", lora_kernel._fused.__wrapped__)
     for tokens, width, outs, rank, act, stacks in NVCC_CASES:
         x = mx.zeros((tokens, width), act)
@@ -741,7 +742,8 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
         lora_kernel.fused_add(x, parts, mx.zeros((tokens,), mx.float32))
     for launch in recorder.launches:
         threads = launch.threadgroup[0]
-        assert threads == lora_kernel.FUSED_WARPS * 32 and launch.grid[0] % threads == 0
+        assert threads == lora_kernel.FUSED_WARPS * 32
+        assert launch.grid[0] % (threads * lora_kernel.CLUSTER) == 0  # whole clusters
     compiled = recorder.compile(tmp_path)
     assert len(compiled.registers) == len(recorder.launches) == len(NVCC_CASES), compiled.log
     assert compiled.spills == 0, compiled.log

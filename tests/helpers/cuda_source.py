@@ -87,10 +87,21 @@ class Recorder:
         return call
 
     def compile(self, workdir: Path) -> Compiled:
-        """Every recorded launch, each its own `__global__` function, in one nvcc run."""
-        headers = dict.fromkeys(launch.header for launch in self.launches)
-        kernels = [wrap(f"k{i}", launch) for i, launch in enumerate(self.launches)]
-        return compile_kernels("".join(headers), kernels, workdir)
+        """Every recorded launch, each its own `__global__` function: one nvcc run for each
+        header, which comes first in its file as in MLX's (a header may redefine what the
+        declaration after it means: `__global__`, for a cluster's shape)."""
+        groups: dict[str, list[str]] = {}
+        for i, launch in enumerate(self.launches):
+            groups.setdefault(launch.header, []).append(wrap(f"k{i}", launch))
+        results = []
+        for g, (header, kernels) in enumerate(groups.items()):
+            (workdir / str(g)).mkdir(exist_ok=True)
+            results.append(compile_kernels(header, kernels, workdir / str(g)))
+        return Compiled(
+            [n for r in results for n in r.registers],
+            sum(r.spills for r in results),
+            "".join(r.log for r in results),
+        )
 
 
 def nvcc() -> str | None:

@@ -6,21 +6,21 @@ forms of a mixed batch's update (a gathered product per row, or every row times 
 with the other adapters masked out) add five to ten primitives to every adapted layer, more than
 the layer itself. Here an update is one kernel, `fused_add`, and one call serves several modules
 that read the same input (an attention's q, k and v; an MLP's gate and up: service.core.models.
-lora groups them), each with its own stacks, slots and output. A block takes a tile of up to
-TILE tokens of one slot s of one module: it computes z = x[t] @ A[s] for the tile's tokens
-(float32, into shared memory), then a chunk of that module's outputs, y + scale * z @ B[s] cast
-as mlx-lm casts it, so that each element of A and B it reads serves the whole tile.
+lora groups them), each with its own stacks, slots and output.
 
-Grid: a block per (tile, module, chunk of outputs). The tiles are found in the kernel from the
-tokens' slots (a token leads a tile when the tokens of its slot before it are a multiple of
-TILE); the grid holds as many as there can be (`tiles`) and the blocks past the last return. A
-chunk is what the block's threads write in PASSES passes, VEC consecutive outputs each; every
-block of a tile recomputes its z, all its threads reading VEC inputs at a time for the tile's
-tokens and several ranks at once. A tile is computed at the width of its tokens (1, 2, 4 or
-TILE), and a token's sums run over the same threads in the same order whatever its tile holds,
-so its numbers do not depend on the batch. The chunking depends on the module's shape only, not
-on the number of tokens: a template value that changed with the tokens would compile a kernel
-variant at the first step of each new size, a stall in the middle of serving.
+A tile of up to TILE tokens of one slot s of one module is taken by a cluster of CLUSTER blocks
+(Hopper's thread block clusters, whose blocks run together and read each other's shared
+memory). Each block sums z = x[t] @ A[s] over its share of the inputs for the tile's tokens
+(float32, into its shared memory); after the cluster's barrier each adds up the shares, in rank
+order, from its peers; then it writes its share of the outputs, y + scale * z @ B[s] cast as
+mlx-lm casts it. So each element of A and B is read once for the whole tile, and the reading is
+spread over the cluster's blocks. The tiles are found in the kernel from the tokens' slots (a
+token leads a tile when the tokens of its slot before it are a multiple of TILE); the grid holds
+as many as there can be (`tiles`) and the clusters past the last return. A token's sums run
+over the same threads in the same order whatever its tile holds, so its numbers do not depend on
+the batch. The shares depend on the module's shape only, not on the number of tokens: a template
+value that changed with the tokens would compile a kernel variant at the first step of each new
+size, a stall in the middle of serving. Clusters need compute capability 9.0 (H100, H200).
 
 Under tensor parallel a sharded-to-all layer sums z over the group between the two products, so
 it takes two kernels: `shrink` (z = x @ A[s], [tokens, r] float32) and `expand_add`.
@@ -155,14 +155,12 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
     return out
 
 
-FUSED_WARPS = 8  # warps per block in `fused_add`
+FUSED_WARPS = 4  # warps per block in `fused_add`
 VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes of bf16)
-# Passes of a block's threads over its outputs: more passes, fewer blocks recomputing z (fewer
-# re-reads of A) but less parallelism.
-PASSES = 1
-TILE = 8  # tokens of one slot a block takes: each element of A and B it reads serves them all
+TILE = 8  # tokens of one slot a cluster takes: each element of A and B it reads serves them all
+CLUSTER = 8  # blocks per tile (a thread block cluster): each takes 1/CLUSTER of IN and of OUT
 
-_FUSED_HEADER = """
+_LOADS_HEADER = """
 // E elements of p as floats. With V (the caller checked that p starts on 16 bytes), one 16-byte
 // load per 16 bytes; otherwise element by element. The check is made once per block, not per
 // load: a branch between loads keeps the compiler from issuing them together, and a block's
@@ -198,6 +196,11 @@ template <typename T>
 __device__ __forceinline__ bool mlxserve_aligned(const T* p, int stride) {
   return (reinterpret_cast<size_t>(p) & 15) == 0 && (stride * sizeof(T)) % 16 == 0;
 }
+
+"""
+
+_FUSED_HEADER = """
+#include <cooperative_groups.h>
 
 // The block's tile of tokens. Tokens of one slot (idx, in token order) fall in tiles of TT; tile
 // `tile` of the list (the first tile of each slot's tokens in the order of their first token)
@@ -280,14 +283,16 @@ __device__ __forceinline__ void mlxserve_warp_sums(float (&v)[32]) {
   mlxserve_warp_level<1>(v);
 }
 
-// z[j * R + k] = x[toks[j]] @ A[s][:, k] for the tile's n tokens (float32, shared memory). Every
-// thread takes EI inputs at a time for the tile's tokens and KG ranks at once (registers), so
-// each element of A is read once for the whole tile; the lanes' sums meet in a butterfly, the
-// warps' in shared memory (zw: WARPS * TT * KG floats). A token's numbers are the same whatever
-// the tile holds beside it.
+// zp[j * R + k] = x[toks[j]][i0:i1] @ A[s][i0:i1, k] for the tile's TT token places (float32,
+// shared memory; places past n repeat the last token): the block's share of the inputs. Every
+// thread takes EI inputs at a time for all TT places and KG ranks at once (registers), so each
+// element of A is read once for the tile; the lanes' sums meet in a butterfly, the warps' in
+// shared memory (zw: WARPS * TT * KG floats). A token's sums run over the same threads in the
+// same order whatever the tile holds beside it.
 template <bool V, typename TX, typename TA, int IN, int R, int WARPS, int EI, int TT, int KG>
-__device__ __forceinline__ void mlxserve_lora_z(
-    const TX* x, const int* toks, const int n, const TA* as, float* zw, float* z) {
+__device__ __forceinline__ void mlxserve_lora_zpart(
+    const TX* x, const int* toks, const int n, const TA* as, const int i0, const int i1,
+    float* zw, float* zp) {
   constexpr int THREADS = WARPS * 32;
   static_assert((TT * KG) % 32 == 0, "a tile's sums go 32 at a time through the butterfly");
   const int tid = threadIdx.x;
@@ -300,7 +305,7 @@ __device__ __forceinline__ void mlxserve_lora_z(
     float acc[TT * KG];
 #pragma unroll
     for (int q = 0; q < TT * KG; ++q) acc[q] = 0.0f;
-    for (int i = tid * EI; i < IN; i += THREADS * EI) {
+    for (int i = i0 + tid * EI; i < i1; i += THREADS * EI) {
       float xv[TT][EI];
 #pragma unroll
       for (int j = 0; j < TT; ++j) mlxserve_load<V, TX, EI>(xr[j] + i, xv[j]);
@@ -330,7 +335,7 @@ __device__ __forceinline__ void mlxserve_lora_z(
       const int j = q / KG, k = k0 + q % KG;
       float v = 0.0f;
       for (int w = 0; w < WARPS; ++w) v += zw[w * TT * KG + q];
-      if (k < R) z[j * R + k] = v;
+      if (k < R) zp[j * R + k] = v;
     }
     __syncthreads();
   }
@@ -351,7 +356,7 @@ __device__ __forceinline__ void mlxserve_lora_out(
 #pragma unroll
       for (int e = 0; e < EO; ++e) acc[j][e] = 0.0f;
     }
-#pragma unroll(TT <= 4 ? 16 : 8)  // B's loads of several ranks in flight at once
+#pragma unroll 8  // B's loads of several ranks in flight at once
     for (int k = 0; k < R; ++k) {
       float bv[EO];
       mlxserve_load<V, TB, EO>(bs + (size_t)k * OUT + o, bv);
@@ -378,55 +383,33 @@ __device__ __forceinline__ void mlxserve_lora_out(
   }
 }
 
-// The update of n <= TC tokens of slot s (toks), outputs [first, last): z, then the outputs. TC
-// tokens at once, 32 / TC ranks a pass (one butterfly of 32 sums a pass).
-template <typename TX, typename TY, typename TA, typename TB, int IN, int R, int OUT, int YW,
-          int COL, int WARPS, int EI, int EO, int TC>
-__device__ __forceinline__ void mlxserve_lora_tokens(
-    const TX* x, const TY* y, const TA* a_t, const TB* b, const float* scale, const int s,
-    const int* toks, const int n, const int first, const int last, TY* out, float* zw, float* z) {
-  // Ranks a pass: up to 64 sums a thread (two butterflies), whole ranks of 32 / TC at a time.
-  constexpr int STEP = 32 / TC;
-  constexpr int RUP = (R + STEP - 1) / STEP * STEP;
-  constexpr int KG = 64 / TC < RUP ? 64 / TC : RUP;
-  const TA* as = a_t + (size_t)s * R * IN;
-  if (mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN)) {
-    mlxserve_lora_z<true, TX, TA, IN, R, WARPS, EI, TC, KG>(x, toks, n, as, zw, z);
-  } else {
-    mlxserve_lora_z<false, TX, TA, IN, R, WARPS, EI, TC, KG>(x, toks, n, as, zw, z);
-  }
-  const TB* bs = b + (size_t)s * R * OUT;
-  if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(y + COL, YW)) {
-    mlxserve_lora_out<true, TY, TB, R, OUT, YW, COL, WARPS * 32, EO, TC>(
-        z, toks, n, bs, y, out, scale, first, last);
-  } else {
-    mlxserve_lora_out<false, TY, TB, R, OUT, YW, COL, WARPS * 32, EO, TC>(
-        z, toks, n, bs, y, out, scale, first, last);
-  }
-}
-
 // One block's share of a LoRA update: tile `tile` of one module's tokens (those of one slot s),
-// and outputs [chunk * CHUNK, (chunk + 1) * CHUNK): z = x[t] @ A[s] for the tile's tokens, then
-// out[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the add (mlx-lm's `y + (scale *
-// z).astype(x.dtype)`). x [T, IN], out [T, OUT], y [T, YW] of which this module's outputs are
+// taken by a cluster of CS blocks, this block being the cluster's `rank`-th. Each block sums its
+// SL inputs of z = x[t] @ A[s] for the tile's tokens into its shared memory; after the cluster's
+// barrier each block adds up the CS partial sums, in rank order, from its peers' shared memory;
+// then it writes its OC outputs of out[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the
+// add (mlx-lm's `y + (scale * z).astype(x.dtype)`). So A and B are read once for the tile, by
+// CS blocks at once. x [T, IN], out [T, OUT], y [T, YW] of which this module's outputs are
 // columns [COL, COL + OUT) (a fused projection's whole product: read in place, not copied out
 // first), a_t [S, R, IN] (A transposed: a thread's EI inputs are consecutive), b [S, R, OUT].
 template <typename TX, typename TY, typename TA, typename TB, int IN, int R, int OUT, int YW,
-          int COL, int CHUNK, int WARPS, int EI, int EO, int TT>
+          int COL, int SL, int OC, int WARPS, int EI, int EO, int TT, int CS>
 __device__ __forceinline__ void mlxserve_lora_block(
     const TX* x, const TY* y, const TA* a_t, const TB* b, const int32_t* idx, const float* scale,
-    const int T, const int tile, const int chunk, TY* out, float* zw, float* z) {
+    const int T, const int tile, const int rank, TY* out, float* zw, float* zp, float* z) {
   constexpr int THREADS = WARPS * 32;
   __shared__ int toks[TT];
   __shared__ int info[3];
+  // The cluster's blocks find the same tile: whether they return here, or at the slot-0 copy,
+  // is the same for all of them, so none waits at a cluster barrier the others skip.
   const int s = mlxserve_tile<TT>(idx, T, tile, toks, info);
   if (s < 0) {
-    return;  // past the last tile (s is the block's: the whole block returns)
+    return;  // past the last tile
   }
   const int n = info[2];
   const int tid = threadIdx.x;
-  const int first = chunk * CHUNK;
-  const int last = first + CHUNK < OUT ? first + CHUNK : OUT;
+  const int first = rank * OC;
+  const int last = first + OC < OUT ? first + OC : OUT;
   if (s == 0) {
     // Local slot 0 is zeros in every stack: the update is zero, A and B need not be read.
     for (int j = 0; j < n; ++j) {
@@ -435,47 +418,68 @@ __device__ __forceinline__ void mlxserve_lora_block(
     }
     return;
   }
-  // The tile's update at the width of its tokens, so that a tile of one token does no more work
-  // than one token's.
-  if (n == 1) {
-    mlxserve_lora_tokens<TX, TY, TA, TB, IN, R, OUT, YW, COL, WARPS, EI, EO, 1>(
-        x, y, a_t, b, scale, s, toks, n, first, last, out, zw, z);
-  } else if (n == 2) {
-    mlxserve_lora_tokens<TX, TY, TA, TB, IN, R, OUT, YW, COL, WARPS, EI, EO, 2>(
-        x, y, a_t, b, scale, s, toks, n, first, last, out, zw, z);
-  } else if (n <= 4) {
-    mlxserve_lora_tokens<TX, TY, TA, TB, IN, R, OUT, YW, COL, WARPS, EI, EO, 4>(
-        x, y, a_t, b, scale, s, toks, n, first, last, out, zw, z);
+  // Ranks a pass: 64 sums a thread (two butterflies), whole ranks of 32 / TT at a time.
+  constexpr int STEP = 32 / TT;
+  constexpr int RUP = (R + STEP - 1) / STEP * STEP;
+  constexpr int KG = 64 / TT < RUP ? 64 / TT : RUP;
+  const TA* as = a_t + (size_t)s * R * IN;
+  const int i0 = rank * SL;
+  const int i1 = i0 + SL < IN ? i0 + SL : IN;
+  if (mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN)) {
+    mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
   } else {
-    mlxserve_lora_tokens<TX, TY, TA, TB, IN, R, OUT, YW, COL, WARPS, EI, EO, TT>(
-        x, y, a_t, b, scale, s, toks, n, first, last, out, zw, z);
+    mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
+  }
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  cluster.sync();  // every block's share of z is in its shared memory
+  for (int q = tid; q < TT * R; q += THREADS) {
+    float v = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CS; ++c) v += cluster.map_shared_rank(zp, c)[q];
+    z[q] = v;
+  }
+  cluster.sync();  // no block leaves while its peers read its shared memory
+  const TB* bs = b + (size_t)s * R * OUT;
+  if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(y + COL, YW)) {
+    mlxserve_lora_out<true, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
+        z, toks, n, bs, y, out, scale, first, last);
+  } else {
+    mlxserve_lora_out<false, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
+        z, toks, n, bs, y, out, scale, first, last);
   }
 }
+
+// MLX declares the kernel `__global__ void NAME(...)` right after this header (and nothing else
+// after it): the cluster's shape can only be given there, as an attribute of that declaration.
+#undef __global__
+#define __global__ __attribute__((global)) __attribute__((cluster_dims(MLXSERVE_CLUSTER, 1, 1)))
 """
 
 
 def _fused_source(parts: int) -> str:
-    """The kernel body for `parts` modules: the blocks of part p follow those of the parts
-    before it, CHUNKSp blocks for each of its tiles (`tiles`: how many there can be)."""
+    """The kernel body for `parts` modules: the clusters of part p follow those of the parts
+    before it, one for each of its tiles (`tiles`: how many there can be)."""
     lines = [
         "    const int T = idx0_shape[0];",
         "    __shared__ float zw[WARPS * 64];",
+        "    __shared__ float zp[TT * RMAX];",
         "    __shared__ float z[TT * RMAX];",
-        "    int block = blockIdx.x;",
+        "    const int rank = blockIdx.x % CS;  // the block's rank in its (1-D) cluster",
+        "    int tile = blockIdx.x / CS;",
     ]
     for p in range(parts):
         lines += [
             "    {",
             f"        const int slots = a{p}_shape[0] < T ? a{p}_shape[0] : T;",
-            f"        const int blocks = ((T + TT - 1) / TT + slots - 1) * CHUNKS{p};",
-            "        if (block < blocks) {",
-            f"            mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p},",
-            f"                                YW{p}, COL{p}, CHUNK{p}, WARPS, EI, EO{p}, TT>(",
-            f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, block / CHUNKS{p},",
-            f"                block % CHUNKS{p}, out{p}, zw, z);",
+            "        const int tiles = (T + TT - 1) / TT + slots - 1;",
+            "        if (tile < tiles) {",
+            f"            mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p}, YW{p},",
+            f"                                COL{p}, SL, OC{p}, WARPS, EI, EO{p}, TT, CS>(",
+            f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, tile, rank, out{p}, zw,",
+            "                zp, z);",
             "            return;",
             "        }",
-            "        block -= blocks;",
+            "        tile -= tiles;",
             "    }",
         ]
     return "\n".join(lines) + "\n"
@@ -521,7 +525,7 @@ def _fused(parts: int) -> Any:
         input_names=["x", "scale", *names],
         output_names=[f"out{p}" for p in range(parts)],
         source=_fused_source(parts),
-        header=_FUSED_HEADER,
+        header=f"#define MLXSERVE_CLUSTER {CLUSTER}\n" + _LOADS_HEADER + _FUSED_HEADER,
     )
 
 
@@ -530,18 +534,28 @@ def vector(width: int) -> int:
     return VEC if width % VEC == 0 else 1
 
 
-def chunking(out: int) -> tuple[int, int]:
-    """(chunks, outputs per chunk) of one module's outputs in `fused_add`: a chunk is what the
-    block's threads write in PASSES passes."""
-    size = FUSED_WARPS * 32 * vector(out) * PASSES
-    return -(-out // size), size
+def share(width: int) -> int:
+    """Elements of a row of this width each block of a cluster takes (the last may take fewer or
+    none): whole vector loads, CLUSTER shares covering the row."""
+    vec = vector(width)
+    per_block = -(-width // CLUSTER)
+    return -(-per_block // vec) * vec
+
+
+@cache
+def clusters_available() -> bool:
+    """`fused_add`'s kernel runs here: MLX's CUDA backend on a GPU with thread block clusters
+    (compute capability 9.0 or later); elsewhere its MLX-op reference serves."""
+    if not available():
+        return False
+    return int(mx.device_info().get("compute_capability_major", 0)) >= 9
 
 
 def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
     """Each part's base output plus each token's update scale[t] * (x[t] @ A[idx[t]]) @
     B[idx[t]], in its dtype: one kernel for all parts. x [..., in] (tokens = its rows); scale
     float32 [tokens]. Parts may share one y, each reading its own columns."""
-    if not available():
+    if not clusters_available():
         return reference_fused_add(x, parts, scale)
     width = x.shape[-1]
     tokens = x.size // width
@@ -552,12 +566,12 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
         ("IN", width),
         ("WARPS", FUSED_WARPS),
         ("EI", vector(width)),
+        ("SL", share(width)),
     ]
     inputs = [x, scale]
-    blocks = 0
+    clusters = 0
     for p, part in enumerate(parts):
         out = part.width
-        chunks, size = chunking(out)
         inputs += [part.y, part.a_t, part.b, part.idx]
         template += [
             (f"TY{p}", part.y.dtype),
@@ -567,13 +581,13 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
             (f"OUT{p}", out),
             (f"YW{p}", part.y.shape[-1]),
             (f"COL{p}", part.start),
-            (f"CHUNK{p}", size),
-            (f"CHUNKS{p}", chunks),
+            (f"OC{p}", share(out)),
             (f"EO{p}", vector(out)),
         ]
-        blocks += tiles(tokens, part.a_t.shape[0]) * chunks
+        clusters += tiles(tokens, part.a_t.shape[0])
     template += [
         ("TT", TILE),
+        ("CS", CLUSTER),
         ("RMAX", max(part.a_t.shape[1] for part in parts)),
     ]
     threads = FUSED_WARPS * 32
@@ -581,7 +595,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
         _fused(len(parts))(
             inputs=inputs,
             template=template,
-            grid=(blocks * threads, 1, 1),
+            grid=(clusters * CLUSTER * threads, 1, 1),
             threadgroup=(threads, 1, 1),
             output_shapes=[(*part.y.shape[:-1], part.width) for part in parts],
             output_dtypes=[part.y.dtype for part in parts],
@@ -844,7 +858,7 @@ def _expand_add_rows() -> Any:
         input_names=["y", "z", "b", "idx", "scale", "rows"],
         output_names=["out"],
         source=_EXPAND_ADD_ROWS,
-        header=_FUSED_HEADER + _TILE_HEADER,
+        header=_LOADS_HEADER + _TILE_HEADER,
     )
 
 
