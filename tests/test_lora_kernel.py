@@ -234,6 +234,47 @@ def test_the_fused_kernel_matches_the_reference(
         assert mx.array_equal(alone, g), i
 
 
+SLOT_PATTERNS = {  # tokens -> each token's local slot, over stacks of 9 slots
+    "one adapter": lambda t: np.full(t, 3),
+    "every row its own": lambda t: np.arange(t) % 9,
+    "runs": lambda t: np.repeat(np.arange(9), -(-t // 9))[:t],
+    "base and one": lambda t: (np.arange(t) % 3 == 0) * 5,
+    "random": lambda t: np.random.default_rng(t).integers(0, 9, t),
+}
+
+
+@cuda_only
+@pytest.mark.parametrize("tokens", [1, 9, 17, 64, 130])
+@pytest.mark.parametrize("pattern", SLOT_PATTERNS)
+def test_a_tokens_update_is_the_same_whatever_shares_its_batch(pattern: str, tokens: int) -> None:
+    """`fused_add` on CUDA: every token's outputs are exactly those it gets alone, whatever the
+    other tokens' slots (one adapter for all, each its own, runs, base rows between), and they
+    match the reference; rows of no adapter are y exactly."""
+    width, outs, rank = 576, [576, 192, 192], 16
+    mx.random.seed(tokens)
+    x = mx.random.normal((tokens, width)).astype(mx.bfloat16)
+    slots = SLOT_PATTERNS[pattern](tokens).astype(np.int32)
+    scale = mx.array(np.linspace(0.5, 2.0, tokens, dtype=np.float32))
+    parts = []
+    for out in outs:
+        a_t = mx.random.normal((9, rank, width)) * width**-0.5
+        b = mx.random.normal((9, rank, out)) * rank**-0.5
+        a_t[0] = 0
+        b[0] = 0
+        y = mx.random.normal((tokens, out)).astype(mx.bfloat16)
+        parts.append(lora_kernel.Part(y, a_t, b, mx.array(slots)))
+    got = lora_kernel.fused_add(x, parts, scale)
+    for g, w, part in zip(got, lora_kernel.reference_fused_add(x, parts, scale), parts):
+        assert_close_rounded(g, w, part.y, mx.bfloat16)
+    for t in range(tokens):
+        one = [lora_kernel.Part(p.y[t : t + 1], p.a_t, p.b, p.idx[t : t + 1]) for p in parts]
+        alone = lora_kernel.fused_add(x[t : t + 1], one, scale[t : t + 1])
+        for g, a, part in zip(got, alone, parts):
+            assert mx.array_equal(g[t : t + 1], a), (t, int(slots[t]))
+            if slots[t] == 0:
+                assert mx.array_equal(a, part.y[t : t + 1])
+
+
 @cuda_only
 def test_the_fused_kernel_takes_batched_inputs() -> None:
     """x [B, L, in] and y [B, L, out] as the projections see them: the flat call's numbers."""
