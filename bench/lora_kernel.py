@@ -372,6 +372,12 @@ def main() -> None:
     if not lora_kernel.available():
         print("no CUDA backend: fused_add runs its MLX-op reference (a smoke run, not a figure)")
     mx.random.seed(0)
+    if args.kernel_times:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            parser.error("--kernel-times needs PyTorch (its profiler reads CUPTI's records)")
+        args.layers = args.layers or 1  # the kernel times read the first layer only
     layers, shapes = build(args)
     slots = args.adapters + 1
     # Row r's tokens take slot r % slots (slot 0: the base model).
