@@ -280,22 +280,19 @@ def kernel_times(
     bit for bit."""
     from bench.cuda_timeline import traced
 
-    times: dict[str, dict[str, float]] = {}
-    same: dict[str, dict[str, bool]] = {}
+    forms = {name: kernel for name, kernel in kernels.items() if kernel is not None}
+    times: dict[str, dict[str, float]] = {name: {} for name in forms}
+    same: dict[str, dict[str, bool]] = {name: {} for name in forms}
     layer = layers[0]
-    for name, kernel in kernels.items():
-        if kernel is None:
-            continue
-        times[name], same[name] = {}, {}
-        for group in GROUPS:
-            x = mx.random.normal((tokens, shapes[group[0]][0])).astype(mx.bfloat16)
-            parts = [
-                lora_kernel.Part(x @ layer[m][0].T, layer[m][1], layer[m][2], idx) for m in group
-            ]
-            mx.eval(x, [part.y for part in parts])
+    for group in GROUPS:
+        # One input and one reference for every form of this call.
+        key = "/".join(group)
+        x = mx.random.normal((tokens, shapes[group[0]][0])).astype(mx.bfloat16)
+        parts = [lora_kernel.Part(x @ layer[m][0].T, layer[m][1], layer[m][2], idx) for m in group]
+        want = lora_kernel.fused_add(x, parts, scale)
+        mx.eval(x, [part.y for part in parts], want)
+        for name, kernel in forms.items():
             got = kernel(x, parts, scale)
-            want = lora_kernel.fused_add(x, parts, scale)
-            key = "/".join(group)
             same[name][key] = all(mx.array_equal(g, w).item() for g, w in zip(got, want))
 
             def run(kernel: FusedAdd = kernel, x: mx.array = x, parts: list = parts) -> None:
