@@ -12,6 +12,15 @@ per-op host work, our Python). Prints a table and writes JSON (`--out`):
 
     python3 bench/cuda_timeline.py --preset smollm2-135m --batch 256 --core-tokens 128 \\
         --paths raw,core --out timeline.json
+
+With --adapters N the core serves N random adapters of rank --rank on every projection (as
+bench/multi_lora.py writes them) and traces two rounds: `core` (no row names an adapter) and
+`core+lora` (rows cycling through the adapters and the base model, one batch). Tracing adds host
+work to every kernel, so a traced round's step is longer than an untraced one's: compare its
+busy time and kernel times, and step times only between rounds traced alike.
+
+    python3 bench/cuda_timeline.py --preset llama-3.1-8b --batch 64 --paths core --adapters 8 \\
+        --rank 16
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ def kernel_intervals(trace: dict[str, Any]) -> list[tuple[float, float, str]]:
     return sorted(out)
 
 
-def summarize(kernels: list[tuple[float, float, str]], steps: int, top: int = 12) -> dict:
+def summarize(kernels: list[tuple[float, float, str]], steps: int, top: int = 24) -> dict:
     """Span, busy time (the union of the kernels' intervals), busy share, kernels per step and
     the `top` kernels by total time."""
     if not kernels:
@@ -83,6 +92,22 @@ def traced(run: Any) -> tuple[Any, list[tuple[float, float, str]]]:
     return result, kernel_intervals(json.loads(path.read_text()))
 
 
+def served_adapters(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """--adapters random adapters of --rank on every projection, written to a temporary
+    directory: (name, path) pairs for ModelConfig."""
+    if not args.adapters:
+        return ()
+    from bench.multi_lora import ALL_PROJECTIONS, model_dims, write_adapter
+
+    layers, dims = model_dims(None, f"dummy:{args.preset}")
+    root = Path(tempfile.mkdtemp())
+    out = []
+    for i in range(args.adapters):
+        write_adapter(root / f"a{i}", layers, dims, ALL_PROJECTIONS, args.rank, seed=i)
+        out.append((f"a{i}", str(root / f"a{i}")))
+    return tuple(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="smollm2-135m")
@@ -91,6 +116,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128, help="the raw loop's decode steps")
     parser.add_argument("--core-tokens", type=int, default=128, help="tokens a core row makes")
     parser.add_argument("--paths", default="raw,core")
+    parser.add_argument("--adapters", type=int, default=0, help="LoRA adapters the core serves")
+    parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     try:
@@ -117,27 +144,36 @@ def main() -> None:
         rows.append({"path": "raw", **wall, **summarize(kernels, args.steps)})
         del model
     if "core" in paths:
+        adapters = served_adapters(args)
         config = CoreConfig(
-            model=ModelConfig(load_format=f"dummy:{args.preset}", dtype=args.dtype),
+            model=ModelConfig(
+                load_format=f"dummy:{args.preset}", dtype=args.dtype, adapters=adapters
+            ),
             scheduling=SchedulingConfig(max_batch_size=args.batch, max_queue_depth=4096),
         )
         runtime = Runtime(config)
         runtime.start()
         runtime.wait_ready()
-        step_anatomy.core_round(runtime, args.batch, args.core_tokens, 0)
-        wall, kernels = traced(
-            lambda: step_anatomy.core_round(runtime, args.batch, args.core_tokens, 1)
-        )
-        rows.append({"path": "core", **wall, **summarize(kernels, args.core_tokens)})
+        rounds = {"core": ("",)}
+        if adapters:
+            rounds["core+lora"] = (*(name for name, _ in adapters), "")
+        for path, names in rounds.items():
+            step_anatomy.core_round(runtime, args.batch, args.core_tokens, 0, names)
+            wall, kernels = traced(
+                lambda names=names: step_anatomy.core_round(
+                    runtime, args.batch, args.core_tokens, 1, names
+                )
+            )
+            rows.append({**wall, "path": path, **summarize(kernels, args.core_tokens)})
         runtime.shutdown()
     for row in rows:
         print(
-            f"{row['path']:>5} B={args.batch}: step {row['step_ms']:.2f} ms; GPU busy "
+            f"{row['path']:>9} B={args.batch}: step {row['step_ms']:.2f} ms; GPU busy "
             f"{row.get('busy_ms_per_step', 0):.2f} ms a step ({row.get('busy_share', 0):.0%} of "
             f"the kernels' span), {row.get('kernels_per_step', 0):.0f} kernels a step"
         )
-        for k in row.get("top", [])[:8]:
-            print(f"        {k['total_ms']:8.2f} ms  x{k['count']:<6} {k['name'][:90]}")
+        for k in row.get("top", [])[:16]:
+            print(f"        {k['total_ms']:8.2f} ms  x{k['count']:<6} {k['name'][:110]}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(

@@ -11,8 +11,9 @@ Two measurements, each alternated over --reps replicates in one process:
   all host work. A fifth is mlx-lm's layout with q/k/v and gate/up each one matmul, split
   (service.core.models.projections): four matmuls a layer instead of seven.
 - `per_op`: a chain of N ops, per op: a trivial custom kernel (alone, with seven more inputs it
-  never reads, after a matmul), MLX's RMSNorm (alone, with four view primitives around it,
-  after a matmul), a matmul.
+  never reads, after a matmul), the LoRA kernel's launch for one module and for three (its
+  blocks only copying y: `bench/lora_kernel.py --floor`), MLX's RMSNorm (alone, with four view
+  primitives around it, after a matmul), a matmul.
 
 Prints milliseconds per step (wall) and the host's share (building the step and queuing it);
 `--out` writes JSON.
@@ -25,11 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 D, KV, FF, LAYERS = 576, 192, 1536, 30  # SmolLM2-135M
 PROJECTIONS = [(D, D), (D, KV), (D, KV), (D, D), (D, FF), (D, FF), (FF, D)]  # (in, out)
@@ -137,10 +142,27 @@ def op_chains(batch: int, dtype: mx.Dtype, n: int) -> dict[str, tuple]:
             )
             return y
 
+        # The LoRA kernel's launches with every block only copying y (bench/lora_kernel.py
+        # --floor): what a call of one module and one of three cost the host.
+        from bench.lora_kernel import copy_floor
+        from service.core.models.lora_kernel import Part
+
+        floor = copy_floor()
+        a_t = mx.zeros((9, 16, D), mx.float32)
+        b = mx.zeros((9, 16, D), mx.float32)
+        idx = mx.ones((batch,), mx.int32)
+        scale = mx.ones((batch,), mx.float32)
+        mx.eval(a_t, b, idx, scale)
+
+        def lora_floor(x: mx.array, parts: int) -> mx.array:
+            return floor(x, [Part(x, a_t, b, idx) for _ in range(parts)], scale)[0]
+
         chains = {
             "custom kernel": custom,
             "custom kernel, 7 more inputs": lambda x: custom(x, extra),
             "matmul + custom kernel": lambda x: custom(x @ weight),
+            "LoRA kernel, launch only, 1 module": lambda x: lora_floor(x, 1),
+            "LoRA kernel, launch only, 3 modules": lambda x: lora_floor(x, 3),
             **chains,
         }
 

@@ -20,11 +20,16 @@ a module) and `gather_mm (sorted)` (tokens sorted by slot, mlx-lm's products as 
 `gather_mm` each, as mlx-lm's MoE layers run theirs; with stacks in our layout, and as transposed
 views, the layout of mlx-lm's MoE weights), and `row kernels` (`lora_kernel.rows_add`: tiles of
 a row's tokens sharing each read of A and B; --rows times them without the MLX-op forms).
---adapter-dtype float32 is what `mlx_lm lora` saves.
+--adapter-dtype float32 is what `mlx_lm lora` saves. With --kernel-times, instead of steps: the
+GPU's own time for each form's call of each group a layer makes (q/k/v, o, gate/up, down), read
+from CUPTI through PyTorch's profiler, and whether its outputs equal this revision's kernel's bit
+for bit: on a host where the stand-in step is bound by the host, the steps show no kernel's GPU
+time.
 Rows of --row-tokens tokens share an adapter, as a prefill pass's prompts do.
 
     python3 bench/lora_kernel.py --preset llama-3.1-8b --tokens 64 --adapters 8 --rank 16 \
-        [--against REV ...] [--floor] [--pair] [--prefill --row-tokens 32] [--out FILE.json]
+        [--against REV ...] [--floor] [--pair] [--prefill --row-tokens 32] [--kernel-times] \
+        [--out FILE.json]
 
 Prints the median step ms (and range) of each variant over --replicates rounds, each step
 timed alone and overlapped (queued while the last one runs, as the engine runs them, with the
@@ -263,6 +268,47 @@ def check(layers, shapes, kernel: FusedAdd, idx, scale, tokens: int) -> float:
     return worst
 
 
+GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # the server's calls in a layer
+
+
+def kernel_times(
+    layers, shapes, kernels: dict[str, FusedAdd | None], idx, scale, tokens: int, calls: int
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, bool]]]:
+    """GPU µs a call of each form, for each call a layer makes (GROUPS, the first layer's
+    weights): the kernels' own records (CUPTI, through torch's profiler), summed over the call's
+    kernels, median over `calls` calls; and whether its outputs equal this revision's kernel's
+    bit for bit."""
+    from bench.cuda_timeline import traced
+
+    forms = {name: kernel for name, kernel in kernels.items() if kernel is not None}
+    times: dict[str, dict[str, float]] = {name: {} for name in forms}
+    same: dict[str, dict[str, bool]] = {name: {} for name in forms}
+    layer = layers[0]
+    for group in GROUPS:
+        # One input and one reference for every form of this call.
+        key = "/".join(group)
+        x = mx.random.normal((tokens, shapes[group[0]][0])).astype(mx.bfloat16)
+        parts = [lora_kernel.Part(x @ layer[m][0].T, layer[m][1], layer[m][2], idx) for m in group]
+        want = lora_kernel.fused_add(x, parts, scale)
+        mx.eval(x, [part.y for part in parts], want)
+        for name, kernel in forms.items():
+            got = kernel(x, parts, scale)
+            same[name][key] = all(mx.array_equal(g, w).item() for g, w in zip(got, want))
+
+            def run(kernel: FusedAdd = kernel, x: mx.array = x, parts: list = parts) -> None:
+                for _ in range(calls):
+                    mx.eval(kernel(x, parts, scale))
+
+            _, records = traced(run)
+            per_call = [0.0] * calls
+            # Records come in start order, each call's kernels after the last call's.
+            per_kernel = len(records) // calls
+            for i, (start, stop, _) in enumerate(records[: per_kernel * calls]):
+                per_call[i // per_kernel] += stop - start
+            times[name][key] = statistics.median(per_call)
+    return times, same
+
+
 def time_step(fn: Callable, x: mx.array, steps: int) -> float:
     for _ in range(3):
         mx.eval(fn(x))
@@ -309,6 +355,13 @@ def main() -> None:
         default="bfloat16",
         help="the stacks' dtype (mlx_lm lora saves float32 adapters; the base is bfloat16)",
     )
+    parser.add_argument(
+        "--kernel-times",
+        action="store_true",
+        help="instead of steps: GPU µs a call of each form for each call of a layer (needs "
+        "PyTorch, whose profiler reads CUPTI)",
+    )
+    parser.add_argument("--calls", type=int, default=20, help="timed calls with --kernel-times")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.tokens % args.row_tokens:
@@ -316,6 +369,12 @@ def main() -> None:
     if not lora_kernel.available():
         print("no CUDA backend: fused_add runs its MLX-op reference (a smoke run, not a figure)")
     mx.random.seed(0)
+    if args.kernel_times:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            parser.error("--kernel-times needs PyTorch (its profiler reads CUPTI's records)")
+        args.layers = args.layers or 1  # the kernel times read the first layer only
     layers, shapes = build(args)
     slots = args.adapters + 1
     # Row r's tokens take slot r % slots (slot 0: the base model).
@@ -346,6 +405,16 @@ def main() -> None:
             del kernels[name]
     for name, excess in checks.items():
         print(f"check {name}: {'ok' if excess <= 0 else f'off by {excess:.3g} beyond rounding'}")
+    if args.kernel_times:
+        times, same = kernel_times(layers, shapes, kernels, idx, scale, args.tokens, args.calls)
+        print(f"GPU µs a call, {args.tokens} tokens ('!': not this revision's numbers bit for bit)")
+        for name, row in times.items():
+            cells = "  ".join(
+                f"{group} {us:7.1f}{'' if same[name][group] else '!'}" for group, us in row.items()
+            )
+            print(f"  {name:<24} layer {sum(row.values()):7.1f} | {cells}")
+        write_json(args.out, args, checks=checks, kernel_us=times, same=same)
+        return
     steps = {name: forward(layers, k, idx, scale) for name, k in kernels.items()}
     x = mx.random.normal((args.tokens, shapes["q"][0])).astype(mx.bfloat16)
     ms: dict[str, list[float]] = {name: [] for name in kernels}

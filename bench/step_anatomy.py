@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -232,9 +233,12 @@ def _summary(path: str, batch: int, steps: int, started: float, cpu: float) -> d
     return row
 
 
-def core_round(runtime: Any, batch: int, max_tokens: int, seed: int) -> dict[str, float]:
+def core_round(
+    runtime: Any, batch: int, max_tokens: int, seed: int, adapters: Sequence[str] = ("",)
+) -> dict[str, float]:
     """B requests at once, max_tokens each: tok/s once every row decodes (the window after the
-    last first token), the core's scheduler and loop included."""
+    last first token), the core's scheduler and loop included. Row i uses adapter
+    adapters[i % len(adapters)] ("": the base model)."""
     import threading
 
     from service.core.scheduler.request import Request
@@ -261,7 +265,12 @@ def core_round(runtime: Any, batch: int, max_tokens: int, seed: int) -> dict[str
     for i in range(batch):
         prompt = tuple(int(t) for t in rng.integers(17, 500, 32))
         request = GenerationRequest(
-            f"c{seed}-{i}", prompt, max_tokens=max_tokens, ignore_eos=True, cache_prompt=False
+            f"c{seed}-{i}",
+            prompt,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            cache_prompt=False,
+            adapter=adapters[i % len(adapters)],
         )
         runtime.loop.submit(Request(request, sink, rid=seed * 100000 + i))
     sink.done.wait(600)

@@ -1,11 +1,17 @@
 """bench/cuda_timeline.py's reading of a profiler trace: which events are GPU kernels, and how
-busy the GPU was over their span (overlapping kernels counted once)."""
+busy the GPU was over their span (overlapping kernels counted once); the adapters it serves."""
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
+import mlx.core as mx
 import pytest
 
-from bench.cuda_timeline import kernel_intervals, summarize
+from bench.cuda_timeline import kernel_intervals, served_adapters, summarize
+from service.core.models.presets import preset_config
 
 
 def test_only_kernel_events_are_read_in_start_order() -> None:
@@ -35,3 +41,23 @@ def test_busy_time_is_the_union_of_the_kernels_intervals() -> None:
     assert [(k["name"], k["count"]) for k in got["top"]] == [("mm", 2), ("attn", 1), ("rope", 1)]
     assert got["top"][0]["total_ms"] == pytest.approx(0.020)
     assert summarize([], steps=3) == {"kernels": 0}
+
+
+def test_the_served_adapters_are_mlx_lm_adapters_on_every_projection() -> None:
+    """--adapters: each is a directory as `mlx_lm lora` writes it, of --rank on the seven
+    projections of every layer of the preset, each with its own weights."""
+    assert served_adapters(argparse.Namespace(adapters=0, rank=4, preset="smollm2-135m")) == ()
+    pairs = served_adapters(argparse.Namespace(adapters=2, rank=4, preset="smollm2-135m"))
+    assert [name for name, _ in pairs] == ["a0", "a1"]
+    cfg = preset_config("smollm2-135m")
+    weights = []
+    for _, path in pairs:
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        assert config["fine_tune_type"] == "lora" and config["lora_parameters"]["rank"] == 4
+        assert len(config["lora_parameters"]["keys"]) == 7
+        tensors = mx.load(str(Path(path) / "adapters.safetensors"))
+        assert len(tensors) == cfg["num_hidden_layers"] * 7 * 2
+        q = tensors["model.layers.0.self_attn.q_proj.lora_a"]
+        assert q.shape == (cfg["hidden_size"], 4)
+        weights.append(q)
+    assert not mx.array_equal(weights[0], weights[1])

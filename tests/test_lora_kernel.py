@@ -281,10 +281,11 @@ SLOT_PATTERNS = {  # tokens -> each token's local slot, over stacks of 9 slots
 @cuda_only
 @pytest.mark.parametrize("tokens", [1, 9, 17, 64, 130])
 @pytest.mark.parametrize("pattern", SLOT_PATTERNS)
-def test_a_tokens_update_is_the_same_whatever_shares_its_tile(pattern: str, tokens: int) -> None:
-    """`fused_add` takes the tokens of one slot in tiles (`TILE` a block): every token's outputs
-    are exactly those it gets alone, whatever the other tokens' slots and however many share
-    its tile, and they match the reference; rows of no adapter are y exactly."""
+def test_a_tokens_update_is_the_same_whatever_shares_its_batch(pattern: str, tokens: int) -> None:
+    """`fused_add` on CUDA takes the tokens of one slot in tiles (`TILE` a cluster): every
+    token's outputs are exactly those it gets alone, whatever the other tokens' slots (one
+    adapter for all, each its own, runs, base rows between) and however many share its tile,
+    and they match the reference; rows of no adapter are y exactly."""
     width, outs, rank = 576, [576, 192, 192], 16
     mx.random.seed(tokens)
     x = mx.random.normal((tokens, width)).astype(mx.bfloat16)
@@ -794,6 +795,38 @@ def test_the_benchs_launch_floor_is_the_kernel_with_every_block_copying() -> Non
     assert callable(bench_kernel.copy_floor())
     with pytest.raises(SystemExit, match="zero-update branch"):
         bench_kernel.floor_source("no such branch")
+
+
+def test_the_benchs_kernel_times_sum_each_calls_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench/lora_kernel.py --kernel-times`: for each form and each call a layer makes, the GPU
+    time of a call is the sum of its kernels' records (median over the calls), and a form whose
+    outputs differ from this revision's kernel's is marked as such."""
+    import argparse
+
+    from bench import cuda_timeline
+    from bench import lora_kernel as bench_kernel
+
+    def traced(run):  # two kernels a call, of 1 and 2 µs
+        run()
+        return None, [(10.0 * i, 10.0 * i + 1 + i % 2, "k") for i in range(2 * 3)]
+
+    monkeypatch.setattr(cuda_timeline, "traced", traced)
+    args = argparse.Namespace(
+        preset="smollm2-135m", layers=1, adapters=2, rank=4, adapter_dtype="float32"
+    )
+    layers, shapes = bench_kernel.build(args)
+    idx = mx.array([0, 1, 2, 1], mx.int32)
+    scale = mx.ones((4,), mx.float32)
+
+    def shifted(x, parts, scale):  # other numbers than the kernel's
+        return [out + 1 for out in lora_kernel.fused_add(x, parts, scale)]
+
+    forms = {"base": None, "kernel": lora_kernel.fused_add, "shifted": shifted}
+    times, same = bench_kernel.kernel_times(layers, shapes, forms, idx, scale, 4, calls=3)
+    assert set(times) == {"kernel", "shifted"}
+    assert list(times["kernel"]) == ["q/k/v", "o", "gate/up", "down"]
+    assert all(us == 3.0 for row in times.values() for us in row.values())
+    assert all(same["kernel"].values()) and not any(same["shifted"].values())
 
 
 # -- passes of many tokens a row -------------------------------------------------------------------
