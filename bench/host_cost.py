@@ -11,9 +11,10 @@ Two measurements, each alternated over --reps replicates in one process:
   all host work. A fifth is mlx-lm's layout with q/k/v and gate/up each one matmul, split
   (service.core.models.projections): four matmuls a layer instead of seven.
 - `per_op`: a chain of N ops, per op: a trivial custom kernel (alone, with seven more inputs it
-  never reads, after a matmul), the LoRA kernel's launch for one module and for three (its
-  blocks only copying y: `bench/lora_kernel.py --floor`), MLX's RMSNorm (alone, with four view
-  primitives around it, after a matmul), a matmul.
+  never reads, after a matmul, with three outputs, with the LoRA kernel's header), the LoRA
+  kernel's launch for one module and for three (its blocks only copying y: `bench/lora_kernel.py
+  --floor`), MLX's RMSNorm (alone, with four view primitives around it, after a matmul), a
+  matmul.
 
 Prints milliseconds per step (wall) and the host's share (building the step and queuing it);
 `--out` writes JSON.
@@ -115,37 +116,46 @@ def op_chains(batch: int, dtype: mx.Dtype, n: int) -> dict[str, tuple]:
         # Arrays a kernel takes and never reads (as the LoRA kernel takes its adapter stacks).
         extra = tuple(mx.zeros((8, 16, 4096), dtype) for _ in range(7))
         mx.eval(extra)
-        source = """
-            const size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-            if (e < (size_t)x_shape[0] * x_shape[1]) {
-                out[e] = static_cast<T>(static_cast<float>(x[e]) * 0.999f);
-            }
-            """
-        kernels = {
-            k: mx.fast.cuda_kernel(
-                name=f"host_cost_scale_{k}",
-                input_names=["x", *(f"unread{i}" for i in range(k))],
-                output_names=["out"],
-                source=source,
+        from service.core.models import lora_kernel
+
+        def make(unread: int, outputs: int, header: str = "") -> Callable[..., list[mx.array]]:
+            """A kernel scaling x into each of its outputs, taking `unread` more inputs."""
+            writes = "".join(
+                f"out{o}[e] = static_cast<T>(static_cast<float>(x[e]) * 0.999f);"
+                for o in range(outputs)
             )
-            for k in (0, len(extra))
-        }
+            kernel = mx.fast.cuda_kernel(
+                name=f"host_cost_scale_{unread}_{outputs}_{len(header)}",
+                input_names=["x", *(f"unread{i}" for i in range(unread))],
+                output_names=[f"out{o}" for o in range(outputs)],
+                source="const size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;\n"
+                f"if (e < (size_t)x_shape[0] * x_shape[1]) {{ {writes} }}\n",
+                header=header,
+            )
+
+            def call(x: mx.array, *more: mx.array) -> list[mx.array]:
+                return kernel(
+                    inputs=[x, *more],
+                    template=[("T", x.dtype)],
+                    grid=(x.size, 1, 1),
+                    threadgroup=(256, 1, 1),
+                    output_shapes=[x.shape] * outputs,
+                    output_dtypes=[x.dtype] * outputs,
+                )
+
+            return call
+
+        # What a launch's outputs and its source's length cost (MLX hashes a custom kernel's
+        # whole source at each launch to find its compiled module).
+        plain, wide, three = make(0, 1), make(len(extra), 1), make(0, 3)
+        long_source = make(0, 1, lora_kernel._FUSED_HEADER)
 
         def custom(x: mx.array, unread: tuple[mx.array, ...] = ()) -> mx.array:
-            (y,) = kernels[len(unread)](
-                inputs=[x, *unread],
-                template=[("T", x.dtype)],
-                grid=(x.size, 1, 1),
-                threadgroup=(256, 1, 1),
-                output_shapes=[x.shape],
-                output_dtypes=[x.dtype],
-            )
-            return y
+            return (wide if unread else plain)(x, *unread)[0]
 
         # The LoRA kernel's launches with every block only copying y (bench/lora_kernel.py
         # --floor): what a call of one module and one of three cost the host.
         from bench.lora_kernel import copy_floor
-        from service.core.models.lora_kernel import Part
 
         floor = copy_floor()
         a_t = mx.zeros((9, 16, D), mx.float32)
@@ -155,12 +165,14 @@ def op_chains(batch: int, dtype: mx.Dtype, n: int) -> dict[str, tuple]:
         mx.eval(a_t, b, idx, scale)
 
         def lora_floor(x: mx.array, parts: int) -> mx.array:
-            return floor(x, [Part(x, a_t, b, idx) for _ in range(parts)], scale)[0]
+            return floor(x, [lora_kernel.Part(x, a_t, b, idx) for _ in range(parts)], scale)[0]
 
         chains = {
             "custom kernel": custom,
             "custom kernel, 7 more inputs": lambda x: custom(x, extra),
             "matmul + custom kernel": lambda x: custom(x @ weight),
+            "custom kernel, 3 outputs": lambda x: three(x)[0],
+            "custom kernel, LoRA's header": lambda x: long_source(x)[0],
             "LoRA kernel, launch only, 1 module": lambda x: lora_floor(x, 1),
             "LoRA kernel, launch only, 3 modules": lambda x: lora_floor(x, 3),
             **chains,

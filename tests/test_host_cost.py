@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from bench import host_cost
 from bench.decode_primitives import primitives
+from service.core.models import lora_kernel
+from tests.helpers import cuda_source
 
 VIEWS = {"Transpose", "Flatten", "Unflatten", "Reshape"}
 
@@ -40,3 +45,26 @@ def test_measure_reports_wall_and_host_time_per_step() -> None:
     for r in result.values():
         assert 0 < r["wall_min"] <= r["wall"] <= r["wall_max"]
         assert r["host"] > 0
+
+
+def test_the_cuda_cases_launch_what_they_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off CUDA, with MLX's kernel factory recorded: the custom-kernel cases launch one kernel an
+    op with the outputs, inputs and header they are named after, and (where nvcc is) compile."""
+    recorder = cuda_source.Recorder(monkeypatch)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    chains = host_cost.op_chains(batch=2, dtype=mx.float32, n=1)
+    names = ["custom kernel", "custom kernel, 7 more inputs", "custom kernel, 3 outputs"]
+    names.append("custom kernel, LoRA's header")
+    for name in names:
+        fn, x = chains[name]
+        assert fn(x).shape == x.shape
+    launches = recorder.launches
+    assert [len(launch.inputs) for launch in launches] == [1, 8, 1, 1]
+    assert [len(launch.output_names) for launch in launches] == [1, 1, 3, 1]
+    assert [launch.header for launch in launches[:3]] == ["", "", ""]
+    assert launches[3].header == lora_kernel._FUSED_HEADER
+    if cuda_source.nvcc() is not None:
+        compiled = recorder.compile(tmp_path)
+        assert len(compiled.registers) == 4, compiled.log
