@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.multi_lora import ALL_PROJECTIONS
-from service.core.models import lora, lora_kernel, projections
+from service.core.models import lora, lora_kernel, projections, residual_norm
 from tests.helpers import cuda_source
 
 cuda_only = pytest.mark.skipif(
@@ -651,9 +651,9 @@ def test_the_gathered_per_rank_products_are_each_rows_own(tmp_path: Path) -> Non
 def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Path) -> None:
     """The CUDA decode path (steps replayed from a compiled graph with the rows' slots as an
     input, one kernel per group of projections over q/k/v and gate/up fused into one matmul
-    each, K/V written in place) gives the greedy tokens of the same rows stepped op by op on
-    the gathered MLX-op path, rows of three adapters (of different targets and ranks) and of
-    none in one batch."""
+    each, o_proj's and down_proj's updates inside the residual adds, K/V written in place)
+    gives the greedy tokens of the same rows stepped op by op on the gathered MLX-op path, rows
+    of three adapters (of different targets and ranks) and of none in one batch."""
     from bench.multi_lora import write_adapter
     from service.core.engine.config import EngineConfig
     from service.core.engine.kv_paged import PagedKVStorage
@@ -671,7 +671,10 @@ def test_compiled_decode_steps_with_adapters_give_the_eager_tokens(tmp_path: Pat
     for cuda in (False, True):
         model = tiny_llama(hidden_size=128, heads=2, kv_heads=1, seed=11)  # head_dim 64
         if cuda:
-            projections.fuse(model)  # as runtime.load does, before the adapters wrap them
+            # As runtime.load does, before the adapters wrap them: the o_proj and down_proj
+            # updates are then made by the residual adds after them.
+            projections.fuse(model)
+            residual_norm.install(model)
         modules = dict(model.layers[0].named_modules())
         dims = {key: lora.linear_dims(modules[key]) for key in SEVEN}
         aset = lora.AdapterSet(model, kernel=cuda)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.models import qwen3
 
-from service.core.models import residual_norm
+from service.core.models import lora, lora_kernel, residual_norm
 from tests.helpers import cuda_source
 from tests.helpers.tiny import LAYERS, tiny_llama
 
@@ -78,9 +79,9 @@ def test_a_kept_sum_goes_with_its_array() -> None:
     kept = residual_norm._PER_THREAD.sum
     x = mx.random.normal((1, 3, 64))
     out = model.layers[0](x)
-    parts = kept.parts_of(out)
+    parts = kept.payload_of(out)
     assert parts is not None and mx.array_equal(parts[0] + parts[1], out)
-    assert kept.parts_of(x) is None
+    assert kept.payload_of(x) is None
     del out, parts
     gc.collect()
     assert kept.held is None
@@ -131,3 +132,149 @@ def test_the_source_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     compiled = recorder.compile(tmp_path)
     assert len(compiled.registers) == len(recorder.launches) == len(cases), compiled.log
     assert compiled.spills == 0, compiled.log
+
+
+# -- a deferred LoRA update made in the add after it ---------------------------------------------
+
+
+def _adapted(tmp_path: Path):
+    """A tiny llama on the LoRA kernel path with two random adapters (rank 8 on all seven
+    projections; rank 4 on o_proj and down_proj), and rows of both and of none."""
+    from bench.multi_lora import ALL_PROJECTIONS, write_adapter
+
+    model = tiny_llama()
+    aset = lora.AdapterSet(model, kernel=True)
+    modules = dict(model.layers[0].named_modules())
+    dims = {key: lora.linear_dims(modules[key]) for key in ALL_PROJECTIONS}
+    specs = [("all7", 8, ALL_PROJECTIONS), ("od", 4, ["self_attn.o_proj", "mlp.down_proj"])]
+    for seed, (name, rank, keys) in enumerate(specs):
+        write_adapter(tmp_path / name, LAYERS, dims, keys, rank, seed)
+        aset.add(lora.load_adapter(name, tmp_path / name, model))
+    slots = [aset.slot("all7"), lora.NO_ADAPTER, aset.slot("od"), aset.slot("all7")]
+    return model, aset.rows(np.asarray(slots, np.int32))
+
+
+def test_a_deferred_lora_update_is_made_in_the_add_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One token a row (a decode step): every layer's o_proj update and every down_proj update
+    but the last layer's (whose sum the model's final norm reads) are made by the residual add
+    after them, and the logits are those of each update's own kernel followed by the add: bit
+    for bit on the CPU (MLX ops both ways), to float32 roundings on CUDA (the norm's sum of
+    squares in the kernel's order). Several tokens a row (prefill) defer nothing."""
+    model, rows = _adapted(tmp_path)
+    step = mx.array([[5], [9], [2], [7]])
+    prompt = mx.array([[5, 1, 4], [9, 9, 2], [2, 0, 3], [7, 6, 5]])
+    with lora.use_adapters(rows):
+        want_step, want_prompt = model(step), model(prompt)
+        assert residual_norm.install(model) == LAYERS
+        folds = []
+        real = residual_norm.add_update_rms_norm
+
+        def counted(x, update, weight, eps):
+            folds.append(update.part.width)
+            return real(x, update, weight, eps)
+
+        monkeypatch.setattr(residual_norm, "add_update_rms_norm", counted)
+        got_prompt = model(prompt)
+        assert folds == []
+        got_step = model(step)
+    assert len(folds) == 2 * LAYERS - 1
+    for got, want in [(got_step, want_step), (got_prompt, want_prompt)]:
+        if mx.cuda.is_available():
+            assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+        else:
+            assert mx.array_equal(got, want)
+
+
+def test_an_update_is_deferred_to_its_own_output_only() -> None:
+    """A deferral goes with the very array the projection returned, lives as long as it, and a
+    later one replaces it."""
+    x = mx.ones((2, 1, 8))
+    part = lora_kernel.Part(
+        mx.ones((2, 1, 8)), mx.zeros((2, 4, 8)), mx.zeros((2, 4, 8)), mx.zeros((2,), mx.int32)
+    )
+    update = lora_kernel.Deferred(x, part, mx.ones((2,)))
+    out = x + 1
+    residual_norm.defer(out, update)
+    held = residual_norm._PER_THREAD.update
+    assert held.payload_of(out) is update and held.payload_of(x + 1) is None
+    other = x + 2
+    residual_norm.defer(other, update)
+    assert held.payload_of(out) is None and held.payload_of(other) is update
+    del other
+    gc.collect()
+    assert held.held is None
+
+
+def _fold_case(rows: int, width: int, inner: int, rank: int, dtype: mx.Dtype, wide: bool):
+    """x, the deferred update (a base output [rows, 1, width] or the columns [16, 16 + width) of
+    a wider one; float32 stacks of 4 slots, slot 0 zeros; each row's slot and scale) and the
+    norm's weight."""
+    mx.random.seed(width + inner)
+    x = mx.random.normal((rows, 1, width)).astype(dtype)
+    lx = mx.random.normal((rows, 1, inner)).astype(dtype)
+    y = mx.random.normal((rows, 1, width + (48 if wide else 0))).astype(dtype)
+    a_t = mx.random.normal((4, rank, inner)) * inner**-0.5
+    b = mx.random.normal((4, rank, width)) * 0.1
+    a_t[0] = 0
+    b[0] = 0
+    idx = mx.array(np.random.default_rng(width).integers(0, 4, rows), dtype=mx.int32)
+    scale = mx.array([0.0, 2.0, 20.0, 0.5], dtype=mx.float32)[idx]
+    part = lora_kernel.Part(y, a_t, b, idx, 16 if wide else 0)
+    weight = (1.0 + 0.1 * mx.random.normal((width,))).astype(dtype)
+    return x, lora_kernel.Deferred(lx, part, scale), weight
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+@pytest.mark.parametrize(
+    "width,inner,rank,wide",
+    [(576, 1536, 16, False), (4096, 14336, 16, False), (4096, 4096, 64, False), (64, 100, 8, True)],
+)
+def test_the_fold_kernel_is_the_updates_kernel_then_the_adds(
+    dtype: mx.Dtype, width: int, inner: int, rank: int, wide: bool
+) -> None:
+    """`add_update_rms_norm`'s kernel against `fused_add`'s then `add_rms_norm`'s: bit for bit
+    (the same arithmetic on the same threads), rows with no adapter among them."""
+    x, update, weight = _fold_case(9, width, inner, rank, dtype, wide)
+    assert residual_norm.foldable(x, update, weight)
+    h, y = residual_norm.add_update_rms_norm(x, update, weight, 1e-5)
+    (r,) = lora_kernel.fused_add(update.x, [update.part], update.scale)
+    want_h, want_y = residual_norm.add_rms_norm(x, r, weight, 1e-5)
+    assert mx.array_equal(h, want_h)
+    assert mx.array_equal(y, want_y)
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
+def test_the_fold_source_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fold kernel as MLX wraps it, for the 8B's o_proj and down_proj (bf16 activations,
+    bf16 and float32 stacks), SmolLM2's in float16 at rank 64, and a tiny float32 width with a
+    wider base output: no error, no spill, a block's registers within the SM's."""
+    recorder = cuda_source.Recorder(monkeypatch)
+    monkeypatch.setattr(residual_norm, "available", lambda: True)
+    monkeypatch.setattr(lora_kernel, "clusters_available", lambda: True)
+    monkeypatch.setattr(residual_norm, "_fold_kernel", residual_norm._fold_kernel.__wrapped__)
+    cases = [
+        (4096, 4096, 16, mx.bfloat16, mx.bfloat16, False),
+        (4096, 14336, 16, mx.bfloat16, mx.float32, False),
+        (576, 1536, 64, mx.float16, mx.float16, False),
+        (64, 100, 8, mx.float32, mx.float32, True),
+    ]
+    for width, inner, rank, act, stacks, wide in cases:
+        y = mx.zeros((3, 1, width + (48 if wide else 0)), act)
+        part = lora_kernel.Part(
+            y,
+            mx.zeros((2, rank, inner), stacks),
+            mx.zeros((2, rank, width), stacks),
+            mx.zeros((3,), mx.int32),
+            16 if wide else 0,
+        )
+        x = mx.zeros((3, 1, width), act)
+        update = lora_kernel.Deferred(mx.zeros((3, 1, inner), act), part, mx.zeros((3,)))
+        residual_norm.add_update_rms_norm(x, update, mx.ones((width,), act), 1e-5)
+    assert {launch.source for launch in recorder.launches} == {residual_norm._FOLD_SOURCE}
+    compiled = recorder.compile(tmp_path)
+    assert len(compiled.registers) == len(recorder.launches) == len(cases), compiled.log
+    assert compiled.spills == 0, compiled.log
+    assert max(compiled.registers) * lora_kernel.FUSED_WARPS * 32 <= 65536, compiled.registers

@@ -58,7 +58,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from service.common.model_source import ModelLoadError
 from service.core.engine.device_memory import resident
-from service.core.models import lora_kernel, projections
+from service.core.models import lora_kernel, projections, residual_norm
 from service.core.models.projections import SHARED_INPUT, SharedInput
 from service.protocol import AdapterDescription
 
@@ -708,6 +708,9 @@ class MultiLoRALinear(nn.Module):
                     (out,) = lora_kernel.rows_add(x, [part], scale, x.shape[1])
                 else:
                     (out,) = lora_kernel.fused_add(x, [part], scale)
+                    # A residual add of out next (o_proj's, down_proj's) makes the update in
+                    # its own kernel instead, and this one is never run.
+                    residual_norm.defer(out, lora_kernel.Deferred(x, part, scale))
             return out
         y = self.linear(x)
         # The LM head sees [rows, H]: one token per row.

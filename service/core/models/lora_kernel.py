@@ -448,12 +448,26 @@ __device__ __forceinline__ void mlxserve_lora_block(
         z, toks, n, bs, y, out, scale, first, last);
   }
 }
+"""
 
-// MLX declares the kernel `__global__ void NAME(...)` right after this header (and nothing else
-// after it): the cluster's shape can only be given there, as an attribute of that declaration.
+# MLX declares the kernel `__global__ void NAME(...)` right after its header (and nothing else
+# after it): the cluster's shape can only be given there, as an attribute of that declaration.
+_CLUSTER_LAUNCH = """
 #undef __global__
 #define __global__ __attribute__((global)) __attribute__((cluster_dims(MLXSERVE_CLUSTER, 1, 1)))
 """
+
+
+def cluster_header(extra: str = "") -> str:
+    """The header of a kernel launched in clusters of CLUSTER blocks: `fused_add`'s device
+    functions, then `extra` (another kernel's own), then the cluster's shape."""
+    return (
+        f"#define MLXSERVE_CLUSTER {CLUSTER}\n"
+        + _LOADS_HEADER
+        + _FUSED_HEADER
+        + extra
+        + _CLUSTER_LAUNCH
+    )
 
 
 def _fused_source(parts: int) -> str:
@@ -510,6 +524,16 @@ class Part:
         return _columns(self.y, self.start, self.width)
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """The pieces of `fused_add(x, [part], scale)`: a one-part update that the residual add after
+    its projection may make instead (service.core.models.residual_norm.defer)."""
+
+    x: mx.array
+    part: Part
+    scale: mx.array
+
+
 def _columns(y: mx.array, start: int, width: int) -> mx.array:
     """y's columns [start, start + width): y itself when that is all of it."""
     return y if y.shape[-1] == width else y[..., start : start + width]
@@ -525,7 +549,7 @@ def _fused(parts: int) -> Any:
         input_names=["x", "scale", *names],
         output_names=[f"out{p}" for p in range(parts)],
         source=_fused_source(parts),
-        header=f"#define MLXSERVE_CLUSTER {CLUSTER}\n" + _LOADS_HEADER + _FUSED_HEADER,
+        header=cluster_header(),
     )
 
 

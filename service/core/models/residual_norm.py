@@ -20,6 +20,14 @@ The sum is rounded to the input dtype before the norm reads it and the norm is M
 arithmetic (float32 sum of squares, the product rounded, then times the weight in the dtype), so
 the results equal mlx-lm's to the order of the sum's reduction. Elsewhere than CUDA the same two
 MLX ops run (what the CPU tests exercise).
+
+A LoRA row's update to the projection before an add (attention's o_proj, the MLP's down_proj) is
+made here too, when the projection deferred it (`defer`: service.core.models.lora, one token a
+row): `add_update_rms_norm` computes base + update, the sum and its norm in one kernel, one kernel
+a projection fewer than the update's own `fused_add` then this add. It makes the update with
+`fused_add`'s arithmetic and threads, and the sum and norm with `add_rms_norm`'s, so its numbers
+are theirs bit for bit. The projection's own output (the update's kernel) is then never read and
+never run.
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import cache
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from service.core.engine.device_memory import float_bits
 from service.core.engine.paged_attention import kernel_available as available
+from service.core.models import lora_kernel
 
 THREADS = 128
 MAX_PER_THREAD = 32  # hidden sizes up to THREADS * this take the kernel (8B's 4096 do)
@@ -107,7 +116,11 @@ def supported(x: mx.array, r: mx.array, weight: mx.array) -> bool:
 def add_rms_norm(
     x: mx.array, r: mx.array, weight: mx.array, eps: float
 ) -> tuple[mx.array, mx.array]:
-    """(h, rms_norm(h)) for h = x + r: one kernel where `supported`, else MLX's two ops."""
+    """(h, rms_norm(h)) for h = x + r: one kernel where `supported`, else MLX's two ops. When r
+    is a deferred update's output (`defer`), the update is made here (`add_update_rms_norm`)."""
+    update = _PER_THREAD.update.payload_of(r)
+    if update is not None:
+        return add_update_rms_norm(x, update, weight, eps)
     if not supported(x, r, weight):
         h = x + r
         return h, mx.fast.rms_norm(h, weight, eps)
@@ -132,22 +145,261 @@ def add_rms_norm(
     return h, y
 
 
-class _Sum:
-    """The last layer's returned sum on one thread: a weak reference to it, and the two arrays
-    it adds (kept only while the sum itself is alive, so a forward's activations are not)."""
+_FOLD_HEADER = """
+// The h and r of a tile's tokens, outputs [first, last) of the row: r = base + T(scale * z @ B[s])
+// cast as fused_add casts it (r = base where s is 0), h = T(x + r) as add_rms_norm rounds it;
+// h to global memory and to hs (the block's share, floats) for the norm.
+template <bool V, typename T, typename TB, int R, int D, int YW, int COL, int OC, int THREADS,
+          int EO, int TT>
+__device__ __forceinline__ void mlxserve_fold_rows(
+    const T* x, const T* base, const TB* bs, const float* scale, const int s, const float* z,
+    const int* toks, const int n, const int first, const int last, T* h, float* hs) {
+  for (int o = first + threadIdx.x * EO; o < last; o += THREADS * EO) {
+    float acc[TT][EO];
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+#pragma unroll
+      for (int e = 0; e < EO; ++e) acc[j][e] = 0.0f;
+    }
+    if (s != 0) {
+#pragma unroll 8  // B's loads of several ranks in flight at once
+      for (int k = 0; k < R; ++k) {
+        float bv[EO];
+        mlxserve_load<V, TB, EO>(bs + (size_t)k * D + o, bv);
+#pragma unroll
+        for (int j = 0; j < TT; ++j) {
+#pragma unroll
+          for (int e = 0; e < EO; ++e) acc[j][e] += z[j * R + k] * bv[e];
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+      if (j < n) {
+        const size_t t = toks[j];
+        const float sc = scale[t];
+        float yv[EO];
+        float xv[EO];
+        mlxserve_load<V, T, EO>(base + t * YW + COL + o, yv);
+        mlxserve_load<V, T, EO>(x + t * D + o, xv);
+#pragma unroll
+        for (int e = 0; e < EO; ++e) {
+          T r = static_cast<T>(yv[e]);
+          if (s != 0) {
+            const T d = static_cast<T>(sc * acc[j][e]);
+            r = static_cast<T>(yv[e] + static_cast<float>(d));
+          }
+          const T sum = static_cast<T>(xv[e] + static_cast<float>(r));
+          h[t * D + o + e] = sum;
+          hs[j * OC + (o - first) + e] = static_cast<float>(sum);
+        }
+      }
+    }
+  }
+}
+
+// One block's share of a tile's residual add and norm, the projection's LoRA update made here:
+// the cluster's blocks make z as fused_add's do, each its OC outputs of r and h, then each token's
+// sum of squares over the whole row (read from the blocks' shares in add_rms_norm's order: thread
+// tid takes elements tid, tid + NT, ...; lanes, then warps in order), then its outputs of the
+// norm. So every number is fused_add's then add_rms_norm's, bit for bit.
+template <typename T, typename TX, typename TA, typename TB, int D, int IN, int R, int YW,
+          int COL, int SL, int OC, int WARPS, int EI, int EO, int TT, int CS, int NT,
+          int EPS_BITS>
+__device__ __forceinline__ void mlxserve_fold_block(
+    const T* x, const T* base, const TX* lx, const TA* a_t, const TB* b, const int32_t* idx,
+    const float* scale, const T* w, const int tokens, const int tile, const int rank, T* h,
+    T* out, float* zw, float* zp, float* z, float* hs) {
+  constexpr int THREADS = WARPS * 32;
+  static_assert(THREADS == NT, "the norm's sums run over add_rms_norm's threads");
+  __shared__ int toks[TT];
+  __shared__ int info[3];
+  __shared__ float warp_sums[NT / 32];
+  __shared__ float totals[TT];
+  // The cluster's blocks find the same tile, so all of them pass the same barriers.
+  const int s = mlxserve_tile<TT>(idx, tokens, tile, toks, info);
+  if (s < 0) {
+    return;  // past the last tile
+  }
+  const int n = info[2];
+  const int tid = threadIdx.x;
+  const int first = rank * OC;
+  const int last = first + OC < D ? first + OC : D;
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  if (s != 0) {
+    constexpr int STEP = 32 / TT;
+    constexpr int RUP = (R + STEP - 1) / STEP * STEP;
+    constexpr int KG = 64 / TT < RUP ? 64 / TT : RUP;
+    const TA* as = a_t + (size_t)s * R * IN;
+    const int i0 = rank * SL;
+    const int i1 = i0 + SL < IN ? i0 + SL : IN;
+    if (mlxserve_aligned(lx, IN) && mlxserve_aligned(as, IN)) {
+      mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(lx, toks, n, as, i0, i1, zw, zp);
+    } else {
+      mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(lx, toks, n, as, i0, i1, zw, zp);
+    }
+    cluster.sync();  // every block's share of z is in its shared memory
+    for (int q = tid; q < TT * R; q += THREADS) {
+      float v = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CS; ++c) v += cluster.map_shared_rank(zp, c)[q];
+      z[q] = v;
+    }
+    __syncthreads();
+  }
+  const TB* bs = b + (size_t)(s > 0 ? s : 0) * R * D;
+  if (mlxserve_aligned(bs, D) && mlxserve_aligned(base + COL, YW) && mlxserve_aligned(x, D)) {
+    mlxserve_fold_rows<true, T, TB, R, D, YW, COL, OC, THREADS, EO, TT>(
+        x, base, bs, scale, s, z, toks, n, first, last, h, hs);
+  } else {
+    mlxserve_fold_rows<false, T, TB, R, D, YW, COL, OC, THREADS, EO, TT>(
+        x, base, bs, scale, s, z, toks, n, first, last, h, hs);
+  }
+  cluster.sync();  // every block's share of h is in its shared memory (and z's shares are read)
+  constexpr int PER = (D + NT - 1) / NT;
+  for (int j = 0; j < n; ++j) {
+    float squares = 0.0f;
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      const int i = tid + q * NT;
+      if (i < D) {
+        const int owner = i / OC;
+        const float v = cluster.map_shared_rank(hs, owner)[j * OC + i - owner * OC];
+        squares += v * v;
+      }
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      squares += __shfl_xor_sync(0xffffffff, squares, offset);
+    }
+    if (tid % 32 == 0) {
+      warp_sums[tid / 32] = squares;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float total = 0.0f;
+#pragma unroll
+      for (int k = 0; k < NT / 32; ++k) total += warp_sums[k];
+      totals[j] = total;
+    }
+    __syncthreads();
+  }
+  for (int i = first + tid; i < last; i += THREADS) {
+    for (int j = 0; j < n; ++j) {
+      const float normalizer = rsqrt(totals[j] / D + __int_as_float(EPS_BITS));
+      out[(size_t)toks[j] * D + i] = w[i] * static_cast<T>(hs[j * OC + i - first] * normalizer);
+    }
+  }
+  cluster.sync();  // no block leaves while its peers read its shared memory
+}
+"""
+
+_FOLD_SOURCE = """
+    const int tokens = idx_shape[0];
+    __shared__ float zw[WARPS * 64];
+    __shared__ float zp[TT * R];
+    __shared__ float z[TT * R];
+    __shared__ float hs[TT * OC];
+    mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, SL, OC, WARPS, EI, EO, TT, CS, NT,
+                        EPS_BITS>(x, base, lx, a_t, b, idx, scale, w, tokens, blockIdx.x / CS,
+                                  blockIdx.x % CS, h, out, zw, zp, z, hs);
+"""
+
+
+@cache
+def _fold_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="mlxserve_add_update_rms_norm",
+        input_names=["x", "base", "lx", "a_t", "b", "idx", "scale", "w"],
+        output_names=["h", "out"],
+        source=_FOLD_SOURCE,
+        header=lora_kernel.cluster_header(_FOLD_HEADER),
+    )
+
+
+def foldable(x: mx.array, update: lora_kernel.Deferred, weight: mx.array) -> bool:
+    """Whether `add_update_rms_norm` takes x and the update: the dtypes and width `supported`
+    asks of an add, the update's output as wide as x, one of its tokens for each of x's rows,
+    and `fused_add`'s kernel here (its blocks are add_rms_norm's threads)."""
+    part = update.part
+    width = x.shape[-1]
+    return (
+        supported(x, part.base(), weight)
+        and lora_kernel.clusters_available()
+        and lora_kernel.FUSED_WARPS * 32 == THREADS
+        and part.y.dtype == x.dtype
+        and part.width == width
+        and update.x.size // update.x.shape[-1] == x.size // width == part.idx.size
+    )
+
+
+def add_update_rms_norm(
+    x: mx.array, update: lora_kernel.Deferred, weight: mx.array, eps: float
+) -> tuple[mx.array, mx.array]:
+    """`add_rms_norm(x, r)` for r the deferred update's output (base + each token's LoRA update,
+    `lora_kernel.fused_add`), r made inside the same kernel where `foldable`; elsewhere from the
+    update's own ops."""
+    part = update.part
+    if not foldable(x, update, weight):
+        (r,) = lora_kernel.fused_add(update.x, [part], update.scale)
+        return add_rms_norm(x, r.reshape(x.shape), weight, eps)
+    width = x.shape[-1]
+    rows = x.size // width
+    if rows == 0:
+        return x + part.base(), mx.zeros_like(x)
+    lx = update.x
+    in_width = lx.shape[-1]
+    threads = lora_kernel.FUSED_WARPS * 32
+    clusters = lora_kernel.tiles(rows, part.a_t.shape[0])
+    h, y = _fold_kernel()(
+        inputs=[x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight],
+        template=[
+            ("T", x.dtype),
+            ("TX", lx.dtype),
+            ("TA", part.a_t.dtype),
+            ("TB", part.b.dtype),
+            ("D", width),
+            ("IN", in_width),
+            ("R", part.a_t.shape[1]),
+            ("YW", part.y.shape[-1]),
+            ("COL", part.start),
+            ("SL", lora_kernel.share(in_width)),
+            ("OC", lora_kernel.share(width)),
+            ("WARPS", lora_kernel.FUSED_WARPS),
+            ("EI", lora_kernel.vector(in_width)),
+            ("EO", lora_kernel.vector(width)),
+            ("TT", lora_kernel.TILE),
+            ("CS", lora_kernel.CLUSTER),
+            ("NT", THREADS),
+            ("EPS_BITS", float_bits(eps)),
+        ],
+        grid=(clusters * lora_kernel.CLUSTER * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[x.shape, x.shape],
+        output_dtypes=[x.dtype, x.dtype],
+    )
+    return h, y
+
+
+P = TypeVar("P")
+
+
+class Latest(Generic[P]):
+    """What goes with one array on one thread: a weak reference to the array, and its payload
+    (kept only while the array is alive, so a forward's activations are not). A later `keep`
+    replaces it."""
 
     def __init__(self) -> None:
-        self.held: tuple[weakref.ref[mx.array], mx.array, mx.array] | None = None
+        self.held: tuple[weakref.ref[mx.array], P] | None = None
 
-    def keep(self, out: mx.array, h: mx.array, r: mx.array) -> None:
-        self.held = (weakref.ref(out, self._drop), h, r)
+    def keep(self, out: mx.array, payload: P) -> None:
+        self.held = (weakref.ref(out, self._drop), payload)
 
-    def parts_of(self, x: mx.array) -> tuple[mx.array, mx.array] | None:
-        """(h, r) when x is the kept sum h + r."""
+    def payload_of(self, x: mx.array) -> P | None:
+        """The payload kept with x, if x is the array kept."""
         held = self.held
         if held is None or held[0]() is not x:
             return None
-        return held[1], held[2]
+        return held[1]
 
     def _drop(self, ref: weakref.ref[mx.array]) -> None:
         if self.held is not None and self.held[0] is ref:
@@ -156,10 +408,19 @@ class _Sum:
 
 class _PerThread(threading.local):
     def __init__(self) -> None:
-        self.sum = _Sum()
+        # The last layer's returned sum h + r, with (h, r).
+        self.sum: Latest[tuple[mx.array, mx.array]] = Latest()
+        # The latest deferred LoRA update's output, with its pieces.
+        self.update: Latest[lora_kernel.Deferred] = Latest()
 
 
 _PER_THREAD = _PerThread()
+
+
+def defer(out: mx.array, update: lora_kernel.Deferred) -> None:
+    """Record that `out` is `update`'s output, so that an add of it that comes next (on this
+    thread, while out lives) makes the update itself (`add_rms_norm`)."""
+    _PER_THREAD.update.keep(out, update)
 
 
 class FusedNormBlock(nn.Module):
@@ -173,7 +434,7 @@ class FusedNormBlock(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         kept = _PER_THREAD.sum
-        parts = kept.parts_of(x)
+        parts = kept.payload_of(x)
         if parts is not None:
             # x is the last layer's h + r, which this call computes with its norm instead.
             norm = self.input_layernorm
@@ -185,7 +446,7 @@ class FusedNormBlock(nn.Module):
         h, normed = add_rms_norm(x, r, post.weight, post.eps)
         r = self.mlp(normed)
         out = h + r
-        kept.keep(out, h, r)
+        kept.keep(out, (h, r))
         return out
 
 
