@@ -14,8 +14,9 @@ One decode path per platform:
   (service.core.models.decode_gemm), and a residual add and the RMSNorm after it are one kernel
   (service.core.models.residual_norm). LoRA rows' updates come
   from custom kernels (service.core.models.lora_kernel; in a decode step one per group of
-  adapted projections that read one input): MLX's CUDA gather_mm runs a row's product at a
-  time, and every extra primitive costs host work. Quantized projections fold a batch's rows
+  adapted projections that read one input, and o_proj's and down_proj's inside the residual
+  add's kernel after them): MLX's CUDA gather_mm runs a row's product at a time, and every
+  extra primitive costs host work. Quantized projections fold a batch's rows
   into one product (service.core.models.quantized): MLX's CUDA quantized matmul reads the whole
   weight once per row of a [B, 1, D] input.
 - Elsewhere: MLX ops. Decode steps of two or more rows attend over a contiguous copy of the
@@ -82,8 +83,8 @@ class EngineConfig:
     # of a dozen primitives, each host work.
     compiled_norms: bool = False
     grouped_query_mask: bool = False  # batched masks as [B, 1, 1, N, T] (families.grouped_mask)
-    # LoRA rows' updates come from two CUDA kernels per adapted layer
-    # (service.core.models.lora_kernel) rather than MLX's gathered products.
+    # LoRA rows' updates come from CUDA kernels (service.core.models.lora_kernel) rather than
+    # MLX's gathered products.
     lora_kernel: bool = False
     # q/k/v and gate/up each one matmul, split (service.core.models.projections).
     fused_projections: bool = False
