@@ -148,7 +148,7 @@ def op_chains(batch: int, dtype: mx.Dtype, n: int) -> dict[str, tuple]:
         # What a launch's outputs and its source's length cost (MLX hashes a custom kernel's
         # whole source at each launch to find its compiled module).
         plain, wide, three = make(0, 1), make(len(extra), 1), make(0, 3)
-        long_source = make(0, 1, lora_kernel._FUSED_HEADER)
+        long_source = make(0, 1, lora_kernel._LOADS_HEADER + lora_kernel._FUSED_HEADER)
 
         def custom(x: mx.array, unread: tuple[mx.array, ...] = ()) -> mx.array:
             return (wide if unread else plain)(x, *unread)[0]

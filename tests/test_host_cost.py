@@ -64,7 +64,7 @@ def test_the_cuda_cases_launch_what_they_name(
     assert [len(launch.inputs) for launch in launches] == [1, 8, 1, 1]
     assert [len(launch.output_names) for launch in launches] == [1, 1, 3, 1]
     assert [launch.header for launch in launches[:3]] == ["", "", ""]
-    assert launches[3].header == lora_kernel._FUSED_HEADER
+    assert launches[3].header == lora_kernel._LOADS_HEADER + lora_kernel._FUSED_HEADER
     if cuda_source.nvcc() is not None:
         compiled = recorder.compile(tmp_path)
         assert len(compiled.registers) == 4, compiled.log
