@@ -341,6 +341,28 @@ __device__ __forceinline__ void mlxserve_lora_zpart(
   }
 }
 
+// acc[j][e] = z[j] @ B[s][:, o + e] for the tile's TT token places, EO consecutive outputs from o
+// (bs: B[s], rows of OUT). Ranks in order, several ranks' loads in flight at once.
+template <bool V, typename TB, int R, int OUT, int EO, int TT>
+__device__ __forceinline__ void mlxserve_lora_expand(
+    const float* z, const TB* bs, const int o, float (&acc)[TT][EO]) {
+#pragma unroll
+  for (int j = 0; j < TT; ++j) {
+#pragma unroll
+    for (int e = 0; e < EO; ++e) acc[j][e] = 0.0f;
+  }
+#pragma unroll 8
+  for (int k = 0; k < R; ++k) {
+    float bv[EO];
+    mlxserve_load<V, TB, EO>(bs + (size_t)k * OUT + o, bv);
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+#pragma unroll
+      for (int e = 0; e < EO; ++e) acc[j][e] += z[j * R + k] * bv[e];
+    }
+  }
+}
+
 // Outputs [first, last) of out[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the add, for
 // the tile's tokens t = toks[j < n]; EO consecutive outputs a thread, each element of B read once
 // for the tile.
@@ -351,21 +373,7 @@ __device__ __forceinline__ void mlxserve_lora_out(
     const float* scale, const int first, const int last) {
   for (int o = first + threadIdx.x * EO; o < last; o += THREADS * EO) {
     float acc[TT][EO];
-#pragma unroll
-    for (int j = 0; j < TT; ++j) {
-#pragma unroll
-      for (int e = 0; e < EO; ++e) acc[j][e] = 0.0f;
-    }
-#pragma unroll 8  // B's loads of several ranks in flight at once
-    for (int k = 0; k < R; ++k) {
-      float bv[EO];
-      mlxserve_load<V, TB, EO>(bs + (size_t)k * OUT + o, bv);
-#pragma unroll
-      for (int j = 0; j < TT; ++j) {
-#pragma unroll
-        for (int e = 0; e < EO; ++e) acc[j][e] += z[j * R + k] * bv[e];
-      }
-    }
+    mlxserve_lora_expand<V, TB, R, OUT, EO, TT>(z, bs, o, acc);
 #pragma unroll
     for (int j = 0; j < TT; ++j) {
       if (j < n) {
@@ -381,6 +389,38 @@ __device__ __forceinline__ void mlxserve_lora_out(
       }
     }
   }
+}
+
+// z[j * R + k] = x[toks[j]] @ A[s][:, k] for a tile of slot s (s > 0), made by the CS blocks of
+// its cluster: this block (the cluster's `rank`-th) sums its SL inputs into zp (its shared
+// memory), and after the cluster's barrier adds up the CS shares in rank order into z (shared
+// memory). The caller's blocks must not leave before a second cluster barrier: their peers read
+// their zp.
+template <typename TX, typename TA, int IN, int R, int SL, int WARPS, int EI, int TT, int CS>
+__device__ __forceinline__ void mlxserve_lora_z(
+    const TX* x, const int* toks, const int n, const TA* a_t, const int s, const int rank,
+    float* zw, float* zp, float* z) {
+  // Ranks a pass: 64 sums a thread (two butterflies), whole ranks of 32 / TT at a time.
+  constexpr int STEP = 32 / TT;
+  constexpr int RUP = (R + STEP - 1) / STEP * STEP;
+  constexpr int KG = 64 / TT < RUP ? 64 / TT : RUP;
+  const TA* as = a_t + (size_t)s * R * IN;
+  const int i0 = rank * SL;
+  const int i1 = i0 + SL < IN ? i0 + SL : IN;
+  if (mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN)) {
+    mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
+  } else {
+    mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
+  }
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  cluster.sync();  // every block's share of z is in its shared memory
+  for (int q = threadIdx.x; q < TT * R; q += WARPS * 32) {
+    float v = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CS; ++c) v += cluster.map_shared_rank(zp, c)[q];
+    z[q] = v;
+  }
+  __syncthreads();
 }
 
 // One block's share of a LoRA update: tile `tile` of one module's tokens (those of one slot s),
@@ -418,27 +458,8 @@ __device__ __forceinline__ void mlxserve_lora_block(
     }
     return;
   }
-  // Ranks a pass: 64 sums a thread (two butterflies), whole ranks of 32 / TT at a time.
-  constexpr int STEP = 32 / TT;
-  constexpr int RUP = (R + STEP - 1) / STEP * STEP;
-  constexpr int KG = 64 / TT < RUP ? 64 / TT : RUP;
-  const TA* as = a_t + (size_t)s * R * IN;
-  const int i0 = rank * SL;
-  const int i1 = i0 + SL < IN ? i0 + SL : IN;
-  if (mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN)) {
-    mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
-  } else {
-    mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
-  }
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  cluster.sync();  // every block's share of z is in its shared memory
-  for (int q = tid; q < TT * R; q += THREADS) {
-    float v = 0.0f;
-#pragma unroll
-    for (int c = 0; c < CS; ++c) v += cluster.map_shared_rank(zp, c)[q];
-    z[q] = v;
-  }
-  cluster.sync();  // no block leaves while its peers read its shared memory
+  mlxserve_lora_z<TX, TA, IN, R, SL, WARPS, EI, TT, CS>(x, toks, n, a_t, s, rank, zw, zp, z);
+  cooperative_groups::this_cluster().sync();  // no block leaves while its peers read its zp
   const TB* bs = b + (size_t)s * R * OUT;
   if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(y + COL, YW)) {
     mlxserve_lora_out<true, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(

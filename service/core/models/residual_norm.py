@@ -156,22 +156,8 @@ __device__ __forceinline__ void mlxserve_fold_rows(
     const int* toks, const int n, const int first, const int last, T* h, float* hs) {
   for (int o = first + threadIdx.x * EO; o < last; o += THREADS * EO) {
     float acc[TT][EO];
-#pragma unroll
-    for (int j = 0; j < TT; ++j) {
-#pragma unroll
-      for (int e = 0; e < EO; ++e) acc[j][e] = 0.0f;
-    }
     if (s != 0) {
-#pragma unroll 8  // B's loads of several ranks in flight at once
-      for (int k = 0; k < R; ++k) {
-        float bv[EO];
-        mlxserve_load<V, TB, EO>(bs + (size_t)k * D + o, bv);
-#pragma unroll
-        for (int j = 0; j < TT; ++j) {
-#pragma unroll
-          for (int e = 0; e < EO; ++e) acc[j][e] += z[j * R + k] * bv[e];
-        }
-      }
+      mlxserve_lora_expand<V, TB, R, D, EO, TT>(z, bs, o, acc);
     }
 #pragma unroll
     for (int j = 0; j < TT; ++j) {
@@ -227,25 +213,7 @@ __device__ __forceinline__ void mlxserve_fold_block(
   const int last = first + OC < D ? first + OC : D;
   cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   if (s != 0) {
-    constexpr int STEP = 32 / TT;
-    constexpr int RUP = (R + STEP - 1) / STEP * STEP;
-    constexpr int KG = 64 / TT < RUP ? 64 / TT : RUP;
-    const TA* as = a_t + (size_t)s * R * IN;
-    const int i0 = rank * SL;
-    const int i1 = i0 + SL < IN ? i0 + SL : IN;
-    if (mlxserve_aligned(lx, IN) && mlxserve_aligned(as, IN)) {
-      mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(lx, toks, n, as, i0, i1, zw, zp);
-    } else {
-      mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(lx, toks, n, as, i0, i1, zw, zp);
-    }
-    cluster.sync();  // every block's share of z is in its shared memory
-    for (int q = tid; q < TT * R; q += THREADS) {
-      float v = 0.0f;
-#pragma unroll
-      for (int c = 0; c < CS; ++c) v += cluster.map_shared_rank(zp, c)[q];
-      z[q] = v;
-    }
-    __syncthreads();
+    mlxserve_lora_z<TX, TA, IN, R, SL, WARPS, EI, TT, CS>(lx, toks, n, a_t, s, rank, zw, zp, z);
   }
   const TB* bs = b + (size_t)(s > 0 ? s : 0) * R * D;
   if (mlxserve_aligned(bs, D) && mlxserve_aligned(base + COL, YW) && mlxserve_aligned(x, D)) {
