@@ -269,8 +269,11 @@ def main() -> None:
                 run_streams(server, adapters, args.prompt_tokens, 4, args.vocab, 0)
             rounds: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
             loads = []
+            order = list(variants.items())
             for r in range(args.replicates):
-                for name, (server, adapters) in variants.items():
+                # Every other replicate runs the variants in reverse, so that a drift within a
+                # replicate (the host's, or a first round's) falls on each variant alike.
+                for name, (server, adapters) in order if r % 2 == 0 else order[::-1]:
                     loads.append(os.getloadavg()[0])
                     seed = 1000 * r + len(rounds[name])
                     rounds[name].append(
