@@ -82,8 +82,8 @@ class EngineConfig:
     # of a dozen primitives, each host work.
     compiled_norms: bool = False
     grouped_query_mask: bool = False  # batched masks as [B, 1, 1, N, T] (families.grouped_mask)
-    # LoRA rows' updates come from two CUDA kernels per adapted layer
-    # (service.core.models.lora_kernel) rather than MLX's gathered products.
+    # LoRA rows' updates come from CUDA kernels (service.core.models.lora_kernel) rather than
+    # MLX's gathered products.
     lora_kernel: bool = False
     # q/k/v and gate/up each one matmul, split (service.core.models.projections).
     fused_projections: bool = False
