@@ -187,6 +187,41 @@ def test_a_deferred_lora_update_is_made_in_the_add_after_it(
             assert mx.array_equal(got, want)
 
 
+def test_a_deferred_update_is_made_in_the_add_of_a_compiled_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's CUDA decode steps replay a graph that mx.compile traced, with the rows' slots
+    an input of it (service.core.engine.compiled_decode): the deferral follows the traced arrays
+    as it follows eager ones, the trace makes the updates in the adds once, and its replays give
+    the eager step's logits (bit for bit on the CPU)."""
+    model, rows = _adapted(tmp_path)
+    step = mx.array([[5], [9], [2], [7]])
+    with lora.use_adapters(rows):
+        want = model(step)
+    assert residual_norm.install(model) == LAYERS
+    folds = []
+    real = residual_norm.add_update_rms_norm
+
+    def counted(x, update, weight, eps):
+        folds.append(update.part.width)
+        return real(x, update, weight, eps)
+
+    monkeypatch.setattr(residual_norm, "add_update_rms_norm", counted)
+
+    def forward(tokens: mx.array, slots: mx.array) -> mx.array:
+        with lora.use_adapters(lora.RowAdapters(slots)):
+            return model(tokens)
+
+    compiled = mx.compile(forward)
+    got = [compiled(step, rows.slots) for _ in range(2)]
+    assert len(folds) == 2 * LAYERS - 1
+    for out in got:
+        if mx.cuda.is_available():
+            assert mx.allclose(out, want, rtol=1e-5, atol=1e-5).item()
+        else:
+            assert mx.array_equal(out, want)
+
+
 def test_an_update_is_deferred_to_its_own_output_only() -> None:
     """A deferral goes with the very array the projection returned, lives as long as it, and a
     later one replaces it."""
