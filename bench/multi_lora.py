@@ -17,8 +17,15 @@ token; decode tok/s = the tokens after the last stream's first token / the time 
 last token (prefill left out); tok per core CPU s = generated tokens / the CPU time the engine
 core used meanwhile (all its threads), the figure least moved by other load on a shared machine.
 Three replicates (--replicates): the table gives the median and the range; the ratios are mixed
-/ base of the same replicate. Memory: each adapter's weights as
-GetModelInfo reports them, and the engine core's resident memory with the adapters less without.
+/ base of the same replicate. Every other replicate runs its variants in reverse order. Memory:
+each adapter's weights as GetModelInfo reports them, and the engine core's resident memory with
+the adapters less without.
+
+--against DIR compares two trees in the same minutes: DIR, another checkout (a branch's
+worktree), serves the same adapters from a third server, and each replicate runs its `mixed` and
+`base` rounds too (`against mixed`, `against base`). Its ratio over this tree's, replicate by
+replicate, is the comparison: between separate runs a GPU host's speed moves more than a
+kernel's change does.
 
     PYTHONPATH=. .venv/bin/python -m bench.multi_lora [--adapters 4] [--streams 8] [--rank 8]
         [--max-tokens 64] [--model DIR] [--out bench/results/cpu/multi_lora.json]
@@ -35,7 +42,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -45,6 +51,7 @@ from typing import Any
 
 from bench.serving_overhead import CLK_TCK, cpu_ticks, server_processes
 from bench.shapes import ATTENTION, projections
+from client.bench.cli import git_state
 from client.bench.server import ServerProcess
 from client.client import GenerationClient, build_request
 
@@ -193,14 +200,6 @@ def core_rss(server: ServerProcess) -> int:
     return sum(rss_bytes(pid) for pid in roles["core"])
 
 
-def git_state() -> dict[str, Any]:
-    def git(*argv: str) -> str:
-        done = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False)
-        return done.stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-
-
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -234,8 +233,18 @@ def main() -> None:
         help="OPENBLAS_NUM_THREADS of the servers (default: OpenBLAS's own, one per core); 1 "
         "keeps a shared machine's other load from stretching every BLAS call",
     )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="another checkout whose adapter server runs beside this one's, its rounds in every "
+        "replicate (the module's docstring)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu/multi_lora.json")
     args = parser.parse_args()
+    if args.against is not None and not (args.against / "service" / "__main__.py").is_file():
+        parser.error(f"--against {args.against}: not a checkout of mlxserve (no service/)")
 
     names = [f"a{i}" for i in range(args.adapters)]
     # a0 a1 ... then base rows, then again from a0: 4 adapters, 8 streams -> a0-a3 base base a0 a1.
@@ -260,11 +269,23 @@ def main() -> None:
             plain = None
             if not args.no_plain:
                 plain = stack.enter_context(ServerProcess(common, log_path=Path(tmp) / "plain.log"))
+            other = None
+            if args.against is not None:
+                other = stack.enter_context(
+                    ServerProcess(
+                        [*common, *flags],
+                        log_path=Path(tmp) / "against.log",
+                        checkout=args.against.resolve(),
+                    )
+                )
             with GenerationClient(lora.target) as client:
                 info = {a.name: a.memory_bytes for a in client.model_info().adapters}
             variants = {"mixed": (lora, mixed), "base": (lora, [""] * args.streams)}
             if plain is not None:
                 variants["no adapters"] = (plain, [""] * args.streams)
+            if other is not None:
+                variants["against mixed"] = (other, mixed)
+                variants["against base"] = (other, [""] * args.streams)
             for server, adapters in variants.values():  # first-use costs out of the way
                 run_streams(server, adapters, args.prompt_tokens, 4, args.vocab, 0)
             rounds: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
@@ -295,10 +316,20 @@ def main() -> None:
     def ratios(key: str, a: str, b: str) -> list[float]:
         return [x[key] / y[key] for x, y in zip(rounds[a], rounds[b])]
 
+    def relative(key: str) -> list[float]:
+        """Each replicate's mixed / base of the other tree over this one's."""
+        theirs = ratios(key, "against mixed", "against base")
+        return [a / b for a, b in zip(theirs, ratios(key, "mixed", "base"))]
+
     # Without the plain server there is nothing to subtract: say so rather than a number.
     added = memory["lora_core_rss"] - memory["plain_core_rss"] if not args.no_plain else 0
     result = {
         "git": git_state(),
+        **(
+            {"against": {"path": str(args.against), "git": git_state(args.against.resolve())}}
+            if args.against is not None
+            else {}
+        ),
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -328,6 +359,20 @@ def main() -> None:
                     ),
                 }
                 if "no adapters" in rounds
+                else {}
+            ),
+            **(
+                {
+                    "against: mixed / base": spread(
+                        ratios("tok_s", "against mixed", "against base")
+                    ),
+                    "against: mixed / base, decode": spread(
+                        ratios("decode_tok_s", "against mixed", "against base")
+                    ),
+                    "against / this, mixed / base": spread(relative("tok_s")),
+                    "against / this, mixed / base, decode": spread(relative("decode_tok_s")),
+                }
+                if "against mixed" in rounds
                 else {}
             ),
         },
@@ -375,7 +420,7 @@ def print_table(
         print(f"{name:<14}" + "".join(cells))
     for label, s in result["summary"].items():
         if "/" in label:
-            print(f"{label:<31}{s['median']:.3f}  ({s['min']:.3f}-{s['max']:.3f})")
+            print(f"{label:<38}{s['median']:.3f}  ({s['min']:.3f}-{s['max']:.3f})")
     weights = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in info.items())
     per = added / max(1, args.adapters) / 1e6
     rss = (
@@ -384,9 +429,15 @@ def print_table(
         else f"{added / 1e6:.1f} MB ({per:.1f} MB each)"
     )
     print(f"adapter weights: {weights}; core RSS added: {rss}")
-    git = result["git"]
-    dirty = " (dirty)" if git["dirty"] else ""
-    print(f"commit {git['commit'][:12]}{dirty}; wrote {args.out}")
+    print(f"{describe(result['git'])}; wrote {args.out}")
+    if "against" in result:
+        print(f"against: {result['against']['path']}, {describe(result['against']['git'])}")
+
+
+def describe(git: dict[str, Any]) -> str:
+    if not git:
+        return "commit unknown (not a git checkout)"
+    return f"commit {git['commit'][:12]}" + (" (dirty)" if git["dirty"] else "")
 
 
 if __name__ == "__main__":

@@ -274,15 +274,17 @@ def _server_snapshot(target: str, connection: dict[str, Any]) -> dict[str, Any]:
     return snapshot
 
 
-def git_state() -> dict[str, Any]:
-    """The checkout's commit (the server's code when it is spawned from here); {} outside one."""
-    if CHECKOUT_ROOT is None:
+def git_state(root: Path | None = CHECKOUT_ROOT) -> dict[str, Any]:
+    """The commit of the checkout at `root` (default: this one, the server's code when it is
+    spawned from here); {} outside one, and for a tree copied out of git into another checkout
+    (whose commit is not the tree's)."""
+    if root is None:
         return {}
 
     def git(*argv: str) -> str:
         done = subprocess.run(
             ["git", *argv],
-            cwd=CHECKOUT_ROOT,
+            cwd=root,
             capture_output=True,
             text=True,
             timeout=10,
@@ -291,6 +293,9 @@ def git_state() -> dict[str, Any]:
         return done.stdout.strip() if done.returncode == 0 else ""
 
     try:
+        top = git("rev-parse", "--show-toplevel")
+        if not top or Path(top).resolve() != root.resolve():
+            return {}
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
     except (OSError, subprocess.SubprocessError):
         return {}

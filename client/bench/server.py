@@ -118,11 +118,24 @@ class ServerProcess(ManagedProcess):
         *,
         log_path: Path | None = None,
         ready_timeout: float = 180.0,
+        checkout: Path | None = None,
     ) -> None:
+        """`checkout`: another checkout's server (a branch's worktree, for a bench that runs two
+        trees side by side), its `service` package first on the path; default: this one's."""
         self.port = free_port()
         self.target = f"localhost:{self.port}"
         command = [sys.executable, "-m", "service", "--port", str(self.port), *extra_args]
-        super().__init__(command, log_path=log_path, ready_timeout=ready_timeout)
+        env = None
+        if checkout is not None:
+            path = [str(checkout), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(path)}
+        super().__init__(
+            command,
+            log_path=log_path,
+            ready_timeout=ready_timeout,
+            env=env,
+            cwd=checkout or CHECKOUT_ROOT,
+        )
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
