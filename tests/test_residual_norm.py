@@ -154,8 +154,23 @@ def _adapted(tmp_path: Path):
     return model, aset.rows(np.asarray(slots, np.int32))
 
 
+@pytest.fixture
+def folds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The output widths of the updates made by residual adds (`add_update_rms_norm`'s calls)
+    while the test runs."""
+    made: list[int] = []
+    real = residual_norm.add_update_rms_norm
+
+    def counted(x, update, weight, eps):
+        made.append(update.part.width)
+        return real(x, update, weight, eps)
+
+    monkeypatch.setattr(residual_norm, "add_update_rms_norm", counted)
+    return made
+
+
 def test_a_deferred_lora_update_is_made_in_the_add_after_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, folds: list[int]
 ) -> None:
     """One token a row (a decode step): every layer's o_proj update and every down_proj update
     but the last layer's (whose sum the model's final norm reads) are made by the residual add
@@ -168,14 +183,6 @@ def test_a_deferred_lora_update_is_made_in_the_add_after_it(
     with lora.use_adapters(rows):
         want_step, want_prompt = model(step), model(prompt)
         assert residual_norm.install(model) == LAYERS
-        folds = []
-        real = residual_norm.add_update_rms_norm
-
-        def counted(x, update, weight, eps):
-            folds.append(update.part.width)
-            return real(x, update, weight, eps)
-
-        monkeypatch.setattr(residual_norm, "add_update_rms_norm", counted)
         got_prompt = model(prompt)
         assert folds == []
         got_step = model(step)
@@ -188,7 +195,7 @@ def test_a_deferred_lora_update_is_made_in_the_add_after_it(
 
 
 def test_a_deferred_update_is_made_in_the_add_of_a_compiled_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, folds: list[int]
 ) -> None:
     """The server's CUDA decode steps replay a graph that mx.compile traced, with the rows' slots
     an input of it (service.core.engine.compiled_decode): the deferral follows the traced arrays
@@ -199,14 +206,6 @@ def test_a_deferred_update_is_made_in_the_add_of_a_compiled_step(
     with lora.use_adapters(rows):
         want = model(step)
     assert residual_norm.install(model) == LAYERS
-    folds = []
-    real = residual_norm.add_update_rms_norm
-
-    def counted(x, update, weight, eps):
-        folds.append(update.part.width)
-        return real(x, update, weight, eps)
-
-    monkeypatch.setattr(residual_norm, "add_update_rms_norm", counted)
 
     def forward(tokens: mx.array, slots: mx.array) -> mx.array:
         with lora.use_adapters(lora.RowAdapters(slots)):
