@@ -12,8 +12,9 @@ import pytest
 import bench.peers
 from bench import targets
 from client.bench import report
-from client.bench.cli import add_bench_arguments, checkout_peers, run_bench
+from client.bench.cli import add_bench_arguments, checkout_peers, git_state, run_bench
 from client.bench.metrics import LevelResult, RequestRecord
+from client.bench.server import CHECKOUT_ROOT
 from client.bench.workload import Workload, build_plan
 from client.cli import build_parser
 
@@ -84,3 +85,14 @@ def test_targets_are_checked_from_a_runs_json(tmp_path) -> None:
     assert "NOT met" in text
     # The GPU targets name C=64 and the raw peer, which this run did not measure.
     assert targets.target_checks("gpu", json.loads(path.read_text())) == []
+
+
+def test_a_commit_is_named_only_for_a_checkouts_root(tmp_path) -> None:
+    """A bench's JSON names the commit of the tree it ran; a tree copied into another checkout
+    (a branch's files unpacked inside this one) or outside any names none."""
+    if CHECKOUT_ROOT is None or not (CHECKOUT_ROOT / ".git").exists():
+        pytest.skip("not run from a git checkout")
+    here = git_state()
+    assert len(here["commit"]) == 40 and isinstance(here["dirty"], bool)
+    assert git_state(CHECKOUT_ROOT / "bench") == {}
+    assert git_state(tmp_path) == {}
