@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from bench.multi_lora import ALL_PROJECTIONS
 from service.core.models import lora, lora_kernel, projections, residual_norm
 from tests.helpers import cuda_source
+from tests.helpers.arrays import assert_same
 
 cuda_only = pytest.mark.skipif(
     not lora_kernel.available(), reason="the LoRA kernels run on MLX's CUDA backend only"
@@ -264,9 +265,9 @@ def test_the_fused_kernel_matches_the_reference(
         assert g.shape == part.y.shape and g.dtype == dtype
         assert_close_rounded(g, w, part.y, dtype)
         base = mx.array(np.flatnonzero(np.array(part.idx) == 0))
-        assert mx.array_equal(g[base], part.y[base])
+        assert_same(g[base], part.y[base], (i, "rows of no adapter"))
         (alone,) = lora_kernel.fused_add(x, [part], scale)
-        assert mx.array_equal(alone, g), i
+        assert_same(alone, g, (i, "alone"))
 
 
 SLOT_PATTERNS = {  # tokens -> each token's local slot, over stacks of 9 slots
@@ -306,9 +307,9 @@ def test_a_tokens_update_is_the_same_whatever_shares_its_batch(pattern: str, tok
         one = [lora_kernel.Part(p.y[t : t + 1], p.a_t, p.b, p.idx[t : t + 1]) for p in parts]
         alone = lora_kernel.fused_add(x[t : t + 1], one, scale[t : t + 1])
         for g, a, part in zip(got, alone, parts):
-            assert mx.array_equal(g[t : t + 1], a), (t, int(slots[t]))
+            assert_same(g[t : t + 1], a, (t, int(slots[t])))
             if slots[t] == 0:
-                assert mx.array_equal(a, part.y[t : t + 1])
+                assert_same(a, part.y[t : t + 1], t)
 
 
 @cuda_only
@@ -318,7 +319,8 @@ def test_the_fused_kernel_takes_batched_inputs() -> None:
     flat = lora_kernel.fused_add(x, parts, scale)
     batched = [lora_kernel.Part(p.y.reshape(3, 4, -1), p.a_t, p.b, p.idx) for p in parts]
     for out, want in zip(lora_kernel.fused_add(x.reshape(3, 4, -1), batched, scale), flat):
-        assert out.shape[:2] == (3, 4) and mx.array_equal(out.reshape(want.shape), want)
+        assert out.shape[:2] == (3, 4)
+        assert_same(out.reshape(want.shape), want)
 
 
 def side_by_side(parts: list[lora_kernel.Part]) -> list[lora_kernel.Part]:
@@ -348,11 +350,13 @@ def test_the_fused_kernel_reads_columns_of_a_shared_y(shape: str, dtype: mx.Dtyp
     x, parts, scale, _ = fused_case(24, width, outs, 16, dtype, seed=5)
     own = lora_kernel.fused_add(x, parts, scale)
     shared = side_by_side(parts)
-    for a, b in zip(own, lora_kernel.fused_add(x, shared, scale)):
-        assert b.shape == a.shape and mx.array_equal(a, b)
+    for i, (a, b) in enumerate(zip(own, lora_kernel.fused_add(x, shared, scale))):
+        assert_same(b, a, i)
     batched = [lora_kernel.Part(p.y.reshape(4, 6, -1), p.a_t, p.b, p.idx, p.start) for p in shared]
-    for a, b in zip(own, lora_kernel.fused_add(x.reshape(4, 6, -1), batched, scale)):
-        assert b.shape == (4, 6, a.shape[-1]) and mx.array_equal(a, b.reshape(a.shape))
+    got = lora_kernel.fused_add(x.reshape(4, 6, -1), batched, scale)
+    for i, (a, b) in enumerate(zip(own, got)):
+        assert b.shape == (4, 6, a.shape[-1])
+        assert_same(b.reshape(a.shape), a, (i, "batched"))
 
 
 # -- projections that read one input: one kernel ---------------------------------------------------

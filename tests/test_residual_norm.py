@@ -16,6 +16,7 @@ from mlx_lm.models import qwen3
 
 from service.core.models import lora, lora_kernel, residual_norm
 from tests.helpers import cuda_source
+from tests.helpers.arrays import assert_same
 from tests.helpers.tiny import LAYERS, tiny_llama
 
 cuda_only = pytest.mark.skipif(not residual_norm.available(), reason="needs MLX's CUDA backend")
@@ -276,8 +277,8 @@ def test_the_fold_kernel_is_the_updates_kernel_then_the_adds(
     h, y = residual_norm.add_update_rms_norm(x, update, weight, 1e-5)
     (r,) = lora_kernel.fused_add(update.x, [update.part], update.scale)
     want_h, want_y = residual_norm.add_rms_norm(x, r, weight, 1e-5)
-    assert mx.array_equal(h, want_h)
-    assert mx.array_equal(y, want_y)
+    assert_same(h, want_h, "h")
+    assert_same(y, want_y, "y")
 
 
 @pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
