@@ -241,6 +241,14 @@ def main() -> None:
         help="another checkout whose adapter server runs beside this one's, its rounds in every "
         "replicate (the module's docstring)",
     )
+    parser.add_argument(
+        "--kv-cache-budget",
+        default=None,
+        metavar="SIZE",
+        help="every server's --kv-cache-budget (default: the server's own, auto). Servers that "
+        "share a GPU need one: the first's automatic budget takes the memory the next one's "
+        "weights need",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu/multi_lora.json")
     args = parser.parse_args()
     if args.against is not None and not (args.against / "service" / "__main__.py").is_file():
@@ -255,6 +263,8 @@ def main() -> None:
     model_flags = ["--model", args.model] if args.model else []
     model_flags += ["--load-format", args.load_format, "--dtype", args.dtype]
     common = [*model_flags, "--max-batch-size", str(args.streams), "--log-format", "json"]
+    if args.kv_cache_budget is not None:
+        common += ["--kv-cache-budget", args.kv_cache_budget]
     if args.blas_threads is not None:
         os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # the servers inherit it
     with tempfile.TemporaryDirectory(prefix="multi-lora-") as tmp:
