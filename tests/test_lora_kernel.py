@@ -215,12 +215,12 @@ def test_the_tiles_take_every_token_once_within_the_grid(case: tuple[int, np.nda
 
 
 @pytest.mark.parametrize("width", [14336, 4096, 1024, 576, 192, 100, 36, 16, 3])
-def test_a_clusters_blocks_share_a_row_once_each(width: int) -> None:
-    """The CLUSTER blocks of a tile take `share(width)` elements of a row each, in rank order
-    (inputs of z, outputs of the update): every element once, each share whole vector loads
-    where the width allows them (the last shares may be short or empty)."""
+def test_a_tiles_blocks_and_slices_share_a_row_once_each(width: int) -> None:
+    """The SPLIT blocks of a tile (outputs of the update) and the SPLIT slices of z's sum (its
+    inputs) take `share(width)` elements of a row each, in order: every element once, each share
+    whole vector loads where the width allows them (the last shares may be short or empty)."""
     share, vec = lora_kernel.share(width), lora_kernel.vector(width)
-    taken = [range(r * share, min((r + 1) * share, width)) for r in range(lora_kernel.CLUSTER)]
+    taken = [range(r * share, min((r + 1) * share, width)) for r in range(lora_kernel.SPLIT)]
     assert [e for block in taken for e in block] == list(range(width))
     assert share % vec == 0 and width % vec == 0
     assert vec == (lora_kernel.VEC if width % lora_kernel.VEC == 0 else 1)
@@ -283,7 +283,7 @@ SLOT_PATTERNS = {  # tokens -> each token's local slot, over stacks of 9 slots
 @pytest.mark.parametrize("tokens", [1, 9, 17, 64, 130])
 @pytest.mark.parametrize("pattern", SLOT_PATTERNS)
 def test_a_tokens_update_is_the_same_whatever_shares_its_batch(pattern: str, tokens: int) -> None:
-    """`fused_add` on CUDA takes the tokens of one slot in tiles (`TILE` a cluster): every
+    """`fused_add` on CUDA takes the tokens of one slot in tiles (`TILE` at most): every
     token's outputs are exactly those it gets alone, whatever the other tokens' slots (one
     adapter for all, each its own, runs, base rows between) and however many share its tile,
     and they match the reference; rows of no adapter are y exactly."""
@@ -734,7 +734,7 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
     no error, no register spill, and few enough registers that a block of FUSED_WARPS warps
     can launch at all."""
     recorder = cuda_source.Recorder(monkeypatch)
-    monkeypatch.setattr(lora_kernel, "clusters_available", lambda: True)
+    monkeypatch.setattr(lora_kernel, "available", lambda: True)
     monkeypatch.setattr(lora_kernel, "_fused", lora_kernel._fused.__wrapped__)
     for tokens, width, outs, rank, act, stacks in NVCC_CASES:
         x = mx.zeros((tokens, width), act)
@@ -751,7 +751,7 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
     for launch in recorder.launches:
         threads = launch.threadgroup[0]
         assert threads == lora_kernel.FUSED_WARPS * 32
-        assert launch.grid[0] % (threads * lora_kernel.CLUSTER) == 0  # whole clusters
+        assert launch.grid[0] % (threads * lora_kernel.SPLIT) == 0  # whole tiles
     compiled = recorder.compile(tmp_path)
     assert len(compiled.registers) == len(recorder.launches) == len(NVCC_CASES), compiled.log
     assert compiled.spills == 0, compiled.log

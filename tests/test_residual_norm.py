@@ -288,7 +288,7 @@ def test_the_fold_source_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     wider base output: no error, no spill, a block's registers within the SM's."""
     recorder = cuda_source.Recorder(monkeypatch)
     monkeypatch.setattr(residual_norm, "available", lambda: True)
-    monkeypatch.setattr(lora_kernel, "clusters_available", lambda: True)
+    monkeypatch.setattr(lora_kernel, "available", lambda: True)
     monkeypatch.setattr(residual_norm, "_fold_kernel", residual_norm._fold_kernel.__wrapped__)
     cases = [
         (4096, 4096, 16, mx.bfloat16, mx.bfloat16, False),

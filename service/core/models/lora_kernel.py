@@ -8,19 +8,20 @@ the layer itself. Here an update is one kernel, `fused_add`, and one call serves
 that read the same input (an attention's q, k and v; an MLP's gate and up: service.core.models.
 lora groups them), each with its own stacks, slots and output.
 
-A tile of up to TILE tokens of one slot s of one module is taken by a cluster of CLUSTER blocks
-(Hopper's thread block clusters, whose blocks run together and read each other's shared
-memory). Each block sums z = x[t] @ A[s] over its share of the inputs for the tile's tokens
-(float32, into its shared memory); after the cluster's barrier each adds up the shares, in rank
-order, from its peers; then it writes its share of the outputs, y + scale * z @ B[s] cast as
-mlx-lm casts it. So each element of A and B is read once for the whole tile, and the reading is
-spread over the cluster's blocks. The tiles are found in the kernel from the tokens' slots (a
-token leads a tile when the tokens of its slot before it are a multiple of TILE); the grid holds
-as many as there can be (`tiles`) and the clusters past the last return. A token's sums run
-over the same threads in the same order whatever its tile holds, so its numbers do not depend on
-the batch. The shares depend on the module's shape only, not on the number of tokens: a template
+A tile of up to TILE tokens of one slot s of one module is taken by SPLIT blocks, each writing
+1/SPLIT of the outputs. Each block sums z = x[t] @ A[s] for the tile's tokens itself (float32, in
+shared memory), over SPLIT slices of the inputs one after another, the slices' sums added in
+order; then it writes its share of the outputs, y + scale * z @ B[s] cast as mlx-lm casts it. So
+each element of A is read by the tile's SPLIT blocks (from L2 after the first) and each element of
+B once for the tile. The tiles are found in the kernel from the tokens' slots (a token leads a
+tile when the tokens of its slot before it are a multiple of TILE); the grid holds as many as
+there can be (`tiles`) and the blocks past the last return. A token's sums run over the same
+threads in the same order whatever its tile holds, so its numbers do not depend on the batch. The
+slices and shares depend on the module's shape only, not on the number of tokens: a template
 value that changed with the tokens would compile a kernel variant at the first step of each new
-size, a stall in the middle of serving. Clusters need compute capability 9.0 (H100, H200).
+size, a stall in the middle of serving. No thread block clusters: MLX launches a graph like one it
+ran before by updating that graph in place, which does not carry a kernel's compiled-in cluster
+shape over (docs/lora.md).
 
 Under tensor parallel a sharded-to-all layer sums z over the group between the two products, so
 it takes two kernels: `shrink` (z = x @ A[s], [tokens, r] float32) and `expand_add`.
@@ -157,8 +158,8 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
 
 FUSED_WARPS = 4  # warps per block in `fused_add`
 VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes of bf16)
-TILE = 8  # tokens of one slot a cluster takes: each element of A and B it reads serves them all
-CLUSTER = 8  # blocks per tile (a thread block cluster): each takes 1/CLUSTER of IN and of OUT
+TILE = 8  # tokens of one slot a block takes: each element of A and B it reads serves them all
+SPLIT = 8  # blocks per tile, each writing 1/SPLIT of OUT; z is summed over SPLIT slices of IN
 
 _LOADS_HEADER = """
 // E elements of p as floats. With V (the caller checked that p starts on 16 bytes), one 16-byte
@@ -200,8 +201,6 @@ __device__ __forceinline__ bool mlxserve_aligned(const T* p, int stride) {
 """
 
 _FUSED_HEADER = """
-#include <cooperative_groups.h>
-
 // The block's tile of tokens. Tokens of one slot (idx, in token order) fall in tiles of TT; tile
 // `tile` of the list (the first tile of each slot's tokens in the order of their first token)
 // is the block's. Returns its slot (-1: no such tile) with its tokens in toks[0, n); the
@@ -391,47 +390,40 @@ __device__ __forceinline__ void mlxserve_lora_out(
   }
 }
 
-// z[j * R + k] = x[toks[j]] @ A[s][:, k] for a tile of slot s (s > 0), made by the CS blocks of
-// its cluster: this block (the cluster's `rank`-th) sums its SL inputs into zp (its shared
-// memory), and after the cluster's barrier adds up the CS shares in rank order into z (shared
-// memory). The caller's blocks must not leave before a second cluster barrier: their peers read
-// their zp.
+// z[j * R + k] = x[toks[j]] @ A[s][:, k] for a tile of slot s (s > 0), in shared memory: the sums
+// of CS slices of SL inputs each (zp), made one after another and added in slice order.
 template <typename TX, typename TA, int IN, int R, int SL, int WARPS, int EI, int TT, int CS>
 __device__ __forceinline__ void mlxserve_lora_z(
-    const TX* x, const int* toks, const int n, const TA* a_t, const int s, const int rank,
-    float* zw, float* zp, float* z) {
+    const TX* x, const int* toks, const int n, const TA* a_t, const int s, float* zw, float* zp,
+    float* z) {
   // Ranks a pass: 64 sums a thread (two butterflies), whole ranks of 32 / TT at a time.
   constexpr int STEP = 32 / TT;
   constexpr int RUP = (R + STEP - 1) / STEP * STEP;
   constexpr int KG = 64 / TT < RUP ? 64 / TT : RUP;
   const TA* as = a_t + (size_t)s * R * IN;
-  const int i0 = rank * SL;
-  const int i1 = i0 + SL < IN ? i0 + SL : IN;
-  if (mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN)) {
-    mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
-  } else {
-    mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
+  const bool aligned = mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN);
+  for (int c = 0; c < CS; ++c) {
+    const int i0 = c * SL;
+    const int i1 = i0 + SL < IN ? i0 + SL : IN;
+    if (aligned) {
+      mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
+    } else {
+      mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
+    }
+    for (int q = threadIdx.x; q < TT * R; q += WARPS * 32) {
+      z[q] = (c == 0 ? 0.0f : z[q]) + zp[q];
+    }
+    __syncthreads();
   }
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  cluster.sync();  // every block's share of z is in its shared memory
-  for (int q = threadIdx.x; q < TT * R; q += WARPS * 32) {
-    float v = 0.0f;
-#pragma unroll
-    for (int c = 0; c < CS; ++c) v += cluster.map_shared_rank(zp, c)[q];
-    z[q] = v;
-  }
-  __syncthreads();
 }
 
 // One block's share of a LoRA update: tile `tile` of one module's tokens (those of one slot s),
-// taken by a cluster of CS blocks, this block being the cluster's `rank`-th. Each block sums its
-// SL inputs of z = x[t] @ A[s] for the tile's tokens into its shared memory; after the cluster's
-// barrier each block adds up the CS partial sums, in rank order, from its peers' shared memory;
-// then it writes its OC outputs of out[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the
-// add (mlx-lm's `y + (scale * z).astype(x.dtype)`). So A and B are read once for the tile, by
-// CS blocks at once. x [T, IN], out [T, OUT], y [T, YW] of which this module's outputs are
-// columns [COL, COL + OUT) (a fused projection's whole product: read in place, not copied out
-// first), a_t [S, R, IN] (A transposed: a thread's EI inputs are consecutive), b [S, R, OUT].
+// this block the tile's `rank`-th. It sums z = x[t] @ A[s] for the tile's tokens
+// (`mlxserve_lora_z`), then writes its OC outputs of out[t] = y[t] + (scale[t] * z @ B[s]) cast
+// to TY before the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], out [T, OUT],
+// y [T, YW] of which this module's outputs are columns [COL, COL + OUT) (a fused projection's
+// whole product: read in place, not copied out first), a_t [S, R, IN] (A transposed: a thread's
+// EI inputs are consecutive), b [S, R, OUT].
 template <typename TX, typename TY, typename TA, typename TB, int IN, int R, int OUT, int YW,
           int COL, int SL, int OC, int WARPS, int EI, int EO, int TT, int CS>
 __device__ __forceinline__ void mlxserve_lora_block(
@@ -440,8 +432,6 @@ __device__ __forceinline__ void mlxserve_lora_block(
   constexpr int THREADS = WARPS * 32;
   __shared__ int toks[TT];
   __shared__ int info[3];
-  // The cluster's blocks find the same tile: whether they return here, or at the slot-0 copy,
-  // is the same for all of them, so none waits at a cluster barrier the others skip.
   const int s = mlxserve_tile<TT>(idx, T, tile, toks, info);
   if (s < 0) {
     return;  // past the last tile
@@ -458,8 +448,7 @@ __device__ __forceinline__ void mlxserve_lora_block(
     }
     return;
   }
-  mlxserve_lora_z<TX, TA, IN, R, SL, WARPS, EI, TT, CS>(x, toks, n, a_t, s, rank, zw, zp, z);
-  cooperative_groups::this_cluster().sync();  // no block leaves while its peers read its zp
+  mlxserve_lora_z<TX, TA, IN, R, SL, WARPS, EI, TT, CS>(x, toks, n, a_t, s, zw, zp, z);
   const TB* bs = b + (size_t)s * R * OUT;
   if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(y + COL, YW)) {
     mlxserve_lora_out<true, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
@@ -471,35 +460,21 @@ __device__ __forceinline__ void mlxserve_lora_block(
 }
 """
 
-# MLX declares the kernel `__global__ void NAME(...)` right after its header (and nothing else
-# after it): the cluster's shape can only be given there, as an attribute of that declaration.
-_CLUSTER_LAUNCH = """
-#undef __global__
-#define __global__ __attribute__((global)) __attribute__((cluster_dims(MLXSERVE_CLUSTER, 1, 1)))
-"""
 
-
-def cluster_header(extra: str = "") -> str:
-    """The header of a kernel launched in clusters of CLUSTER blocks: `fused_add`'s device
-    functions, then `extra` (another kernel's own), then the cluster's shape."""
-    return (
-        f"#define MLXSERVE_CLUSTER {CLUSTER}\n"
-        + _LOADS_HEADER
-        + _FUSED_HEADER
-        + extra
-        + _CLUSTER_LAUNCH
-    )
+def kernel_header(extra: str = "") -> str:
+    """`fused_add`'s device functions, then `extra` (another kernel's own)."""
+    return _LOADS_HEADER + _FUSED_HEADER + extra
 
 
 def _fused_source(parts: int) -> str:
-    """The kernel body for `parts` modules: the clusters of part p follow those of the parts
-    before it, one for each of its tiles (`tiles`: how many there can be)."""
+    """The kernel body for `parts` modules: the blocks of part p follow those of the parts before
+    it, CS for each of its tiles (`tiles`: how many there can be)."""
     lines = [
         "    const int T = idx0_shape[0];",
         "    __shared__ float zw[WARPS * 64];",
         "    __shared__ float zp[TT * RMAX];",
         "    __shared__ float z[TT * RMAX];",
-        "    const int rank = blockIdx.x % CS;  // the block's rank in its (1-D) cluster",
+        "    const int rank = blockIdx.x % CS;  // the share of its tile's outputs the block takes",
         "    int tile = blockIdx.x / CS;",
     ]
     for p in range(parts):
@@ -570,7 +545,7 @@ def _fused(parts: int) -> Any:
         input_names=["x", "scale", *names],
         output_names=[f"out{p}" for p in range(parts)],
         source=_fused_source(parts),
-        header=cluster_header(),
+        header=kernel_header(),
     )
 
 
@@ -580,27 +555,18 @@ def vector(width: int) -> int:
 
 
 def share(width: int) -> int:
-    """Elements of a row of this width each block of a cluster takes (the last may take fewer or
-    none): whole vector loads, CLUSTER shares covering the row."""
+    """Elements of a row of this width each of SPLIT blocks or slices takes (the last may take
+    fewer or none): whole vector loads, SPLIT shares covering the row."""
     vec = vector(width)
-    per_block = -(-width // CLUSTER)
+    per_block = -(-width // SPLIT)
     return -(-per_block // vec) * vec
-
-
-@cache
-def clusters_available() -> bool:
-    """`fused_add`'s kernel runs here: MLX's CUDA backend on a GPU with thread block clusters
-    (compute capability 9.0 or later); elsewhere its MLX-op reference serves."""
-    if not available():
-        return False
-    return int(mx.device_info().get("compute_capability_major", 0)) >= 9
 
 
 def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
     """Each part's base output plus each token's update scale[t] * (x[t] @ A[idx[t]]) @
     B[idx[t]], in its dtype: one kernel for all parts. x [..., in] (tokens = its rows); scale
     float32 [tokens]. Parts may share one y, each reading its own columns."""
-    if not clusters_available():
+    if not available():
         return reference_fused_add(x, parts, scale)
     width = x.shape[-1]
     tokens = x.size // width
@@ -614,7 +580,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
         ("SL", share(width)),
     ]
     inputs = [x, scale]
-    clusters = 0
+    tile_count = 0
     for p, part in enumerate(parts):
         out = part.width
         inputs += [part.y, part.a_t, part.b, part.idx]
@@ -629,10 +595,10 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
             (f"OC{p}", share(out)),
             (f"EO{p}", vector(out)),
         ]
-        clusters += tiles(tokens, part.a_t.shape[0])
+        tile_count += tiles(tokens, part.a_t.shape[0])
     template += [
         ("TT", TILE),
-        ("CS", CLUSTER),
+        ("CS", SPLIT),
         ("RMAX", max(part.a_t.shape[1] for part in parts)),
     ]
     threads = FUSED_WARPS * 32
@@ -640,7 +606,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
         _fused(len(parts))(
             inputs=inputs,
             template=template,
-            grid=(clusters * CLUSTER * threads, 1, 1),
+            grid=(tile_count * SPLIT * threads, 1, 1),
             threadgroup=(threads, 1, 1),
             output_shapes=[(*part.y.shape[:-1], part.width) for part in parts],
             output_dtypes=[part.y.dtype for part in parts],

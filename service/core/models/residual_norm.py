@@ -184,46 +184,41 @@ __device__ __forceinline__ void mlxserve_fold_rows(
   }
 }
 
-// One block's share of a tile's residual add and norm, the projection's LoRA update made here:
-// the cluster's blocks make z as fused_add's do, each its OC outputs of r and h, then each token's
-// sum of squares over the whole row (read from the blocks' shares in add_rms_norm's order: thread
-// tid takes elements tid, tid + NT, ...; lanes, then warps in order), then its outputs of the
-// norm. So every number is fused_add's then add_rms_norm's, bit for bit.
+// A tile's residual add and norm, the projection's LoRA update made here, by one block: z as
+// fused_add's blocks make it, the tile's rows of r and h (h also into hs, floats), then each
+// token's sum of squares over the row in add_rms_norm's order (thread tid takes elements tid,
+// tid + NT, ...; lanes, then warps in order), then the norm. So every number is fused_add's then
+// add_rms_norm's, bit for bit.
 template <typename T, typename TX, typename TA, typename TB, int D, int IN, int R, int YW,
-          int COL, int SL, int OC, int WARPS, int EI, int EO, int TT, int CS, int NT,
-          int EPS_BITS>
+          int COL, int SL, int WARPS, int EI, int EO, int TT, int CS, int NT, int EPS_BITS>
 __device__ __forceinline__ void mlxserve_fold_block(
     const T* x, const T* base, const TX* lx, const TA* a_t, const TB* b, const int32_t* idx,
-    const float* scale, const T* w, const int tokens, const int tile, const int rank, T* h,
-    T* out, float* zw, float* zp, float* z, float* hs) {
+    const float* scale, const T* w, const int tokens, const int tile, T* h, T* out, float* zw,
+    float* zp, float* z, float* hs) {
   constexpr int THREADS = WARPS * 32;
   static_assert(THREADS == NT, "the norm's sums run over add_rms_norm's threads");
   __shared__ int toks[TT];
   __shared__ int info[3];
   __shared__ float warp_sums[NT / 32];
   __shared__ float totals[TT];
-  // The cluster's blocks find the same tile, so all of them pass the same barriers.
   const int s = mlxserve_tile<TT>(idx, tokens, tile, toks, info);
   if (s < 0) {
     return;  // past the last tile
   }
   const int n = info[2];
   const int tid = threadIdx.x;
-  const int first = rank * OC;
-  const int last = first + OC < D ? first + OC : D;
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   if (s != 0) {
-    mlxserve_lora_z<TX, TA, IN, R, SL, WARPS, EI, TT, CS>(lx, toks, n, a_t, s, rank, zw, zp, z);
+    mlxserve_lora_z<TX, TA, IN, R, SL, WARPS, EI, TT, CS>(lx, toks, n, a_t, s, zw, zp, z);
   }
   const TB* bs = b + (size_t)(s > 0 ? s : 0) * R * D;
   if (mlxserve_aligned(bs, D) && mlxserve_aligned(base + COL, YW) && mlxserve_aligned(x, D)) {
-    mlxserve_fold_rows<true, T, TB, R, D, YW, COL, OC, THREADS, EO, TT>(
-        x, base, bs, scale, s, z, toks, n, first, last, h, hs);
+    mlxserve_fold_rows<true, T, TB, R, D, YW, COL, D, THREADS, EO, TT>(
+        x, base, bs, scale, s, z, toks, n, 0, D, h, hs);
   } else {
-    mlxserve_fold_rows<false, T, TB, R, D, YW, COL, OC, THREADS, EO, TT>(
-        x, base, bs, scale, s, z, toks, n, first, last, h, hs);
+    mlxserve_fold_rows<false, T, TB, R, D, YW, COL, D, THREADS, EO, TT>(
+        x, base, bs, scale, s, z, toks, n, 0, D, h, hs);
   }
-  cluster.sync();  // every block's share of h is in its shared memory (and z's shares are read)
+  __syncthreads();  // the rows of h are in hs
   constexpr int PER = (D + NT - 1) / NT;
   for (int j = 0; j < n; ++j) {
     float squares = 0.0f;
@@ -231,8 +226,7 @@ __device__ __forceinline__ void mlxserve_fold_block(
     for (int q = 0; q < PER; ++q) {
       const int i = tid + q * NT;
       if (i < D) {
-        const int owner = i / OC;
-        const float v = cluster.map_shared_rank(hs, owner)[j * OC + i - owner * OC];
+        const float v = hs[j * D + i];
         squares += v * v;
       }
     }
@@ -251,13 +245,12 @@ __device__ __forceinline__ void mlxserve_fold_block(
     }
     __syncthreads();
   }
-  for (int i = first + tid; i < last; i += THREADS) {
+  for (int i = tid; i < D; i += THREADS) {
     for (int j = 0; j < n; ++j) {
       const float normalizer = rsqrt(totals[j] / D + __int_as_float(EPS_BITS));
-      out[(size_t)toks[j] * D + i] = w[i] * static_cast<T>(hs[j * OC + i - first] * normalizer);
+      out[(size_t)toks[j] * D + i] = w[i] * static_cast<T>(hs[j * D + i] * normalizer);
     }
   }
-  cluster.sync();  // no block leaves while its peers read its shared memory
 }
 """
 
@@ -266,21 +259,22 @@ _FOLD_SOURCE = """
     __shared__ float zw[WARPS * 64];
     __shared__ float zp[TT * R];
     __shared__ float z[TT * R];
-    __shared__ float hs[TT * OC];
-    mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, SL, OC, WARPS, EI, EO, TT, CS, NT,
-                        EPS_BITS>(x, base, lx, a_t, b, idx, scale, w, tokens, blockIdx.x / CS,
-                                  blockIdx.x % CS, h, out, zw, zp, z, hs);
+    extern __shared__ float hs[];  // TT * D: the tile's rows of h
+    mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, SL, WARPS, EI, EO, TT, CS, NT, EPS_BITS>(
+        x, base, lx, a_t, b, idx, scale, w, tokens, blockIdx.x, h, out, zw, zp, z, hs);
 """
 
 
 @cache
-def _fold_kernel() -> Any:
+def _fold_kernel(shared_bytes: int) -> Any:
+    """The fold kernel with `shared_bytes` of dynamic shared memory: its tile's rows of h."""
     return mx.fast.cuda_kernel(
         name="mlxserve_add_update_rms_norm",
         input_names=["x", "base", "lx", "a_t", "b", "idx", "scale", "w"],
         output_names=["h", "out"],
         source=_FOLD_SOURCE,
-        header=lora_kernel.cluster_header(_FOLD_HEADER),
+        header=lora_kernel.kernel_header(_FOLD_HEADER),
+        shared_memory=shared_bytes,
     )
 
 
@@ -292,7 +286,7 @@ def foldable(x: mx.array, update: lora_kernel.Deferred, weight: mx.array) -> boo
     width = x.shape[-1]
     return (
         supported(x, part.base(), weight)
-        and lora_kernel.clusters_available()
+        and lora_kernel.available()
         and lora_kernel.FUSED_WARPS * 32 == THREADS
         and part.y.dtype == x.dtype
         and part.width == width
@@ -317,8 +311,8 @@ def add_update_rms_norm(
     lx = update.x
     in_width = lx.shape[-1]
     threads = lora_kernel.FUSED_WARPS * 32
-    clusters = lora_kernel.tiles(rows, part.a_t.shape[0])
-    h, y = _fold_kernel()(
+    tile_count = lora_kernel.tiles(rows, part.a_t.shape[0])
+    h, y = _fold_kernel(lora_kernel.TILE * width * 4)(
         inputs=[x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight],
         template=[
             ("T", x.dtype),
@@ -331,16 +325,15 @@ def add_update_rms_norm(
             ("YW", part.y.shape[-1]),
             ("COL", part.start),
             ("SL", lora_kernel.share(in_width)),
-            ("OC", lora_kernel.share(width)),
             ("WARPS", lora_kernel.FUSED_WARPS),
             ("EI", lora_kernel.vector(in_width)),
             ("EO", lora_kernel.vector(width)),
             ("TT", lora_kernel.TILE),
-            ("CS", lora_kernel.CLUSTER),
+            ("CS", lora_kernel.SPLIT),
             ("NT", THREADS),
             ("EPS_BITS", float_bits(eps)),
         ],
-        grid=(clusters * lora_kernel.CLUSTER * threads, 1, 1),
+        grid=(tile_count * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[x.shape, x.shape],
         output_dtypes=[x.dtype, x.dtype],
