@@ -10,18 +10,16 @@ lora groups them), each with its own stacks, slots and output.
 
 A tile of up to TILE tokens of one slot s of one module is taken by SPLIT blocks, each writing
 1/SPLIT of the outputs. Each block sums z = x[t] @ A[s] for the tile's tokens itself (float32, in
-shared memory), over SPLIT slices of the inputs one after another, the slices' sums added in
-order; then it writes its share of the outputs, y + scale * z @ B[s] cast as mlx-lm casts it. So
-each element of A is read by the tile's SPLIT blocks (from L2 after the first) and each element of
-B once for the tile. The tiles are found in the kernel from the tokens' slots (a token leads a
-tile when the tokens of its slot before it are a multiple of TILE); the grid holds as many as
-there can be (`tiles`) and the blocks past the last return. A token's sums run over the same
-threads in the same order whatever its tile holds, so its numbers do not depend on the batch. The
-slices and shares depend on the module's shape only, not on the number of tokens: a template
-value that changed with the tokens would compile a kernel variant at the first step of each new
-size, a stall in the middle of serving. No thread block clusters: MLX launches a graph like one it
-ran before by updating that graph in place, which does not carry a kernel's compiled-in cluster
-shape over (docs/lora.md).
+shared memory), then writes its share of the outputs, y + scale * z @ B[s] cast as mlx-lm casts it.
+So each element of A is read by the tile's SPLIT blocks (from L2 after the first) and each element
+of B once for the tile. The tiles are found in the kernel from the tokens' slots (a token leads a
+tile when the tokens of its slot before it are a multiple of TILE); the grid holds as many as there
+can be (`tiles`) and the blocks past the last return. A token's sums run over the same threads in
+the same order whatever its tile holds, so its numbers do not depend on the batch. The shares depend
+on the module's shape only, not on the number of tokens: a template value that changed with the
+tokens would compile a kernel variant at the first step of each new size, a stall in the middle of
+serving. No thread block clusters: MLX launches a graph like one it ran before by updating that
+graph in place, which does not carry a kernel's compiled-in cluster shape over (docs/lora.md).
 
 Under tensor parallel a sharded-to-all layer sums z over the group between the two products, so
 it takes two kernels: `shrink` (z = x @ A[s], [tokens, r] float32) and `expand_add`.
@@ -159,7 +157,7 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
 FUSED_WARPS = 4  # warps per block in `fused_add`
 VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes of bf16)
 TILE = 8  # tokens of one slot a block takes: each element of A and B it reads serves them all
-SPLIT = 8  # blocks per tile, each writing 1/SPLIT of OUT; z is summed over SPLIT slices of IN
+SPLIT = 8  # blocks per tile, each writing 1/SPLIT of OUT (and each summing the tile's z)
 
 _LOADS_HEADER = """
 // E elements of p as floats. With V (the caller checked that p starts on 16 bytes), one 16-byte
@@ -282,16 +280,15 @@ __device__ __forceinline__ void mlxserve_warp_sums(float (&v)[32]) {
   mlxserve_warp_level<1>(v);
 }
 
-// zp[j * R + k] = x[toks[j]][i0:i1] @ A[s][i0:i1, k] for the tile's TT token places (float32,
-// shared memory; places past n repeat the last token): the block's share of the inputs. Every
-// thread takes EI inputs at a time for all TT places and KG ranks at once (registers), so each
-// element of A is read once for the tile; the lanes' sums meet in a butterfly, the warps' in
-// shared memory (zw: WARPS * TT * KG floats). A token's sums run over the same threads in the
-// same order whatever the tile holds beside it.
+// z[j * R + k] = x[toks[j]] @ A[s][:, k] for the tile's TT token places (float32, shared memory;
+// places past n repeat the last token), for s > 0 (as: A[s]). Every thread takes EI inputs at a
+// time for all TT places and KG ranks at once (registers), so each element of A is read once for
+// the tile; the lanes' sums meet in a butterfly, the warps' in shared memory (zw: WARPS * TT *
+// KG floats). A token's sums run over the same threads in the same order whatever the tile holds
+// beside it.
 template <bool V, typename TX, typename TA, int IN, int R, int WARPS, int EI, int TT, int KG>
 __device__ __forceinline__ void mlxserve_lora_zpart(
-    const TX* x, const int* toks, const int n, const TA* as, const int i0, const int i1,
-    float* zw, float* zp) {
+    const TX* x, const int* toks, const int n, const TA* as, float* zw, float* z) {
   constexpr int THREADS = WARPS * 32;
   static_assert((TT * KG) % 32 == 0, "a tile's sums go 32 at a time through the butterfly");
   const int tid = threadIdx.x;
@@ -304,7 +301,7 @@ __device__ __forceinline__ void mlxserve_lora_zpart(
     float acc[TT * KG];
 #pragma unroll
     for (int q = 0; q < TT * KG; ++q) acc[q] = 0.0f;
-    for (int i = i0 + tid * EI; i < i1; i += THREADS * EI) {
+    for (int i = tid * EI; i < IN; i += THREADS * EI) {
       float xv[TT][EI];
 #pragma unroll
       for (int j = 0; j < TT; ++j) mlxserve_load<V, TX, EI>(xr[j] + i, xv[j]);
@@ -334,7 +331,7 @@ __device__ __forceinline__ void mlxserve_lora_zpart(
       const int j = q / KG, k = k0 + q % KG;
       float v = 0.0f;
       for (int w = 0; w < WARPS; ++w) v += zw[w * TT * KG + q];
-      if (k < R) zp[j * R + k] = v;
+      if (k < R) z[j * R + k] = v;
     }
     __syncthreads();
   }
@@ -390,30 +387,19 @@ __device__ __forceinline__ void mlxserve_lora_out(
   }
 }
 
-// z[j * R + k] = x[toks[j]] @ A[s][:, k] for a tile of slot s (s > 0), in shared memory: the sums
-// of CS slices of SL inputs each (zp), made one after another and added in slice order.
-template <typename TX, typename TA, int IN, int R, int SL, int WARPS, int EI, int TT, int CS>
+// mlxserve_lora_zpart for slot s of the stack a_t, its loads 16 bytes wide where x and A[s] allow.
+template <typename TX, typename TA, int IN, int R, int WARPS, int EI, int TT>
 __device__ __forceinline__ void mlxserve_lora_z(
-    const TX* x, const int* toks, const int n, const TA* a_t, const int s, float* zw, float* zp,
-    float* z) {
+    const TX* x, const int* toks, const int n, const TA* a_t, const int s, float* zw, float* z) {
   // Ranks a pass: 64 sums a thread (two butterflies), whole ranks of 32 / TT at a time.
   constexpr int STEP = 32 / TT;
   constexpr int RUP = (R + STEP - 1) / STEP * STEP;
   constexpr int KG = 64 / TT < RUP ? 64 / TT : RUP;
   const TA* as = a_t + (size_t)s * R * IN;
-  const bool aligned = mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN);
-  for (int c = 0; c < CS; ++c) {
-    const int i0 = c * SL;
-    const int i1 = i0 + SL < IN ? i0 + SL : IN;
-    if (aligned) {
-      mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
-    } else {
-      mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, i0, i1, zw, zp);
-    }
-    for (int q = threadIdx.x; q < TT * R; q += WARPS * 32) {
-      z[q] = (c == 0 ? 0.0f : z[q]) + zp[q];
-    }
-    __syncthreads();
+  if (mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN)) {
+    mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, zw, z);
+  } else {
+    mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, zw, z);
   }
 }
 
@@ -425,10 +411,10 @@ __device__ __forceinline__ void mlxserve_lora_z(
 // whole product: read in place, not copied out first), a_t [S, R, IN] (A transposed: a thread's
 // EI inputs are consecutive), b [S, R, OUT].
 template <typename TX, typename TY, typename TA, typename TB, int IN, int R, int OUT, int YW,
-          int COL, int SL, int OC, int WARPS, int EI, int EO, int TT, int CS>
+          int COL, int OC, int WARPS, int EI, int EO, int TT>
 __device__ __forceinline__ void mlxserve_lora_block(
     const TX* x, const TY* y, const TA* a_t, const TB* b, const int32_t* idx, const float* scale,
-    const int T, const int tile, const int rank, TY* out, float* zw, float* zp, float* z) {
+    const int T, const int tile, const int rank, TY* out, float* zw, float* z) {
   constexpr int THREADS = WARPS * 32;
   __shared__ int toks[TT];
   __shared__ int info[3];
@@ -448,7 +434,7 @@ __device__ __forceinline__ void mlxserve_lora_block(
     }
     return;
   }
-  mlxserve_lora_z<TX, TA, IN, R, SL, WARPS, EI, TT, CS>(x, toks, n, a_t, s, zw, zp, z);
+  mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, zw, z);
   const TB* bs = b + (size_t)s * R * OUT;
   if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(y + COL, YW)) {
     mlxserve_lora_out<true, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
@@ -472,7 +458,6 @@ def _fused_source(parts: int) -> str:
     lines = [
         "    const int T = idx0_shape[0];",
         "    __shared__ float zw[WARPS * 64];",
-        "    __shared__ float zp[TT * RMAX];",
         "    __shared__ float z[TT * RMAX];",
         "    const int rank = blockIdx.x % CS;  // the share of its tile's outputs the block takes",
         "    int tile = blockIdx.x / CS;",
@@ -484,9 +469,8 @@ def _fused_source(parts: int) -> str:
             "        const int tiles = (T + TT - 1) / TT + slots - 1;",
             "        if (tile < tiles) {",
             f"            mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p}, YW{p},",
-            f"                                COL{p}, SL, OC{p}, WARPS, EI, EO{p}, TT, CS>(",
-            f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, tile, rank, out{p}, zw,",
-            "                zp, z);",
+            f"                                COL{p}, OC{p}, WARPS, EI, EO{p}, TT>(",
+            f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, tile, rank, out{p}, zw, z);",
             "            return;",
             "        }",
             "        tile -= tiles;",
@@ -555,7 +539,7 @@ def vector(width: int) -> int:
 
 
 def share(width: int) -> int:
-    """Elements of a row of this width each of SPLIT blocks or slices takes (the last may take
+    """Outputs of a row of this width each of a tile's SPLIT blocks takes (the last may take
     fewer or none): whole vector loads, SPLIT shares covering the row."""
     vec = vector(width)
     per_block = -(-width // SPLIT)
@@ -577,7 +561,6 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
         ("IN", width),
         ("WARPS", FUSED_WARPS),
         ("EI", vector(width)),
-        ("SL", share(width)),
     ]
     inputs = [x, scale]
     tile_count = 0

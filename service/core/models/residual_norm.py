@@ -190,11 +190,11 @@ __device__ __forceinline__ void mlxserve_fold_rows(
 // tid + NT, ...; lanes, then warps in order), then the norm. So every number is fused_add's then
 // add_rms_norm's, bit for bit.
 template <typename T, typename TX, typename TA, typename TB, int D, int IN, int R, int YW,
-          int COL, int SL, int WARPS, int EI, int EO, int TT, int CS, int NT, int EPS_BITS>
+          int COL, int WARPS, int EI, int EO, int TT, int NT, int EPS_BITS>
 __device__ __forceinline__ void mlxserve_fold_block(
     const T* x, const T* base, const TX* lx, const TA* a_t, const TB* b, const int32_t* idx,
     const float* scale, const T* w, const int tokens, const int tile, T* h, T* out, float* zw,
-    float* zp, float* z, float* hs) {
+    float* z, float* hs) {
   constexpr int THREADS = WARPS * 32;
   static_assert(THREADS == NT, "the norm's sums run over add_rms_norm's threads");
   __shared__ int toks[TT];
@@ -208,7 +208,7 @@ __device__ __forceinline__ void mlxserve_fold_block(
   const int n = info[2];
   const int tid = threadIdx.x;
   if (s != 0) {
-    mlxserve_lora_z<TX, TA, IN, R, SL, WARPS, EI, TT, CS>(lx, toks, n, a_t, s, zw, zp, z);
+    mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(lx, toks, n, a_t, s, zw, z);
   }
   const TB* bs = b + (size_t)(s > 0 ? s : 0) * R * D;
   if (mlxserve_aligned(bs, D) && mlxserve_aligned(base + COL, YW) && mlxserve_aligned(x, D)) {
@@ -257,11 +257,10 @@ __device__ __forceinline__ void mlxserve_fold_block(
 _FOLD_SOURCE = """
     const int tokens = idx_shape[0];
     __shared__ float zw[WARPS * 64];
-    __shared__ float zp[TT * R];
     __shared__ float z[TT * R];
     extern __shared__ float hs[];  // TT * D: the tile's rows of h
-    mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, SL, WARPS, EI, EO, TT, CS, NT, EPS_BITS>(
-        x, base, lx, a_t, b, idx, scale, w, tokens, blockIdx.x, h, out, zw, zp, z, hs);
+    mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, WARPS, EI, EO, TT, NT, EPS_BITS>(
+        x, base, lx, a_t, b, idx, scale, w, tokens, blockIdx.x, h, out, zw, z, hs);
 """
 
 
@@ -324,12 +323,10 @@ def add_update_rms_norm(
             ("R", part.a_t.shape[1]),
             ("YW", part.y.shape[-1]),
             ("COL", part.start),
-            ("SL", lora_kernel.share(in_width)),
             ("WARPS", lora_kernel.FUSED_WARPS),
             ("EI", lora_kernel.vector(in_width)),
             ("EO", lora_kernel.vector(width)),
             ("TT", lora_kernel.TILE),
-            ("CS", lora_kernel.SPLIT),
             ("NT", THREADS),
             ("EPS_BITS", float_bits(eps)),
         ],
