@@ -281,6 +281,16 @@ def test_the_fold_kernel_is_the_updates_kernel_then_the_adds(
     assert_same(y, want_y, "y")
 
 
+def test_the_widest_row_the_fold_takes_fits_a_blocks_shared_memory() -> None:
+    """The fold keeps its tile's rows of h in dynamic shared memory: for the widest row `supported`
+    takes, that with the kernel's static arrays stays within what a block may have on the GPUs
+    with the kernels (227 KB on an H100 or H200)."""
+    widest = residual_norm.THREADS * residual_norm.MAX_PER_THREAD
+    dynamic = lora_kernel.TILE * widest * 4
+    static = 4 * 1024  # zw, z, toks, sums: a few KB (nvcc's report for the 8B's shapes)
+    assert dynamic + static <= 227 * 1024
+
+
 @pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")
 def test_the_fold_source_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fold kernel as MLX wraps it, for the 8B's o_proj and down_proj (bf16 activations,
