@@ -125,17 +125,12 @@ class ServerProcess(ManagedProcess):
         self.port = free_port()
         self.target = f"localhost:{self.port}"
         command = [sys.executable, "-m", "service", "--port", str(self.port), *extra_args]
-        env = None
-        if checkout is not None:
-            path = [str(checkout), *filter(None, [os.environ.get("PYTHONPATH")])]
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(path)}
         super().__init__(
-            command,
-            log_path=log_path,
-            ready_timeout=ready_timeout,
-            env=env,
-            cwd=checkout or CHECKOUT_ROOT,
+            command, log_path=log_path, ready_timeout=ready_timeout, cwd=checkout or CHECKOUT_ROOT
         )
+        if checkout is not None:  # the default environment, the checkout first on the path
+            path = [str(checkout), *filter(None, [self.env.get("PYTHONPATH")])]
+            self.env["PYTHONPATH"] = os.pathsep.join(path)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
