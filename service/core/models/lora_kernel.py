@@ -280,15 +280,17 @@ __device__ __forceinline__ void mlxserve_warp_sums(float (&v)[32]) {
   mlxserve_warp_level<1>(v);
 }
 
-// z[j * R + k] = x[toks[j]] @ A[s][:, k] for the tile's TT token places (float32, shared memory;
-// places past n repeat the last token), for s > 0 (as: A[s]). Every thread takes EI inputs at a
+// z[j * R + k] = x[toks[j]][lo:hi] @ A[s][lo:hi, k] for the tile's TT token places (float32,
+// shared memory; places past n repeat the last token), for s > 0 (as: A[s]); lo a multiple of EI.
+// Every thread takes EI inputs at a
 // time for all TT places and KG ranks at once (registers), so each element of A is read once for
 // the tile; the lanes' sums meet in a butterfly, the warps' in shared memory (zw: WARPS * TT *
 // KG floats). A token's sums run over the same threads in the same order whatever the tile holds
 // beside it.
 template <bool V, typename TX, typename TA, int IN, int R, int WARPS, int EI, int TT, int KG>
 __device__ __forceinline__ void mlxserve_lora_zpart(
-    const TX* x, const int* toks, const int n, const TA* as, float* zw, float* z) {
+    const TX* x, const int* toks, const int n, const TA* as, const int lo, const int hi, float* zw,
+    float* z) {
   constexpr int THREADS = WARPS * 32;
   static_assert((TT * KG) % 32 == 0, "a tile's sums go 32 at a time through the butterfly");
   const int tid = threadIdx.x;
@@ -301,7 +303,7 @@ __device__ __forceinline__ void mlxserve_lora_zpart(
     float acc[TT * KG];
 #pragma unroll
     for (int q = 0; q < TT * KG; ++q) acc[q] = 0.0f;
-    for (int i = tid * EI; i < IN; i += THREADS * EI) {
+    for (int i = lo + tid * EI; i < hi; i += THREADS * EI) {
       float xv[TT][EI];
 #pragma unroll
       for (int j = 0; j < TT; ++j) mlxserve_load<V, TX, EI>(xr[j] + i, xv[j]);
@@ -387,19 +389,21 @@ __device__ __forceinline__ void mlxserve_lora_out(
   }
 }
 
-// mlxserve_lora_zpart for slot s of the stack a_t, its loads 16 bytes wide where x and A[s] allow.
+// mlxserve_lora_zpart for slot s of the stack a_t, inputs [lo, hi), its loads 16 bytes wide where
+// x and A[s] allow.
 template <typename TX, typename TA, int IN, int R, int WARPS, int EI, int TT>
 __device__ __forceinline__ void mlxserve_lora_z(
-    const TX* x, const int* toks, const int n, const TA* a_t, const int s, float* zw, float* z) {
+    const TX* x, const int* toks, const int n, const TA* a_t, const int s, const int lo,
+    const int hi, float* zw, float* z) {
   // Ranks a pass: 64 sums a thread (two butterflies), whole ranks of 32 / TT at a time.
   constexpr int STEP = 32 / TT;
   constexpr int RUP = (R + STEP - 1) / STEP * STEP;
   constexpr int KG = 64 / TT < RUP ? 64 / TT : RUP;
   const TA* as = a_t + (size_t)s * R * IN;
   if (mlxserve_aligned(x, IN) && mlxserve_aligned(as, IN)) {
-    mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, zw, z);
+    mlxserve_lora_zpart<true, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, lo, hi, zw, z);
   } else {
-    mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, zw, z);
+    mlxserve_lora_zpart<false, TX, TA, IN, R, WARPS, EI, TT, KG>(x, toks, n, as, lo, hi, zw, z);
   }
 }
 
@@ -434,7 +438,7 @@ __device__ __forceinline__ void mlxserve_lora_block(
     }
     return;
   }
-  mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, zw, z);
+  mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, 0, IN, zw, z);
   const TB* bs = b + (size_t)s * R * OUT;
   if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(y + COL, YW)) {
     mlxserve_lora_out<true, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(

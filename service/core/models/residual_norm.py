@@ -24,10 +24,15 @@ MLX ops run (what the CPU tests exercise).
 A LoRA row's update to the projection before an add (attention's o_proj, the MLP's down_proj) is
 made here too, when the projection deferred it (`defer`: service.core.models.lora, one token a
 row): `add_update_rms_norm` computes base + update, the sum and its norm in one kernel, one kernel
-a projection fewer than the update's own `fused_add` then this add. It makes the update with
-`fused_add`'s arithmetic and threads, and the sum and norm with `add_rms_norm`'s, so its numbers
-are theirs bit for bit. The projection's own output (the update's kernel) is then never read and
-never run.
+a projection fewer than the update's own `fused_add` then this add. The norm needs a token's whole
+row, so one block makes a tile's rows; z, the longest part (down_proj's input is the MLP's width),
+is summed over SLICES blocks, each a slice of the input, and the block that finishes last adds the
+slices in order and makes the rows (blocks count themselves done in an array the kernel keeps at
+zero between launches: no thread block clusters, which MLX's graph updates do not carry:
+docs/lora.md). So z differs from `fused_add`'s in the order of its sum (float tolerance), and a
+token's numbers still do not depend on the rows beside it; the sum and its norm are
+`add_rms_norm`'s bit for bit. The projection's own output (the update's kernel) is then never read
+and never run.
 """
 
 from __future__ import annotations
@@ -146,15 +151,14 @@ def add_rms_norm(
 
 
 _FOLD_HEADER = """
-// The h and r of a tile's tokens, outputs [first, last) of the row: r = base + T(scale * z @ B[s])
-// cast as fused_add casts it (r = base where s is 0), h = T(x + r) as add_rms_norm rounds it;
-// h to global memory and to hs (the block's share, floats) for the norm.
-template <bool V, typename T, typename TB, int R, int D, int YW, int COL, int OC, int THREADS,
-          int EO, int TT>
+// The h and r of a tile's tokens: r = base + T(scale * z @ B[s]) cast as fused_add casts it
+// (r = base where s is 0), h = T(x + r) as add_rms_norm rounds it.
+template <bool V, typename T, typename TB, int R, int D, int YW, int COL, int THREADS, int EO,
+          int TT>
 __device__ __forceinline__ void mlxserve_fold_rows(
     const T* x, const T* base, const TB* bs, const float* scale, const int s, const float* z,
-    const int* toks, const int n, const int first, const int last, T* h, float* hs) {
-  for (int o = first + threadIdx.x * EO; o < last; o += THREADS * EO) {
+    const int* toks, const int n, T* h) {
+  for (int o = threadIdx.x * EO; o < D; o += THREADS * EO) {
     float acc[TT][EO];
     if (s != 0) {
       mlxserve_lora_expand<V, TB, R, D, EO, TT>(z, bs, o, acc);
@@ -175,58 +179,83 @@ __device__ __forceinline__ void mlxserve_fold_rows(
             const T d = static_cast<T>(sc * acc[j][e]);
             r = static_cast<T>(yv[e] + static_cast<float>(d));
           }
-          const T sum = static_cast<T>(xv[e] + static_cast<float>(r));
-          h[t * D + o + e] = sum;
-          hs[j * OC + (o - first) + e] = static_cast<float>(sum);
+          h[t * D + o + e] = static_cast<T>(xv[e] + static_cast<float>(r));
         }
       }
     }
   }
 }
 
-// A tile's residual add and norm, the projection's LoRA update made here, by one block: z as
-// fused_add's blocks make it, the tile's rows of r and h (h also into hs, floats), then each
-// token's sum of squares over the row in add_rms_norm's order (thread tid takes elements tid,
-// tid + NT, ...; lanes, then warps in order), then the norm. So every number is fused_add's then
-// add_rms_norm's, bit for bit.
+// A tile's residual add and norm, the projection's LoRA update made here, by the tile's SPLIT
+// blocks. Block q sums z over its slice q of the inputs (whole loads of EI) into zp, then counts
+// itself done in count[tile]; the block that counts last adds the slices' sums in slice order (so
+// z does not depend on which block finished last), sets the count back to zero for the next
+// launch, makes the tile's rows of r and h, then each token's sum of squares over its h in
+// add_rms_norm's order (thread tid takes elements tid, tid + NT, ...; lanes, then warps in order)
+// and the norm. A tile of rows without an adapter (s = 0) needs no z: its first block does it all.
 template <typename T, typename TX, typename TA, typename TB, int D, int IN, int R, int YW,
-          int COL, int WARPS, int EI, int EO, int TT, int NT, int EPS_BITS>
+          int COL, int WARPS, int EI, int EO, int TT, int NT, int SPLIT, int EPS_BITS>
 __device__ __forceinline__ void mlxserve_fold_block(
     const T* x, const T* base, const TX* lx, const TA* a_t, const TB* b, const int32_t* idx,
-    const float* scale, const T* w, const int tokens, const int tile, T* h, T* out, float* zw,
-    float* z, float* hs) {
+    const float* scale, const T* w, unsigned int* count, const int tokens, const int tile,
+    const int q, T* h, T* out, float* zp, float* zw, float* z) {
   constexpr int THREADS = WARPS * 32;
   static_assert(THREADS == NT, "the norm's sums run over add_rms_norm's threads");
+  constexpr int SLICE = ((IN + SPLIT - 1) / SPLIT + EI - 1) / EI * EI;
   __shared__ int toks[TT];
   __shared__ int info[3];
   __shared__ float warp_sums[NT / 32];
   __shared__ float totals[TT];
+  __shared__ bool last;
   const int s = mlxserve_tile<TT>(idx, tokens, tile, toks, info);
-  if (s < 0) {
-    return;  // past the last tile
+  if (s < 0 || (s == 0 && q != 0)) {
+    return;  // past the last tile, or a tile without an adapter that another block makes
   }
   const int n = info[2];
   const int tid = threadIdx.x;
   if (s != 0) {
-    mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(lx, toks, n, a_t, s, zw, z);
+    const int lo = q * SLICE < IN ? q * SLICE : IN;
+    const int hi = lo + SLICE < IN ? lo + SLICE : IN;
+    mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(lx, toks, n, a_t, s, lo, hi, zw, z);
+    float* mine = zp + ((size_t)tile * SPLIT + q) * TT * R;
+    for (int e = tid; e < TT * R; e += THREADS) mine[e] = z[e];
+    __threadfence();  // this slice's sums reach the block that finishes the tile before its count
+    __syncthreads();
+    if (tid == 0) {
+      last = atomicAdd(count + tile, 1u) == SPLIT - 1;
+      if (last) count[tile] = 0;  // every block of the tile has counted
+    }
+    __syncthreads();
+    if (!last) {
+      return;
+    }
+    __threadfence();
+    const float* slices = zp + (size_t)tile * SPLIT * TT * R;
+    for (int e = tid; e < TT * R; e += THREADS) {
+      float v = __ldcg(slices + e);  // from L2: other blocks wrote it
+      for (int p = 1; p < SPLIT; ++p) v += __ldcg(slices + (size_t)p * TT * R + e);
+      z[e] = v;
+    }
+    __syncthreads();
   }
   const TB* bs = b + (size_t)(s > 0 ? s : 0) * R * D;
   if (mlxserve_aligned(bs, D) && mlxserve_aligned(base + COL, YW) && mlxserve_aligned(x, D)) {
-    mlxserve_fold_rows<true, T, TB, R, D, YW, COL, D, THREADS, EO, TT>(
-        x, base, bs, scale, s, z, toks, n, 0, D, h, hs);
+    mlxserve_fold_rows<true, T, TB, R, D, YW, COL, THREADS, EO, TT>(
+        x, base, bs, scale, s, z, toks, n, h);
   } else {
-    mlxserve_fold_rows<false, T, TB, R, D, YW, COL, D, THREADS, EO, TT>(
-        x, base, bs, scale, s, z, toks, n, 0, D, h, hs);
+    mlxserve_fold_rows<false, T, TB, R, D, YW, COL, THREADS, EO, TT>(
+        x, base, bs, scale, s, z, toks, n, h);
   }
-  __syncthreads();  // the rows of h are in hs
+  __syncthreads();  // the tile's rows of h are written, and seen by all the block's threads
   constexpr int PER = (D + NT - 1) / NT;
   for (int j = 0; j < n; ++j) {
+    const T* hr = h + (size_t)toks[j] * D;
     float squares = 0.0f;
 #pragma unroll
-    for (int q = 0; q < PER; ++q) {
-      const int i = tid + q * NT;
+    for (int k = 0; k < PER; ++k) {
+      const int i = tid + k * NT;
       if (i < D) {
-        const float v = hs[j * D + i];
+        const float v = static_cast<float>(hr[i]);
         squares += v * v;
       }
     }
@@ -247,8 +276,9 @@ __device__ __forceinline__ void mlxserve_fold_block(
   }
   for (int i = tid; i < D; i += THREADS) {
     for (int j = 0; j < n; ++j) {
+      const size_t at = (size_t)toks[j] * D + i;
       const float normalizer = rsqrt(totals[j] / D + __int_as_float(EPS_BITS));
-      out[(size_t)toks[j] * D + i] = w[i] * static_cast<T>(hs[j * D + i] * normalizer);
+      out[at] = w[i] * static_cast<T>(static_cast<float>(h[at]) * normalizer);
     }
   }
 }
@@ -258,38 +288,58 @@ _FOLD_SOURCE = """
     const int tokens = idx_shape[0];
     __shared__ float zw[WARPS * 64];
     __shared__ float z[TT * R];
-    extern __shared__ float hs[];  // TT * D: the tile's rows of h
-    mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, WARPS, EI, EO, TT, NT, EPS_BITS>(
-        x, base, lx, a_t, b, idx, scale, w, tokens, blockIdx.x, h, out, zw, z, hs);
+    // count is the kernel's to change (`_tile_counts`): MLX passes every input as const.
+    unsigned int* count = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counts));
+    mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, WARPS, EI, EO, TT, NT, SPLIT, EPS_BITS>(
+        x, base, lx, a_t, b, idx, scale, w, count, tokens, blockIdx.x / SPLIT, blockIdx.x % SPLIT,
+        h, out, zp, zw, z);
 """
+
+SLICES = 8  # blocks a fold's tile takes, each summing z over a slice of the input
+# Tiles a fold may have (`lora_kernel.tiles`: about one per TILE tokens): more take fused_add then
+# the add.
+MAX_TILES = 1 << 14
 
 
 @cache
-def _fold_kernel(shared_bytes: int) -> Any:
-    """The fold kernel with `shared_bytes` of dynamic shared memory: its tile's rows of h."""
+def _fold_kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="mlxserve_add_update_rms_norm",
-        input_names=["x", "base", "lx", "a_t", "b", "idx", "scale", "w"],
-        output_names=["h", "out"],
+        input_names=["x", "base", "lx", "a_t", "b", "idx", "scale", "w", "counts"],
+        output_names=["h", "out", "zp"],
         source=_FOLD_SOURCE,
         header=lora_kernel.kernel_header(_FOLD_HEADER),
-        shared_memory=shared_bytes,
     )
+
+
+@cache
+def _tile_counts() -> mx.array:
+    """The fold's count of done blocks per tile: zeros between launches (the last block of a tile
+    sets its count back), so made once, here, rather than filled at every launch (a fill is a
+    kernel of its own). Kernels of a process run one after another on its stream, so launches
+    never share it. Made outside any compiled function (`install`): a traced one may not
+    evaluate."""
+    counts = mx.zeros((MAX_TILES,), mx.int32)
+    mx.eval(counts)
+    return counts
 
 
 def foldable(x: mx.array, update: lora_kernel.Deferred, weight: mx.array) -> bool:
     """Whether `add_update_rms_norm` takes x and the update: the dtypes and width `supported`
-    asks of an add, the update's output as wide as x, one of its tokens for each of x's rows,
-    and `fused_add`'s kernel here (its blocks are add_rms_norm's threads)."""
+    asks of an add, the update's output as wide as x, one of its tokens for each of x's rows
+    and no more tiles of them than `MAX_TILES`, and `fused_add`'s kernel here (its blocks are
+    add_rms_norm's threads)."""
     part = update.part
     width = x.shape[-1]
+    rows = x.size // width
     return (
         supported(x, part.base(), weight)
         and lora_kernel.available()
         and lora_kernel.FUSED_WARPS * 32 == THREADS
         and part.y.dtype == x.dtype
         and part.width == width
-        and update.x.size // update.x.shape[-1] == x.size // width == part.idx.size
+        and update.x.size // update.x.shape[-1] == rows == part.idx.size
+        and lora_kernel.tiles(rows, part.a_t.shape[0]) <= MAX_TILES
     )
 
 
@@ -297,8 +347,8 @@ def add_update_rms_norm(
     x: mx.array, update: lora_kernel.Deferred, weight: mx.array, eps: float
 ) -> tuple[mx.array, mx.array]:
     """`add_rms_norm(x, r)` for r the deferred update's output (base + each token's LoRA update,
-    `lora_kernel.fused_add`), r made inside the same kernel where `foldable`; elsewhere from the
-    update's own ops."""
+    `lora_kernel.fused_add`'s arithmetic but z summed over SLICES slices of the input), r made
+    inside the same kernel where `foldable`; elsewhere from the update's own ops."""
     part = update.part
     if not foldable(x, update, weight):
         (r,) = lora_kernel.fused_add(update.x, [part], update.scale)
@@ -309,10 +359,11 @@ def add_update_rms_norm(
         return x + part.base(), mx.zeros_like(x)
     lx = update.x
     in_width = lx.shape[-1]
+    rank = part.a_t.shape[1]
     threads = lora_kernel.FUSED_WARPS * 32
     tile_count = lora_kernel.tiles(rows, part.a_t.shape[0])
-    h, y = _fold_kernel(lora_kernel.TILE * width * 4)(
-        inputs=[x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight],
+    h, y, _ = _fold_kernel()(
+        inputs=[x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight, _tile_counts()],
         template=[
             ("T", x.dtype),
             ("TX", lx.dtype),
@@ -320,7 +371,7 @@ def add_update_rms_norm(
             ("TB", part.b.dtype),
             ("D", width),
             ("IN", in_width),
-            ("R", part.a_t.shape[1]),
+            ("R", rank),
             ("YW", part.y.shape[-1]),
             ("COL", part.start),
             ("WARPS", lora_kernel.FUSED_WARPS),
@@ -328,12 +379,13 @@ def add_update_rms_norm(
             ("EO", lora_kernel.vector(width)),
             ("TT", lora_kernel.TILE),
             ("NT", THREADS),
+            ("SPLIT", SLICES),
             ("EPS_BITS", float_bits(eps)),
         ],
-        grid=(tile_count * threads, 1, 1),
+        grid=(tile_count * SLICES * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[x.shape, x.shape],
-        output_dtypes=[x.dtype, x.dtype],
+        output_shapes=[x.shape, x.shape, (tile_count * SLICES * lora_kernel.TILE * rank,)],
+        output_dtypes=[x.dtype, x.dtype, mx.float32],
     )
     return h, y
 
@@ -416,6 +468,8 @@ def install(model: Any) -> int:
         if _is_plain_block(module):
             module.__class__ = _fused(type(module))
             swapped += 1
+    if swapped and available():
+        _tile_counts()  # now, before a compiled step traces a fold
     return swapped
 
 
