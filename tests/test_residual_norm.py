@@ -284,8 +284,9 @@ def test_the_fold_kernel_is_the_updates_kernel_then_the_adds(
     dtype: mx.Dtype, width: int, inner: int, rank: int, wide: bool
 ) -> None:
     """`add_update_rms_norm`'s kernel against `fused_add`'s then `add_rms_norm`'s, rows with no
-    adapter among them: h within a rounding of the update, the sum and h (z is summed in slices,
-    so in another order), and the norm `add_rms_norm`'s of that h bit for bit."""
+    adapter among them: h within a rounding of the update, of r and of h (z is summed in slices,
+    so in another order), the norm `add_rms_norm`'s of that h bit for bit, and rows without an
+    adapter x + base exactly."""
     x, update, weight = _fold_case(9, width, inner, rank, dtype, wide)
     assert residual_norm.foldable(x, update, weight)
     h, y = residual_norm.add_update_rms_norm(x, update, weight, 1e-5)
@@ -293,7 +294,9 @@ def test_the_fold_kernel_is_the_updates_kernel_then_the_adds(
     want_h, _ = residual_norm.add_rms_norm(x, r, weight, 1e-5)
     eps = 1e-5 if dtype == mx.float32 else 2.0**-6
     got, want = h.astype(mx.float32), want_h.astype(mx.float32)
-    bound = eps * (mx.abs(want) + mx.abs(r.astype(mx.float32))) + 1e-5
+    r32 = r.astype(mx.float32).reshape(want.shape)
+    update_size = mx.abs(r32 - update.part.base().astype(mx.float32))
+    bound = eps * (mx.abs(want) + mx.abs(r32) + update_size) + 1e-5
     assert (mx.abs(got - want) - bound).max().item() <= 0
     assert_same(y, residual_norm.add_rms_norm(h, mx.zeros_like(h), weight, 1e-5)[1], "y")
     base = update.part.base()
