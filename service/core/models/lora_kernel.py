@@ -667,7 +667,8 @@ def _on_columns(
 # staged in shared memory with the tile's inputs, and each output column of the tile from one read
 # of B. The row length is an input, not a template value, so a new prompt length compiles nothing.
 # A tile whose tokens hold different slots (not a forward's rows) takes each token's own slot.
-# Not yet on the serving path: `bench/lora_kernel.py --prefill` checks and times them.
+# `rows_add` serves such passes (service.core.models.lora); `bench/lora_kernel.py --prefill` times
+# them.
 
 TILE_TOKENS = 16
 TILE_THREADS = 256
