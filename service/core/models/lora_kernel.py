@@ -361,17 +361,20 @@ __device__ __forceinline__ void mlxserve_lora_expand(
   }
 }
 
-// Outputs [first, last) of out[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the add, for
-// the tile's tokens t = toks[j < n]; EO consecutive outputs a thread, each element of B read once
-// for the tile.
+// Outputs [first, last) of r[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the add (mlx-lm's
+// `y + (scale * z).astype(x.dtype)`), or r[t] = y[t] where the tile has no adapter (`adapted`
+// false), for the tile's tokens t = toks[j < n]; EO consecutive outputs a thread, each element of
+// B read once for the tile. put(t, o, r) takes token t's outputs [o, o + EO).
 template <bool V, typename TY, typename TB, int R, int OUT, int YW, int COL, int THREADS, int EO,
-          int TT>
-__device__ __forceinline__ void mlxserve_lora_out(
-    const float* z, const int* toks, const int n, const TB* bs, const TY* y, TY* out,
-    const float* scale, const int first, const int last) {
+          int TT, typename Put>
+__device__ __forceinline__ void mlxserve_lora_rows(
+    const float* z, const int* toks, const int n, const TB* bs, const TY* y, const float* scale,
+    const bool adapted, const int first, const int last, Put put) {
   for (int o = first + threadIdx.x * EO; o < last; o += THREADS * EO) {
     float acc[TT][EO];
-    mlxserve_lora_expand<V, TB, R, OUT, EO, TT>(z, bs, o, acc);
+    if (adapted) {
+      mlxserve_lora_expand<V, TB, R, OUT, EO, TT>(z, bs, o, acc);
+    }
 #pragma unroll
     for (int j = 0; j < TT; ++j) {
       if (j < n) {
@@ -379,11 +382,16 @@ __device__ __forceinline__ void mlxserve_lora_out(
         const float sc = scale[t];
         float yv[EO];
         mlxserve_load<V, TY, EO>(y + t * YW + COL + o, yv);
+        TY r[EO];
 #pragma unroll
         for (int e = 0; e < EO; ++e) {
-          const TY d = static_cast<TY>(sc * acc[j][e]);
-          out[t * OUT + o + e] = static_cast<TY>(yv[e] + static_cast<float>(d));
+          r[e] = static_cast<TY>(yv[e]);
+          if (adapted) {
+            const TY d = static_cast<TY>(sc * acc[j][e]);
+            r[e] = static_cast<TY>(yv[e] + static_cast<float>(d));
+          }
         }
+        put(t, o, r);
       }
     }
   }
@@ -440,12 +448,16 @@ __device__ __forceinline__ void mlxserve_lora_block(
   }
   mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, 0, IN, zw, z);
   const TB* bs = b + (size_t)s * R * OUT;
+  auto put = [&](const size_t t, const int o, const TY (&r)[EO]) {
+#pragma unroll
+    for (int e = 0; e < EO; ++e) out[t * OUT + o + e] = r[e];
+  };
   if (mlxserve_aligned(bs, OUT) && mlxserve_aligned(y + COL, YW)) {
-    mlxserve_lora_out<true, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
-        z, toks, n, bs, y, out, scale, first, last);
+    mlxserve_lora_rows<true, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
+        z, toks, n, bs, y, scale, true, first, last, put);
   } else {
-    mlxserve_lora_out<false, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
-        z, toks, n, bs, y, out, scale, first, last);
+    mlxserve_lora_rows<false, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
+        z, toks, n, bs, y, scale, true, first, last, put);
   }
 }
 """

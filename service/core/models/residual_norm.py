@@ -151,39 +151,23 @@ def add_rms_norm(
 
 
 _FOLD_HEADER = """
-// The h and r of a tile's tokens: r = base + T(scale * z @ B[s]) cast as fused_add casts it
-// (r = base where s is 0), h = T(x + r) as add_rms_norm rounds it.
+// The h of a tile's tokens: h = T(x + r) as add_rms_norm rounds it, for r the projection's output
+// with its update (mlxserve_lora_rows: base where s is 0).
 template <bool V, typename T, typename TB, int R, int D, int YW, int COL, int THREADS, int EO,
           int TT>
 __device__ __forceinline__ void mlxserve_fold_rows(
     const T* x, const T* base, const TB* bs, const float* scale, const int s, const float* z,
     const int* toks, const int n, T* h) {
-  for (int o = threadIdx.x * EO; o < D; o += THREADS * EO) {
-    float acc[TT][EO];
-    if (s != 0) {
-      mlxserve_lora_expand<V, TB, R, D, EO, TT>(z, bs, o, acc);
-    }
+  auto put = [&](const size_t t, const int o, const T (&r)[EO]) {
+    float xv[EO];
+    mlxserve_load<V, T, EO>(x + t * D + o, xv);
 #pragma unroll
-    for (int j = 0; j < TT; ++j) {
-      if (j < n) {
-        const size_t t = toks[j];
-        const float sc = scale[t];
-        float yv[EO];
-        float xv[EO];
-        mlxserve_load<V, T, EO>(base + t * YW + COL + o, yv);
-        mlxserve_load<V, T, EO>(x + t * D + o, xv);
-#pragma unroll
-        for (int e = 0; e < EO; ++e) {
-          T r = static_cast<T>(yv[e]);
-          if (s != 0) {
-            const T d = static_cast<T>(sc * acc[j][e]);
-            r = static_cast<T>(yv[e] + static_cast<float>(d));
-          }
-          h[t * D + o + e] = static_cast<T>(xv[e] + static_cast<float>(r));
-        }
-      }
+    for (int e = 0; e < EO; ++e) {
+      h[t * D + o + e] = static_cast<T>(xv[e] + static_cast<float>(r[e]));
     }
-  }
+  };
+  mlxserve_lora_rows<V, T, TB, R, D, YW, COL, THREADS, EO, TT>(
+      z, toks, n, bs, base, scale, s != 0, 0, D, put);
 }
 
 // A tile's residual add and norm, the projection's LoRA update made here, by the tile's SPLIT
