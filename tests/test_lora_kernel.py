@@ -214,14 +214,20 @@ def test_the_tiles_take_every_token_once_within_the_grid(case: tuple[int, np.nda
         assert 1 <= len(tokens) <= lora_kernel.TILE and all(slots[t] == slot for t in tokens)
 
 
-@pytest.mark.parametrize("width", [14336, 4096, 1024, 576, 192, 100, 36, 16, 3])
-def test_a_tiles_blocks_and_slices_share_a_row_once_each(width: int) -> None:
-    """The SPLIT blocks of a tile (outputs of the update) and the SPLIT slices of z's sum (its
-    inputs) take `share(width)` elements of a row each, in order: every element once, each share
-    whole vector loads where the width allows them (the last shares may be short or empty)."""
+@pytest.mark.parametrize(
+    "width", [128256, 28672, 14336, 5000, 4096, 2049, 2048, 1024, 576, 192, 100, 36, 16, 3]
+)
+def test_a_tiles_blocks_share_a_row_once_each(width: int) -> None:
+    """The blocks of a tile (`blocks(width)`: one for each BLOCK_OUTPUTS outputs) take
+    `share(width)` outputs each, in order: every output once, no block without outputs, and
+    each share whole vector loads where the width allows them (the last may be short)."""
     share, vec = lora_kernel.share(width), lora_kernel.vector(width)
-    taken = [range(r * share, min((r + 1) * share, width)) for r in range(lora_kernel.SPLIT)]
+    count = lora_kernel.blocks(width)
+    assert count == max(1, -(-width // lora_kernel.BLOCK_OUTPUTS))
+    taken = [range(r * share, min((r + 1) * share, width)) for r in range(count)]
     assert [e for block in taken for e in block] == list(range(width))
+    assert all(len(block) > 0 for block in taken)
+    assert share <= lora_kernel.BLOCK_OUTPUTS or count == 1
     assert share % vec == 0 and width % vec == 0
     assert vec == (lora_kernel.VEC if width % lora_kernel.VEC == 0 else 1)
 
@@ -748,10 +754,11 @@ def test_the_fused_source_compiles_for_every_shape_and_dtype(
             for out in outs
         ]
         lora_kernel.fused_add(x, parts, mx.zeros((tokens,), mx.float32))
-    for launch in recorder.launches:
+    for launch, (tokens, _, outs, _, _, _) in zip(recorder.launches, NVCC_CASES, strict=True):
         threads = launch.threadgroup[0]
         assert threads == lora_kernel.FUSED_WARPS * 32
-        assert launch.grid[0] % (threads * lora_kernel.SPLIT) == 0  # whole tiles
+        tiles = lora_kernel.tiles(tokens, 5)
+        assert launch.grid[0] == threads * tiles * sum(lora_kernel.blocks(out) for out in outs)
     compiled = recorder.compile(tmp_path)
     assert len(compiled.registers) == len(recorder.launches) == len(NVCC_CASES), compiled.log
     assert compiled.spills == 0, compiled.log

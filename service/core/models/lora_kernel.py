@@ -8,16 +8,18 @@ the layer itself. Here an update is one kernel, `fused_add`, and one call serves
 that read the same input (an attention's q, k and v; an MLP's gate and up: service.core.models.
 lora groups them), each with its own stacks, slots and output.
 
-A tile of up to TILE tokens of one slot s of one module is taken by SPLIT blocks, each writing
-1/SPLIT of the outputs. Each block sums z = x[t] @ A[s] for the tile's tokens itself (float32, in
-shared memory), then writes its share of the outputs, y + scale * z @ B[s] cast as mlx-lm casts it.
-So each element of A is read by the tile's SPLIT blocks (from L2 after the first) and each element
-of B once for the tile. The tiles are found in the kernel from the tokens' slots (a token leads a
-tile when the tokens of its slot before it are a multiple of TILE); the grid holds as many as there
-can be (`tiles`) and the blocks past the last return. A token's sums run over the same threads in
-the same order whatever its tile holds, so its numbers do not depend on the batch. The shares depend
-on the module's shape only, not on the number of tokens: a template value that changed with the
-tokens would compile a kernel variant at the first step of each new size, a stall in the middle of
+A tile of up to TILE tokens of one slot s of one module is taken by `blocks(out)` blocks, each
+writing up to BLOCK_OUTPUTS of the module's outputs. Each block sums z = x[t] @ A[s] for the
+tile's tokens itself (float32, in shared memory), then writes its share of the outputs,
+y + scale * z @ B[s] cast as mlx-lm casts it. So each element of B is read once for the tile and
+each element of A by each of the tile's blocks (from L2 after the first): a narrow module such as
+k or v takes one block a tile, since those repeated reads are what more blocks would cost. The
+tiles are found in the kernel from the tokens' slots (a token leads a tile when the tokens of its
+slot before it are a multiple of TILE); the grid holds as many as there can be (`tiles`) and the
+blocks past the last return. A token's sums run over the same threads in the same order whatever
+its tile holds, so its numbers do not depend on the batch. The shares depend on the module's
+shape only, not on the number of tokens: a template value that changed with the tokens would
+compile a kernel variant at the first step of each new size, a stall in the middle of
 serving. No thread block clusters: MLX launches a graph like one it ran before by updating that
 graph in place, which does not carry a kernel's compiled-in cluster shape over (docs/lora.md).
 
@@ -157,7 +159,8 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
 FUSED_WARPS = 4  # warps per block in `fused_add`
 VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes of bf16)
 TILE = 8  # tokens of one slot a block takes: each element of A and B it reads serves them all
-SPLIT = 8  # blocks per tile, each writing 1/SPLIT of OUT (and each summing the tile's z)
+# Outputs of a module a block of `fused_add` takes at most: two passes of its threads' loads.
+BLOCK_OUTPUTS = 2 * FUSED_WARPS * 32 * VEC
 
 _LOADS_HEADER = """
 // E elements of p as floats. With V (the caller checked that p starts on 16 bytes), one 16-byte
@@ -470,26 +473,27 @@ def kernel_header(extra: str = "") -> str:
 
 def _fused_source(parts: int) -> str:
     """The kernel body for `parts` modules: the blocks of part p follow those of the parts before
-    it, CS for each of its tiles (`tiles`: how many there can be)."""
+    it, CS{p} for each of its tiles (`tiles`: how many there can be)."""
     lines = [
         "    const int T = idx0_shape[0];",
         "    __shared__ float zw[WARPS * 64];",
         "    __shared__ float z[TT * RMAX];",
-        "    const int rank = blockIdx.x % CS;  // the share of its tile's outputs the block takes",
-        "    int tile = blockIdx.x / CS;",
+        "    int block = blockIdx.x;",
     ]
     for p in range(parts):
         lines += [
             "    {",
             f"        const int slots = a{p}_shape[0] < T ? a{p}_shape[0] : T;",
-            "        const int tiles = (T + TT - 1) / TT + slots - 1;",
-            "        if (tile < tiles) {",
+            f"        const int blocks = ((T + TT - 1) / TT + slots - 1) * CS{p};",
+            "        if (block < blocks) {",
+            "            // The tile, and the share of its outputs the block takes.",
             f"            mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p}, YW{p},",
             f"                                COL{p}, OC{p}, WARPS, EI, EO{p}, TT>(",
-            f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, tile, rank, out{p}, zw, z);",
+            f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, block / CS{p}, block % CS{p},",
+            f"                out{p}, zw, z);",
             "            return;",
             "        }",
-            "        tile -= tiles;",
+            "        block -= blocks;",
             "    }",
         ]
     return "\n".join(lines) + "\n"
@@ -554,11 +558,17 @@ def vector(width: int) -> int:
     return VEC if width % VEC == 0 else 1
 
 
+def blocks(width: int) -> int:
+    """Blocks a tile of a module with this many outputs takes in `fused_add`: one for each
+    BLOCK_OUTPUTS."""
+    return max(1, -(-width // BLOCK_OUTPUTS))
+
+
 def share(width: int) -> int:
-    """Outputs of a row of this width each of a tile's SPLIT blocks takes (the last may take
-    fewer or none): whole vector loads, SPLIT shares covering the row."""
+    """Outputs of a row of this width each of a tile's blocks takes (the last may take fewer):
+    whole vector loads, `blocks(width)` shares covering the row."""
     vec = vector(width)
-    per_block = -(-width // SPLIT)
+    per_block = -(-width // blocks(width))
     return -(-per_block // vec) * vec
 
 
@@ -579,7 +589,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
         ("EI", vector(width)),
     ]
     inputs = [x, scale]
-    tile_count = 0
+    block_count = 0
     for p, part in enumerate(parts):
         out = part.width
         inputs += [part.y, part.a_t, part.b, part.idx]
@@ -592,12 +602,12 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
             (f"YW{p}", part.y.shape[-1]),
             (f"COL{p}", part.start),
             (f"OC{p}", share(out)),
+            (f"CS{p}", blocks(out)),
             (f"EO{p}", vector(out)),
         ]
-        tile_count += tiles(tokens, part.a_t.shape[0])
+        block_count += tiles(tokens, part.a_t.shape[0]) * blocks(out)
     template += [
         ("TT", TILE),
-        ("CS", SPLIT),
         ("RMAX", max(part.a_t.shape[1] for part in parts)),
     ]
     threads = FUSED_WARPS * 32
@@ -605,7 +615,7 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
         _fused(len(parts))(
             inputs=inputs,
             template=template,
-            grid=(tile_count * SPLIT * threads, 1, 1),
+            grid=(block_count * threads, 1, 1),
             threadgroup=(threads, 1, 1),
             output_shapes=[(*part.y.shape[:-1], part.width) for part in parts],
             output_dtypes=[part.y.dtype for part in parts],
