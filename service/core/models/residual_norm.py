@@ -188,7 +188,7 @@ __device__ __forceinline__ void mlxserve_fold_block(
   constexpr int SLICE = ((IN + SPLIT - 1) / SPLIT + EI - 1) / EI * EI;
   __shared__ int toks[TT];
   __shared__ int info[3];
-  __shared__ float warp_sums[NT / 32];
+  __shared__ float warp_sums[TT * (NT / 32)];
   __shared__ float totals[TT];
   __shared__ bool last;
   const int s = mlxserve_tile<TT>(idx, tokens, tile, toks, info);
@@ -231,33 +231,43 @@ __device__ __forceinline__ void mlxserve_fold_block(
         x, base, bs, scale, s, z, toks, n, h);
   }
   __syncthreads();  // the tile's rows of h are written, and seen by all the block's threads
+  // Each token's sum of squares in add_rms_norm's order (thread tid: elements tid, tid + NT, ...;
+  // then lanes, then warps in order), the tile's tokens side by side so that their loads overlap
+  // and two barriers serve them all.
   constexpr int PER = (D + NT - 1) / NT;
-  for (int j = 0; j < n; ++j) {
-    const T* hr = h + (size_t)toks[j] * D;
-    float squares = 0.0f;
+  float squares[TT];
 #pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int i = tid + k * NT;
-      if (i < D) {
-        const float v = static_cast<float>(hr[i]);
-        squares += v * v;
+  for (int j = 0; j < TT; ++j) squares[j] = 0.0f;
+#pragma unroll 4
+  for (int k = 0; k < PER; ++k) {
+    const int i = tid + k * NT;
+    if (i < D) {
+#pragma unroll
+      for (int j = 0; j < TT; ++j) {
+        if (j < n) {
+          const float v = static_cast<float>(h[(size_t)toks[j] * D + i]);
+          squares[j] += v * v;
+        }
       }
     }
+  }
+#pragma unroll
+  for (int j = 0; j < TT; ++j) {
     for (int offset = 16; offset > 0; offset /= 2) {
-      squares += __shfl_xor_sync(0xffffffff, squares, offset);
+      squares[j] += __shfl_xor_sync(0xffffffff, squares[j], offset);
     }
     if (tid % 32 == 0) {
-      warp_sums[tid / 32] = squares;
+      warp_sums[j * (NT / 32) + tid / 32] = squares[j];
     }
-    __syncthreads();
-    if (tid == 0) {
-      float total = 0.0f;
-#pragma unroll
-      for (int k = 0; k < NT / 32; ++k) total += warp_sums[k];
-      totals[j] = total;
-    }
-    __syncthreads();
   }
+  __syncthreads();
+  if (tid < n) {
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NT / 32; ++k) total += warp_sums[tid * (NT / 32) + k];
+    totals[tid] = total;
+  }
+  __syncthreads();
   for (int i = tid; i < D; i += THREADS) {
     for (int j = 0; j < n; ++j) {
       const size_t at = (size_t)toks[j] * D + i;
