@@ -361,4 +361,4 @@ def test_the_fold_source_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     compiled = recorder.compile(tmp_path)
     assert len(compiled.registers) == len(recorder.launches) == len(cases), compiled.log
     assert compiled.spills == 0, compiled.log
-    assert max(compiled.registers) * lora_kernel.FUSED_WARPS * 32 <= 65536, compiled.registers
+    assert max(compiled.registers) * residual_norm.FOLD_WARPS * 32 <= 65536, compiled.registers

@@ -175,8 +175,9 @@ __device__ __forceinline__ void mlxserve_fold_rows(
 // itself done in count[tile]; the block that counts last adds the slices' sums in slice order (so
 // z does not depend on which block finished last), sets the count back to zero for the next
 // launch, makes the tile's rows of r and h, then each token's sum of squares over its h in
-// add_rms_norm's order (thread tid takes elements tid, tid + NT, ...; lanes, then warps in order)
-// and the norm. A tile of rows without an adapter (s = 0) needs no z: its first block does it all.
+// add_rms_norm's order (on its NT threads: thread tid takes elements tid, tid + NT, ...; lanes,
+// then warps in order) and the norm. A tile of rows without an adapter (s = 0) needs no z: its
+// first block does it all.
 template <typename T, typename TX, typename TA, typename TB, int D, int IN, int R, int YW,
           int COL, int WARPS, int EI, int EO, int TT, int NT, int SPLIT, int EPS_BITS>
 __device__ __forceinline__ void mlxserve_fold_block(
@@ -184,7 +185,7 @@ __device__ __forceinline__ void mlxserve_fold_block(
     const float* scale, const T* w, unsigned int* count, const int tokens, const int tile,
     const int q, T* h, T* out, float* zp, float* zw, float* z) {
   constexpr int THREADS = WARPS * 32;
-  static_assert(THREADS == NT, "the norm's sums run over add_rms_norm's threads");
+  static_assert(THREADS >= NT && NT % 32 == 0, "the norm's sums run on add_rms_norm's threads");
   constexpr int SLICE = ((IN + SPLIT - 1) / SPLIT + EI - 1) / EI * EI;
   __shared__ int toks[TT];
   __shared__ int info[3];
@@ -235,29 +236,31 @@ __device__ __forceinline__ void mlxserve_fold_block(
   // then lanes, then warps in order), the tile's tokens side by side so that their loads overlap
   // and two barriers serve them all.
   constexpr int PER = (D + NT - 1) / NT;
-  float squares[TT];
+  if (tid < NT) {  // whole warps
+    float squares[TT];
 #pragma unroll
-  for (int j = 0; j < TT; ++j) squares[j] = 0.0f;
+    for (int j = 0; j < TT; ++j) squares[j] = 0.0f;
 #pragma unroll 4
-  for (int k = 0; k < PER; ++k) {
-    const int i = tid + k * NT;
-    if (i < D) {
+    for (int k = 0; k < PER; ++k) {
+      const int i = tid + k * NT;
+      if (i < D) {
 #pragma unroll
-      for (int j = 0; j < TT; ++j) {
-        if (j < n) {
-          const float v = static_cast<float>(h[(size_t)toks[j] * D + i]);
-          squares[j] += v * v;
+        for (int j = 0; j < TT; ++j) {
+          if (j < n) {
+            const float v = static_cast<float>(h[(size_t)toks[j] * D + i]);
+            squares[j] += v * v;
+          }
         }
       }
     }
-  }
 #pragma unroll
-  for (int j = 0; j < TT; ++j) {
-    for (int offset = 16; offset > 0; offset /= 2) {
-      squares[j] += __shfl_xor_sync(0xffffffff, squares[j], offset);
-    }
-    if (tid % 32 == 0) {
-      warp_sums[j * (NT / 32) + tid / 32] = squares[j];
+    for (int j = 0; j < TT; ++j) {
+      for (int offset = 16; offset > 0; offset /= 2) {
+        squares[j] += __shfl_xor_sync(0xffffffff, squares[j], offset);
+      }
+      if (tid % 32 == 0) {
+        warp_sums[j * (NT / 32) + tid / 32] = squares[j];
+      }
     }
   }
   __syncthreads();
@@ -290,6 +293,9 @@ _FOLD_SOURCE = """
 """
 
 SLICES = 8  # blocks a fold's tile takes, each summing z over a slice of the input
+# Warps of a fold's block: the last block of a tile makes the whole rows alone (its norm's sums
+# on the first THREADS threads, add_rms_norm's).
+FOLD_WARPS = 8
 # Tiles a fold may have (`lora_kernel.tiles`: about one per TILE tokens): more take fused_add then
 # the add.
 MAX_TILES = 1 << 14
@@ -321,15 +327,13 @@ def _tile_counts() -> mx.array:
 def foldable(x: mx.array, update: lora_kernel.Deferred, weight: mx.array) -> bool:
     """Whether `add_update_rms_norm` takes x and the update: the dtypes and width `supported`
     asks of an add, the update's output as wide as x, one of its tokens for each of x's rows
-    and no more tiles of them than `MAX_TILES`, and `fused_add`'s kernel here (its blocks are
-    add_rms_norm's threads)."""
+    and no more tiles of them than `MAX_TILES`, and `fused_add`'s kernel here."""
     part = update.part
     width = x.shape[-1]
     rows = x.size // width
     return (
         supported(x, part.base(), weight)
         and lora_kernel.available()
-        and lora_kernel.FUSED_WARPS * 32 == THREADS
         and part.y.dtype == x.dtype
         and part.width == width
         and update.x.size // update.x.shape[-1] == rows == part.idx.size
@@ -354,7 +358,7 @@ def add_update_rms_norm(
     lx = update.x
     in_width = lx.shape[-1]
     rank = part.a_t.shape[1]
-    threads = lora_kernel.FUSED_WARPS * 32
+    threads = FOLD_WARPS * 32
     tile_count = lora_kernel.tiles(rows, part.a_t.shape[0])
     h, y, _ = _fold_kernel()(
         inputs=[x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight, _tile_counts()],
@@ -368,7 +372,7 @@ def add_update_rms_norm(
             ("R", rank),
             ("YW", part.y.shape[-1]),
             ("COL", part.start),
-            ("WARPS", lora_kernel.FUSED_WARPS),
+            ("WARPS", FOLD_WARPS),
             ("EI", lora_kernel.vector(in_width)),
             ("EO", lora_kernel.vector(width)),
             ("TT", lora_kernel.TILE),
