@@ -172,9 +172,9 @@ __device__ __forceinline__ void mlxserve_fold_rows(
 
 // A tile's residual add and norm, the projection's LoRA update made here, by the tile's SPLIT
 // blocks. Block q sums z over its slice q of the inputs (whole loads of EI) into zp, then counts
-// itself done in count[tile]; the block that counts last adds the slices' sums in slice order (so
-// z does not depend on which block finished last), sets the count back to zero for the next
-// launch, makes the tile's rows of r and h, then each token's sum of squares over its h in
+// itself done in count[tile] (which the last count takes back to zero); the block that counts
+// last adds the slices' sums in slice order (so z does not depend on which block finished last),
+// makes the tile's rows of r and h, then each token's sum of squares over its h in
 // add_rms_norm's order (on its NT threads: thread tid takes elements tid, tid + NT, ...; lanes,
 // then warps in order) and the norm. A tile of rows without an adapter (s = 0) needs no z: its
 // first block does it all.
@@ -207,8 +207,9 @@ __device__ __forceinline__ void mlxserve_fold_block(
     __threadfence();  // this slice's sums reach the block that finishes the tile before its count
     __syncthreads();
     if (tid == 0) {
-      last = atomicAdd(count + tile, 1u) == SPLIT - 1;
-      if (last) count[tile] = 0;  // every block of the tile has counted
+      // Counts 0, 1, ..., SPLIT - 1, then back to 0 with the last block's: ready for the next
+      // launch without a store that could overwrite another's count.
+      last = atomicInc(count + tile, SPLIT - 1) == SPLIT - 1;
     }
     __syncthreads();
     if (!last) {
@@ -285,7 +286,7 @@ _FOLD_SOURCE = """
     const int tokens = idx_shape[0];
     __shared__ float zw[WARPS * 64];
     __shared__ float z[TT * R];
-    // count is the kernel's to change (`_tile_counts`): MLX passes every input as const.
+    // count is the kernel's to change (`tile_counts`): MLX passes every input as const.
     unsigned int* count = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counts));
     mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, WARPS, EI, EO, TT, NT, SPLIT, EPS_BITS>(
         x, base, lx, a_t, b, idx, scale, w, count, tokens, blockIdx.x / SPLIT, blockIdx.x % SPLIT,
@@ -312,15 +313,18 @@ def _fold_kernel() -> Any:
     )
 
 
-@cache
-def _tile_counts() -> mx.array:
-    """The fold's count of done blocks per tile: zeros between launches (the last block of a tile
-    sets its count back), so made once, here, rather than filled at every launch (a fill is a
-    kernel of its own). Kernels of a process run one after another on its stream, so launches
-    never share it. Made outside any compiled function (`install`): a traced one may not
-    evaluate."""
-    counts = mx.zeros((MAX_TILES,), mx.int32)
-    mx.eval(counts)
+def tile_counts() -> mx.array:
+    """This thread's count of done blocks per tile for the fold: zeros between launches (the last
+    block of a tile takes its count back to zero), so made once rather than filled at every launch
+    (a fill is a kernel of its own). One a thread: MLX gives each thread its own stream, and two
+    launches running at once must not share counts. (Two folds with no data between them evaluated
+    together could still run at once on one stream: a layer's folds are chained through h.) Made
+    on the thread's first fold, or by `install` on the thread that loads and then serves: a
+    compiled function's trace may not evaluate, so a thread's first fold must not be traced."""
+    counts = _PER_THREAD.counts
+    if counts is None:
+        counts = _PER_THREAD.counts = mx.zeros((MAX_TILES,), mx.int32)
+        mx.eval(counts)
     return counts
 
 
@@ -361,7 +365,7 @@ def add_update_rms_norm(
     threads = FOLD_WARPS * 32
     tile_count = lora_kernel.tiles(rows, part.a_t.shape[0])
     h, y, _ = _fold_kernel()(
-        inputs=[x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight, _tile_counts()],
+        inputs=[x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight, tile_counts()],
         template=[
             ("T", x.dtype),
             ("TX", lx.dtype),
@@ -420,6 +424,7 @@ class _PerThread(threading.local):
         self.sum: Latest[tuple[mx.array, mx.array]] = Latest()
         # The latest deferred LoRA update's output, with its pieces.
         self.update: Latest[lora_kernel.Deferred] = Latest()
+        self.counts: mx.array | None = None  # tile_counts
 
 
 _PER_THREAD = _PerThread()
@@ -467,7 +472,7 @@ def install(model: Any) -> int:
             module.__class__ = _fused(type(module))
             swapped += 1
     if swapped and available():
-        _tile_counts()  # now, before a compiled step traces a fold
+        tile_counts()  # now, before a compiled step traces a fold
     return swapped
 
 
