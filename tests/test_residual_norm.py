@@ -330,20 +330,20 @@ def test_a_folded_rows_numbers_are_the_same_whatever_shares_its_batch(
         assert_same(again[0], h, "h again")
         assert_same(again[1], y, "y again")
     mx.synchronize()
-    assert not np.array(residual_norm.tile_counts()).any()  # every launch took its counts back
+    assert not np.array(lora_kernel.tile_counts()).any()  # every launch took its counts back
 
 
 def test_each_thread_folds_with_its_own_tile_counts() -> None:
     """The fold's per-tile counts are made once a thread (MLX gives each thread its own stream:
     two threads' folds may run at once), zeros, room for MAX_TILES tiles."""
-    here = residual_norm.tile_counts()
-    assert residual_norm.tile_counts() is here
-    assert here.shape == (residual_norm.MAX_TILES,) and not np.array(here).any()
+    here = lora_kernel.tile_counts()
+    assert lora_kernel.tile_counts() is here
+    assert here.shape == (lora_kernel.TICKET + 1,) and not np.array(here).any()
     other: list[bool] = []
 
     def fold_thread() -> None:
-        counts = residual_norm.tile_counts()
-        other.append(counts is not here and counts is residual_norm.tile_counts())
+        counts = lora_kernel.tile_counts()
+        other.append(counts is not here and counts is lora_kernel.tile_counts())
         del counts
         mx.clear_streams()  # what MLX asks of a thread that used it, before it ends
 

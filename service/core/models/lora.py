@@ -824,6 +824,8 @@ class AdapterSet:
         (EngineConfig.lora_kernel; elsewhere their MLX-op reference, for tests)."""
         self.model = model
         self.kernel = kernel
+        if kernel and lora_kernel.available():
+            lora_kernel.tile_counts()  # on the thread that loads and serves, before any trace
         self._slots: dict[str, int] = {}
         # What GetModelInfo says of each; the weights themselves live in the stacks only.
         self._described: dict[str, AdapterDescription] = {}

@@ -33,6 +33,7 @@ exercise, and what the GPU tests hold the kernels to.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -159,8 +160,13 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
 FUSED_WARPS = 4  # warps per block in `fused_add`
 VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes of bf16)
 TILE = 8  # tokens of one slot a block takes: each element of A and B it reads serves them all
-# Outputs of a module a block of `fused_add` takes at most: two passes of its threads' loads.
-BLOCK_OUTPUTS = 2 * FUSED_WARPS * 32 * VEC
+# Outputs of a module a block of `fused_add` takes at most: one pass of its threads' loads.
+BLOCK_OUTPUTS = FUSED_WARPS * 32 * VEC
+# Blocks a tile of a module takes at least: a narrow module's z is split over them, so that a
+# tile's sums are not one block's long loop over the input.
+MIN_BLOCKS = 4
+MAX_PARTS = 3  # modules a `fused_add` call takes (attention's q, k and v)
+MAX_TILES = 1 << 14  # tiles a module may have in a launch (`tiles`): counts for each
 
 _LOADS_HEADER = """
 // E elements of p as floats. With V (the caller checked that p starts on 16 bytes), one 16-byte
@@ -202,6 +208,52 @@ __device__ __forceinline__ bool mlxserve_aligned(const T* p, int stride) {
 """
 
 _FUSED_HEADER = """
+// *p read from L2 (another block of the launch wrote it), as a float.
+template <typename T>
+__device__ __forceinline__ float mlxserve_ldcg(const T* p) {
+  if constexpr (sizeof(T) == 2) {
+    const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    return static_cast<float>(*reinterpret_cast<const T*>(&u));
+  } else {
+    return static_cast<float>(__ldcg(p));
+  }
+}
+
+// The launch's blocks in the order they start: block i of the grid takes ticket i of this launch
+// (the counter wraps back to zero with the last ticket, ready for the next launch). A block that
+// waits for others of its tile (mlxserve_tile_wait) then only waits for blocks with lower tickets,
+// which have started, or for blocks of its own tile, which start as soon as any block ends: a
+// launch cannot stall with every resident block waiting for one that is not.
+__device__ __forceinline__ int mlxserve_ticket(unsigned int* ticket) {
+  __shared__ int mine;
+  if (threadIdx.x == 0) mine = (int)atomicInc(ticket, gridDim.x - 1);
+  __syncthreads();
+  return mine;
+}
+
+// The block's arrival at its tile's count: after the block's writes, visible to the device.
+__device__ __forceinline__ void mlxserve_tile_arrive(unsigned int* count, const unsigned int wrap) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicInc(count, wrap);
+  }
+}
+
+// Arrive, then wait until the tile's count reaches `target` (every block of the tile arrived as
+// often); what those blocks wrote before arriving is then to be read from L2 (__ldcg).
+__device__ __forceinline__ void mlxserve_tile_wait(
+    unsigned int* count, const unsigned int wrap, const unsigned int target) {
+  mlxserve_tile_arrive(count, wrap);
+  if (threadIdx.x == 0) {
+    unsigned int seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+    } while (seen < target);
+  }
+  __syncthreads();
+}
+
 // The block's tile of tokens. Tokens of one slot (idx, in token order) fall in tiles of TT; tile
 // `tile` of the list (the first tile of each slot's tokens in the order of their first token)
 // is the block's. Returns its slot (-1: no such tile) with its tokens in toks[0, n); the
@@ -419,17 +471,21 @@ __device__ __forceinline__ void mlxserve_lora_z(
 }
 
 // One block's share of a LoRA update: tile `tile` of one module's tokens (those of one slot s),
-// this block the tile's `rank`-th. It sums z = x[t] @ A[s] for the tile's tokens
-// (`mlxserve_lora_z`), then writes its OC outputs of out[t] = y[t] + (scale[t] * z @ B[s]) cast
-// to TY before the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], out [T, OUT],
-// y [T, YW] of which this module's outputs are columns [COL, COL + OUT) (a fused projection's
-// whole product: read in place, not copied out first), a_t [S, R, IN] (A transposed: a thread's
-// EI inputs are consecutive), b [S, R, OUT].
+// this block the tile's `rank`-th of CS. With CS = 1 it sums z = x[t] @ A[s] for the tile's
+// tokens (`mlxserve_lora_z`); else it sums z over its slice `rank` of the inputs into zp[rank]
+// (zp: the tile's slices, ZS floats each), meets the tile's other blocks at its count, and adds
+// the slices' sums in slice order (the same z in every block). Then it writes its OC outputs of
+// out[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the add (mlx-lm's `y + (scale *
+// z).astype(x.dtype)`), and arrives at the count a last time (the last arrival takes it back to
+// zero). x [T, IN], out [T, OUT], y [T, YW] of which this module's outputs are columns
+// [COL, COL + OUT) (a fused projection's whole product: read in place, not copied out first),
+// a_t [S, R, IN] (A transposed: a thread's EI inputs are consecutive), b [S, R, OUT].
 template <typename TX, typename TY, typename TA, typename TB, int IN, int R, int OUT, int YW,
-          int COL, int OC, int WARPS, int EI, int EO, int TT>
+          int COL, int OC, int CS, int ZS, int WARPS, int EI, int EO, int TT>
 __device__ __forceinline__ void mlxserve_lora_block(
     const TX* x, const TY* y, const TA* a_t, const TB* b, const int32_t* idx, const float* scale,
-    const int T, const int tile, const int rank, TY* out, float* zw, float* z) {
+    const int T, const int tile, const int rank, unsigned int* count, float* zp, TY* out,
+    float* zw, float* z) {
   constexpr int THREADS = WARPS * 32;
   __shared__ int toks[TT];
   __shared__ int info[3];
@@ -443,13 +499,31 @@ __device__ __forceinline__ void mlxserve_lora_block(
   const int last = first + OC < OUT ? first + OC : OUT;
   if (s == 0) {
     // Local slot 0 is zeros in every stack: the update is zero, A and B need not be read.
+    // (The whole tile's blocks take this path: none waits at the count.)
     for (int j = 0; j < n; ++j) {
       const size_t t = toks[j];
       for (int o = first + tid; o < last; o += THREADS) out[t * OUT + o] = y[t * YW + COL + o];
     }
     return;
   }
-  mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, 0, IN, zw, z);
+  constexpr unsigned int WRAP = 2 * CS - 1;
+  if constexpr (CS == 1) {
+    mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, 0, IN, zw, z);
+  } else {
+    constexpr int SLICE = ((IN + CS - 1) / CS + EI - 1) / EI * EI;
+    const int lo = rank * SLICE < IN ? rank * SLICE : IN;
+    const int hi = lo + SLICE < IN ? lo + SLICE : IN;
+    mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, lo, hi, zw, z);
+    float* mine = zp + (size_t)rank * ZS;
+    for (int e = tid; e < TT * R; e += THREADS) mine[e] = z[e];
+    mlxserve_tile_wait(count, WRAP, CS);
+    for (int e = tid; e < TT * R; e += THREADS) {
+      float v = __ldcg(zp + e);
+      for (int p = 1; p < CS; ++p) v += __ldcg(zp + (size_t)p * ZS + e);
+      z[e] = v;
+    }
+    __syncthreads();
+  }
   const TB* bs = b + (size_t)s * R * OUT;
   auto put = [&](const size_t t, const int o, const TY (&r)[EO]) {
 #pragma unroll
@@ -462,6 +536,9 @@ __device__ __forceinline__ void mlxserve_lora_block(
     mlxserve_lora_rows<false, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
         z, toks, n, bs, y, scale, true, first, last, put);
   }
+  if constexpr (CS > 1) {
+    mlxserve_tile_arrive(count, WRAP);
+  }
 }
 """
 
@@ -473,12 +550,17 @@ def kernel_header(extra: str = "") -> str:
 
 def _fused_source(parts: int) -> str:
     """The kernel body for `parts` modules: the blocks of part p follow those of the parts before
-    it, CS{p} for each of its tiles (`tiles`: how many there can be)."""
+    it, CS{p} for each of its tiles (`tiles`: how many there can be), in ticket order
+    (`mlxserve_ticket`); part p's tile i counts at counts[p * MAX_TILES + i]."""
     lines = [
         "    const int T = idx0_shape[0];",
         "    __shared__ float zw[WARPS * 64];",
         "    __shared__ float z[TT * RMAX];",
-        "    int block = blockIdx.x;",
+        "    // counts are the kernel's to change (`tile_counts`): MLX passes inputs as const.",
+        "    unsigned int* count =",
+        "        const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counts));",
+        "    const int ticket = mlxserve_ticket(count + TICKET);",
+        "    int block = ticket;",
     ]
     for p in range(parts):
         lines += [
@@ -487,9 +569,13 @@ def _fused_source(parts: int) -> str:
             f"        const int blocks = ((T + TT - 1) / TT + slots - 1) * CS{p};",
             "        if (block < blocks) {",
             "            // The tile, and the share of its outputs the block takes.",
-            f"            mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p}, YW{p},",
-            f"                                COL{p}, OC{p}, WARPS, EI, EO{p}, TT>(",
-            f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, block / CS{p}, block % CS{p},",
+            f"            const int tile = block / CS{p}, rank = block % CS{p};",
+            f"            mlxserve_lora_block<TX, TY{p}, TA{p}, TB{p}, IN, R{p}, OUT{p},",
+            f"                                YW{p}, COL{p}, OC{p}, CS{p}, TT * RMAX,",
+            f"                                WARPS, EI, EO{p}, TT>(",
+            f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, tile, rank,",
+            f"                count + {p} * MAX_TILES + tile,",
+            "                zp + (size_t)(ticket - rank) * TT * RMAX,",
             f"                out{p}, zw, z);",
             "            return;",
             "        }",
@@ -546,8 +632,8 @@ def _fused(parts: int) -> Any:
         # One name per source: MLX before 0.32.1 caches a compiled kernel by its name and
         # template arguments, not its source.
         name=f"mlxserve_lora_fused{parts}",
-        input_names=["x", "scale", *names],
-        output_names=[f"out{p}" for p in range(parts)],
+        input_names=["x", "scale", *names, "counts"],
+        output_names=[*(f"out{p}" for p in range(parts)), "zp"],
         source=_fused_source(parts),
         header=kernel_header(),
     )
@@ -560,13 +646,13 @@ def vector(width: int) -> int:
 
 def blocks(width: int) -> int:
     """Blocks a tile of a module with this many outputs takes in `fused_add`: one for each
-    BLOCK_OUTPUTS."""
-    return max(1, -(-width // BLOCK_OUTPUTS))
+    BLOCK_OUTPUTS, and at least MIN_BLOCKS."""
+    return max(MIN_BLOCKS, -(-width // BLOCK_OUTPUTS))
 
 
 def share(width: int) -> int:
-    """Outputs of a row of this width each of a tile's blocks takes (the last may take fewer):
-    whole vector loads, `blocks(width)` shares covering the row."""
+    """Outputs of a row of this width each of a tile's blocks takes (the last ones may take fewer,
+    or none): whole vector loads, `blocks(width)` shares covering the row."""
     vec = vector(width)
     per_block = -(-width // blocks(width))
     return -(-per_block // vec) * vec
@@ -582,6 +668,10 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
     tokens = x.size // width
     if tokens == 0:  # CUDA launches no empty grid
         return [part.base() for part in parts]
+    if len(parts) > MAX_PARTS or any(
+        tiles(tokens, part.a_t.shape[0]) > MAX_TILES for part in parts
+    ):
+        return shrink_expand_add(x, parts, scale)  # more than the counts have room for
     template: list[tuple[str, Any]] = [
         ("TX", x.dtype),
         ("IN", width),
@@ -609,18 +699,50 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
     template += [
         ("TT", TILE),
         ("RMAX", max(part.a_t.shape[1] for part in parts)),
+        ("MAX_TILES", MAX_TILES),
+        ("TICKET", TICKET),
     ]
+    inputs.append(tile_counts())
     threads = FUSED_WARPS * 32
-    return list(
-        _fused(len(parts))(
-            inputs=inputs,
-            template=template,
-            grid=(block_count * threads, 1, 1),
-            threadgroup=(threads, 1, 1),
-            output_shapes=[(*part.y.shape[:-1], part.width) for part in parts],
-            output_dtypes=[part.y.dtype for part in parts],
-        )
+    *outs, _ = _fused(len(parts))(
+        inputs=inputs,
+        template=template,
+        grid=(block_count * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[
+            *((*part.y.shape[:-1], part.width) for part in parts),
+            (block_count * TILE * max(part.a_t.shape[1] for part in parts),),
+        ],
+        output_dtypes=[*(part.y.dtype for part in parts), mx.float32],
     )
+    return outs
+
+
+TICKET = MAX_PARTS * MAX_TILES  # the launches' ticket counter's place in `tile_counts`
+
+
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.counts: mx.array | None = None
+
+
+_PER_THREAD = _PerThread()
+
+
+def tile_counts() -> mx.array:
+    """This thread's counts for the kernels whose tiles' blocks meet (`fused_add`, the fold of
+    service.core.models.residual_norm): one a tile of each part, then the launch's ticket counter.
+    Zeros between launches (each launch's last arrivals take them back to zero), so made once
+    rather than filled at every launch (a fill is a kernel of its own). One a thread: MLX gives
+    each thread its own stream, and two launches running at once must not share counts. Made on
+    the thread's first launch, or earlier by `service.core.models.lora.AdapterSet` and
+    `residual_norm.install` on the thread that loads and then serves: a compiled function's trace
+    may not evaluate, so a thread's first launch must not be traced."""
+    counts = _PER_THREAD.counts
+    if counts is None:
+        counts = _PER_THREAD.counts = mx.zeros((TICKET + 1,), mx.int32)
+        mx.eval(counts)
+    return counts
 
 
 def reference_shrink(x: mx.array, a_t: mx.array, idx: mx.array) -> mx.array:

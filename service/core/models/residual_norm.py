@@ -151,13 +151,13 @@ def add_rms_norm(
 
 
 _FOLD_HEADER = """
-// The h of a tile's tokens: h = T(x + r) as add_rms_norm rounds it, for r the projection's output
-// with its update (mlxserve_lora_rows: base where s is 0).
+// The h of a tile's tokens at columns [first, last): h = T(x + r) as add_rms_norm rounds it, for
+// r the projection's output with its update (mlxserve_lora_rows: base where s is 0).
 template <bool V, typename T, typename TB, int R, int D, int YW, int COL, int THREADS, int EO,
           int TT>
 __device__ __forceinline__ void mlxserve_fold_rows(
     const T* x, const T* base, const TB* bs, const float* scale, const int s, const float* z,
-    const int* toks, const int n, T* h) {
+    const int* toks, const int n, const int first, const int last, T* h) {
   auto put = [&](const size_t t, const int o, const T (&r)[EO]) {
     float xv[EO];
     mlxserve_load<V, T, EO>(x + t * D + o, xv);
@@ -167,17 +167,19 @@ __device__ __forceinline__ void mlxserve_fold_rows(
     }
   };
   mlxserve_lora_rows<V, T, TB, R, D, YW, COL, THREADS, EO, TT>(
-      z, toks, n, bs, base, scale, s != 0, 0, D, put);
+      z, toks, n, bs, base, scale, s != 0, first, last, put);
 }
 
 // A tile's residual add and norm, the projection's LoRA update made here, by the tile's SPLIT
-// blocks. Block q sums z over its slice q of the inputs (whole loads of EI) into zp, then counts
-// itself done in count[tile] (which the last count takes back to zero); the block that counts
-// last adds the slices' sums in slice order (so z does not depend on which block finished last),
-// makes the tile's rows of r and h, then each token's sum of squares over its h in
-// add_rms_norm's order (on its NT threads: thread tid takes elements tid, tid + NT, ...; lanes,
-// then warps in order) and the norm. A tile of rows without an adapter (s = 0) needs no z: its
-// first block does it all.
+// blocks side by side, which meet twice at the tile's count. Block q sums z over its slice q of
+// the inputs (whole loads of EI) into zp; once all have, each adds the slices' sums in slice order
+// (the same z in every block, whatever finished first) and makes its share q of the columns of
+// the tile's rows of r and h. Once all have, each makes every token's sum of squares over the
+// whole h row in add_rms_norm's order (on its first NT threads: thread tid takes elements tid,
+// tid + NT, ...; lanes, then warps in order), the same in every block, and the norm of its own
+// columns. The count goes 0 .. 3 * SPLIT: two meetings, then each block's last arrival, the last
+// of which takes it back to zero for the next launch. A tile without an adapter (s = 0) needs no
+// z, and still meets before the norm.
 template <typename T, typename TX, typename TA, typename TB, int D, int IN, int R, int YW,
           int COL, int WARPS, int EI, int EO, int TT, int NT, int SPLIT, int EPS_BITS>
 __device__ __forceinline__ void mlxserve_fold_block(
@@ -187,55 +189,49 @@ __device__ __forceinline__ void mlxserve_fold_block(
   constexpr int THREADS = WARPS * 32;
   static_assert(THREADS >= NT && NT % 32 == 0, "the norm's sums run on add_rms_norm's threads");
   constexpr int SLICE = ((IN + SPLIT - 1) / SPLIT + EI - 1) / EI * EI;
+  constexpr int COLS = ((D + SPLIT - 1) / SPLIT + EO - 1) / EO * EO;
+  constexpr unsigned int WRAP = 3 * SPLIT - 1;
   __shared__ int toks[TT];
   __shared__ int info[3];
   __shared__ float warp_sums[TT * (NT / 32)];
   __shared__ float totals[TT];
-  __shared__ bool last;
   const int s = mlxserve_tile<TT>(idx, tokens, tile, toks, info);
-  if (s < 0 || (s == 0 && q != 0)) {
-    return;  // past the last tile, or a tile without an adapter that another block makes
+  if (s < 0) {
+    return;  // past the last tile: so are the tile's other blocks
   }
   const int n = info[2];
   const int tid = threadIdx.x;
+  unsigned int* c = count + tile;
   if (s != 0) {
     const int lo = q * SLICE < IN ? q * SLICE : IN;
     const int hi = lo + SLICE < IN ? lo + SLICE : IN;
     mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(lx, toks, n, a_t, s, lo, hi, zw, z);
     float* mine = zp + ((size_t)tile * SPLIT + q) * TT * R;
     for (int e = tid; e < TT * R; e += THREADS) mine[e] = z[e];
-    __threadfence();  // this slice's sums reach the block that finishes the tile before its count
-    __syncthreads();
-    if (tid == 0) {
-      // Counts 0, 1, ..., SPLIT - 1, then back to 0 with the last block's: ready for the next
-      // launch without a store that could overwrite another's count.
-      last = atomicInc(count + tile, SPLIT - 1) == SPLIT - 1;
-    }
-    __syncthreads();
-    if (!last) {
-      return;
-    }
-    __threadfence();
+  }
+  mlxserve_tile_wait(c, WRAP, SPLIT);
+  if (s != 0) {
     const float* slices = zp + (size_t)tile * SPLIT * TT * R;
     for (int e = tid; e < TT * R; e += THREADS) {
-      float v = __ldcg(slices + e);  // from L2: other blocks wrote it
+      float v = __ldcg(slices + e);
       for (int p = 1; p < SPLIT; ++p) v += __ldcg(slices + (size_t)p * TT * R + e);
       z[e] = v;
     }
     __syncthreads();
   }
+  const int first = q * COLS < D ? q * COLS : D;
+  const int last = first + COLS < D ? first + COLS : D;
   const TB* bs = b + (size_t)(s > 0 ? s : 0) * R * D;
   if (mlxserve_aligned(bs, D) && mlxserve_aligned(base + COL, YW) && mlxserve_aligned(x, D)) {
     mlxserve_fold_rows<true, T, TB, R, D, YW, COL, THREADS, EO, TT>(
-        x, base, bs, scale, s, z, toks, n, h);
+        x, base, bs, scale, s, z, toks, n, first, last, h);
   } else {
     mlxserve_fold_rows<false, T, TB, R, D, YW, COL, THREADS, EO, TT>(
-        x, base, bs, scale, s, z, toks, n, h);
+        x, base, bs, scale, s, z, toks, n, first, last, h);
   }
-  __syncthreads();  // the tile's rows of h are written, and seen by all the block's threads
-  // Each token's sum of squares in add_rms_norm's order (thread tid: elements tid, tid + NT, ...;
-  // then lanes, then warps in order), the tile's tokens side by side so that their loads overlap
-  // and two barriers serve them all.
+  mlxserve_tile_wait(c, WRAP, 2 * SPLIT);
+  // Each token's sum of squares in add_rms_norm's order, the tile's tokens side by side so that
+  // their loads overlap and two barriers serve them all.
   constexpr int PER = (D + NT - 1) / NT;
   if (tid < NT) {  // whole warps
     float squares[TT];
@@ -248,7 +244,7 @@ __device__ __forceinline__ void mlxserve_fold_block(
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
           if (j < n) {
-            const float v = static_cast<float>(h[(size_t)toks[j] * D + i]);
+            const float v = mlxserve_ldcg(h + (size_t)toks[j] * D + i);
             squares[j] += v * v;
           }
         }
@@ -272,13 +268,14 @@ __device__ __forceinline__ void mlxserve_fold_block(
     totals[tid] = total;
   }
   __syncthreads();
-  for (int i = tid; i < D; i += THREADS) {
+  for (int i = first + tid; i < last; i += THREADS) {
     for (int j = 0; j < n; ++j) {
       const size_t at = (size_t)toks[j] * D + i;
       const float normalizer = rsqrt(totals[j] / D + __int_as_float(EPS_BITS));
-      out[at] = w[i] * static_cast<T>(static_cast<float>(h[at]) * normalizer);
+      out[at] = w[i] * static_cast<T>(mlxserve_ldcg(h + at) * normalizer);
     }
   }
+  mlxserve_tile_arrive(c, WRAP);
 }
 """
 
@@ -286,20 +283,17 @@ _FOLD_SOURCE = """
     const int tokens = idx_shape[0];
     __shared__ float zw[WARPS * 64];
     __shared__ float z[TT * R];
-    // count is the kernel's to change (`tile_counts`): MLX passes every input as const.
+    // counts are the kernel's to change (`tile_counts`): MLX passes every input as const.
     unsigned int* count = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counts));
+    const int ticket = mlxserve_ticket(count + TICKET);
     mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, WARPS, EI, EO, TT, NT, SPLIT, EPS_BITS>(
-        x, base, lx, a_t, b, idx, scale, w, count, tokens, blockIdx.x / SPLIT, blockIdx.x % SPLIT,
+        x, base, lx, a_t, b, idx, scale, w, count, tokens, ticket / SPLIT, ticket % SPLIT,
         h, out, zp, zw, z);
 """
 
 SLICES = 8  # blocks a fold's tile takes, each summing z over a slice of the input
-# Warps of a fold's block: the last block of a tile makes the whole rows alone (its norm's sums
-# on the first THREADS threads, add_rms_norm's).
-FOLD_WARPS = 8
-# Tiles a fold may have (`lora_kernel.tiles`: about one per TILE tokens): more take fused_add then
-# the add.
-MAX_TILES = 1 << 14
+# Warps of a fold's block: the norm's sums run on add_rms_norm's THREADS threads.
+FOLD_WARPS = 4
 
 
 @cache
@@ -313,25 +307,10 @@ def _fold_kernel() -> Any:
     )
 
 
-def tile_counts() -> mx.array:
-    """This thread's count of done blocks per tile for the fold: zeros between launches (the last
-    block of a tile takes its count back to zero), so made once rather than filled at every launch
-    (a fill is a kernel of its own). One a thread: MLX gives each thread its own stream, and two
-    launches running at once must not share counts. (Two folds with no data between them evaluated
-    together could still run at once on one stream: a layer's folds are chained through h.) Made
-    on the thread's first fold, or by `install` on the thread that loads and then serves: a
-    compiled function's trace may not evaluate, so a thread's first fold must not be traced."""
-    counts = _PER_THREAD.counts
-    if counts is None:
-        counts = _PER_THREAD.counts = mx.zeros((MAX_TILES,), mx.int32)
-        mx.eval(counts)
-    return counts
-
-
 def foldable(x: mx.array, update: lora_kernel.Deferred, weight: mx.array) -> bool:
     """Whether `add_update_rms_norm` takes x and the update: the dtypes and width `supported`
     asks of an add, the update's output as wide as x, one of its tokens for each of x's rows
-    and no more tiles of them than `MAX_TILES`, and `fused_add`'s kernel here."""
+    and no more tiles of them than `lora_kernel.MAX_TILES`, and `fused_add`'s kernel here."""
     part = update.part
     width = x.shape[-1]
     rows = x.size // width
@@ -341,7 +320,7 @@ def foldable(x: mx.array, update: lora_kernel.Deferred, weight: mx.array) -> boo
         and part.y.dtype == x.dtype
         and part.width == width
         and update.x.size // update.x.shape[-1] == rows == part.idx.size
-        and lora_kernel.tiles(rows, part.a_t.shape[0]) <= MAX_TILES
+        and lora_kernel.tiles(rows, part.a_t.shape[0]) <= lora_kernel.MAX_TILES
     )
 
 
@@ -365,7 +344,10 @@ def add_update_rms_norm(
     threads = FOLD_WARPS * 32
     tile_count = lora_kernel.tiles(rows, part.a_t.shape[0])
     h, y, _ = _fold_kernel()(
-        inputs=[x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight, tile_counts()],
+        inputs=[
+            *(x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight),
+            lora_kernel.tile_counts(),
+        ],
         template=[
             ("T", x.dtype),
             ("TX", lx.dtype),
@@ -383,6 +365,7 @@ def add_update_rms_norm(
             ("NT", THREADS),
             ("SPLIT", SLICES),
             ("EPS_BITS", float_bits(eps)),
+            ("TICKET", lora_kernel.TICKET),
         ],
         grid=(tile_count * SLICES * threads, 1, 1),
         threadgroup=(threads, 1, 1),
@@ -424,7 +407,6 @@ class _PerThread(threading.local):
         self.sum: Latest[tuple[mx.array, mx.array]] = Latest()
         # The latest deferred LoRA update's output, with its pieces.
         self.update: Latest[lora_kernel.Deferred] = Latest()
-        self.counts: mx.array | None = None  # tile_counts
 
 
 _PER_THREAD = _PerThread()
@@ -472,7 +454,7 @@ def install(model: Any) -> int:
             module.__class__ = _fused(type(module))
             swapped += 1
     if swapped and available():
-        tile_counts()  # now, before a compiled step traces a fold
+        lora_kernel.tile_counts()  # now, before a compiled step traces a fold
     return swapped
 
 
