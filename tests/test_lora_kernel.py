@@ -6,6 +6,7 @@ service/core/models/lora.py against mlx-lm, and its projections that share one k
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -316,6 +317,56 @@ def test_a_tokens_update_is_the_same_whatever_shares_its_batch(pattern: str, tok
             assert_same(g[t : t + 1], a, (t, int(slots[t])))
             if slots[t] == 0:
                 assert_same(a, part.y[t : t + 1], t)
+    mx.synchronize()
+    assert not np.array(lora_kernel.tile_counts()).any()  # every launch took its counts back
+
+
+@cuda_only
+def test_a_grid_larger_than_the_gpu_holds_completes() -> None:
+    """Thousands of tokens over every slot at the 8B's gate/up widths: more blocks than the GPU
+    holds at once, those of a tile meeting at its count (tickets keep a waiting block from
+    holding a place its tile's others need). The launch ends, matches the reference, and leaves
+    the counts at zero."""
+    tokens, width, outs, rank = 2048, 4096, [14336, 14336], 16
+    mx.random.seed(3)
+    x = mx.random.normal((tokens, width)).astype(mx.bfloat16)
+    slots = np.random.default_rng(3).integers(0, 9, tokens).astype(np.int32)
+    scale = mx.full((tokens,), 2.0, mx.float32)
+    y = mx.random.normal((tokens, sum(outs))).astype(mx.bfloat16)
+    parts = []
+    for p, out in enumerate(outs):
+        a_t = mx.random.normal((9, rank, width)) * width**-0.5
+        b = mx.random.normal((9, rank, out)) * rank**-0.5
+        a_t[0] = 0
+        b[0] = 0
+        parts.append(lora_kernel.Part(y, a_t, b, mx.array(slots), p * outs[0]))
+    got = lora_kernel.fused_add(x, parts, scale)
+    for g, w, part in zip(got, lora_kernel.reference_fused_add(x, parts, scale), parts):
+        assert_close_rounded(g, w, part.base(), mx.bfloat16)
+    mx.synchronize()
+    assert not np.array(lora_kernel.tile_counts()).any()
+
+
+def test_each_thread_has_its_own_tile_counts() -> None:
+    """The counts at which a tile's blocks meet (`fused_add`, the fold) are made once a thread
+    (MLX gives each thread its own stream: two threads' launches may run at once), zeros: a
+    count for each of MAX_TILES tiles of each of MAX_PARTS parts, then the ticket counter."""
+    here = lora_kernel.tile_counts()
+    assert lora_kernel.tile_counts() is here
+    assert lora_kernel.TICKET == lora_kernel.MAX_PARTS * lora_kernel.MAX_TILES
+    assert here.shape == (lora_kernel.TICKET + 1,) and not np.array(here).any()
+    other: list[bool] = []
+
+    def launching_thread() -> None:
+        counts = lora_kernel.tile_counts()
+        other.append(counts is not here and counts is lora_kernel.tile_counts())
+        del counts
+        mx.clear_streams()  # what MLX asks of a thread that used it, before it ends
+
+    worker = threading.Thread(target=launching_thread)
+    worker.start()
+    worker.join()
+    assert other == [True]
 
 
 @cuda_only

@@ -9,19 +9,18 @@ that read the same input (an attention's q, k and v; an MLP's gate and up: servi
 lora groups them), each with its own stacks, slots and output.
 
 A tile of up to TILE tokens of one slot s of one module is taken by `blocks(out)` blocks, each
-writing up to BLOCK_OUTPUTS of the module's outputs. Each block sums z = x[t] @ A[s] for the
-tile's tokens itself (float32, in shared memory), then writes its share of the outputs,
-y + scale * z @ B[s] cast as mlx-lm casts it. So each element of B is read once for the tile and
-each element of A by each of the tile's blocks (from L2 after the first): a narrow module such as
-k or v takes one block a tile, since those repeated reads are what more blocks would cost. The
-tiles are found in the kernel from the tokens' slots (a token leads a tile when the tokens of its
-slot before it are a multiple of TILE); the grid holds as many as there can be (`tiles`) and the
-blocks past the last return. A token's sums run over the same threads in the same order whatever
-its tile holds, so its numbers do not depend on the batch. The shares depend on the module's
-shape only, not on the number of tokens: a template value that changed with the tokens would
-compile a kernel variant at the first step of each new size, a stall in the middle of
-serving. No thread block clusters: MLX launches a graph like one it ran before by updating that
-graph in place, which does not carry a kernel's compiled-in cluster shape over (docs/lora.md).
+writing up to BLOCK_OUTPUTS of the module's outputs. They split z = x[t] @ A[s] for the tile's
+tokens between them, each summing a slice of the input (float32) and writing it out; they meet at
+the tile's count (`tile_counts`: docs/lora.md says how, and why not through a thread block
+cluster), and each adds the slices in slice order and writes its share of the outputs,
+y + scale * z @ B[s] cast as mlx-lm casts it. So each element of A and B is read once for the
+tile. The tiles are found in the kernel from the tokens' slots (a token leads a tile when the
+tokens of its slot before it are a multiple of TILE); the grid holds as many as there can be
+(`tiles`) and the blocks past the last return. A token's sums run over the same threads in the
+same order whatever its tile holds, so its numbers do not depend on the batch. The shares and
+slices depend on the module's shape only, not on the number of tokens: a template value that
+changed with the tokens would compile a kernel variant at the first step of each new size, a
+stall in the middle of serving.
 
 Under tensor parallel a sharded-to-all layer sums z over the group between the two products, so
 it takes two kernels: `shrink` (z = x @ A[s], [tokens, r] float32) and `expand_add`.

@@ -24,15 +24,13 @@ MLX ops run (what the CPU tests exercise).
 A LoRA row's update to the projection before an add (attention's o_proj, the MLP's down_proj) is
 made here too, when the projection deferred it (`defer`: service.core.models.lora, one token a
 row): `add_update_rms_norm` computes base + update, the sum and its norm in one kernel, one kernel
-a projection fewer than the update's own `fused_add` then this add. The norm needs a token's whole
-row, so one block makes a tile's rows; z, the longest part (down_proj's input is the MLP's width),
-is summed over SLICES blocks, each a slice of the input, and the block that finishes last adds the
-slices in order and makes the rows (blocks count themselves done in an array the kernel keeps at
-zero between launches: no thread block clusters, which MLX's graph updates do not carry:
-docs/lora.md). So z differs from `fused_add`'s in the order of its sum (float tolerance), and a
-token's numbers still do not depend on the rows beside it; the sum and its norm are
-`add_rms_norm`'s bit for bit. The projection's own output (the update's kernel) is then never read
-and never run.
+a projection fewer than the update's own `fused_add` then this add. A tile's SLICES blocks each
+sum z over a slice of the input, meet (`lora_kernel.tile_counts`), each make a share of the
+columns of r and h, meet again, and each make every token's sum of squares over its whole row of
+h (read back) in `add_rms_norm`'s order and the norm of its columns. So z differs from
+`fused_add`'s in the order of its sum (float tolerance), a token's numbers do not depend on the
+rows beside it, and the sum and its norm are `add_rms_norm`'s bit for bit. The projection's own
+output (the update's kernel) is then never read and never run.
 """
 
 from __future__ import annotations
