@@ -6,7 +6,6 @@ service/core/models/lora.py against mlx-lm, and its projections that share one k
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -317,16 +316,15 @@ def test_a_tokens_update_is_the_same_whatever_shares_its_batch(pattern: str, tok
             assert_same(g[t : t + 1], a, (t, int(slots[t])))
             if slots[t] == 0:
                 assert_same(a, part.y[t : t + 1], t)
-    mx.synchronize()
-    assert not np.array(lora_kernel.tile_counts()).any()  # every launch took its counts back
 
 
 @cuda_only
 def test_a_grid_larger_than_the_gpu_holds_completes() -> None:
     """Thousands of tokens over every slot at the 8B's gate/up widths: more blocks than the GPU
     holds at once, those of a tile meeting at its count (tickets keep a waiting block from
-    holding a place its tile's others need). The launch ends, matches the reference, and leaves
-    the counts at zero."""
+    holding a place its tile's others need). The launch ends and matches the reference; so do
+    two launches with no data between them, evaluated together (they may run at once), given
+    their counts by one `Counts` or each its own."""
     tokens, width, outs, rank = 2048, 4096, [14336, 14336], 16
     mx.random.seed(3)
     x = mx.random.normal((tokens, width)).astype(mx.bfloat16)
@@ -341,32 +339,55 @@ def test_a_grid_larger_than_the_gpu_holds_completes() -> None:
         b[0] = 0
         parts.append(lora_kernel.Part(y, a_t, b, mx.array(slots), p * outs[0]))
     got = lora_kernel.fused_add(x, parts, scale)
-    for g, w, part in zip(got, lora_kernel.reference_fused_add(x, parts, scale), parts):
+    want = lora_kernel.reference_fused_add(x, parts, scale)
+    for g, w, part in zip(got, want, parts):
         assert_close_rounded(g, w, part.base(), mx.bfloat16)
-    mx.synchronize()
-    assert not np.array(lora_kernel.tile_counts()).any()
+    counts = lora_kernel.Counts()
+    apart = [
+        lora_kernel.fused_add(
+            x, [part], scale, counts.take(lora_kernel.fused_counts(tokens, [part]))
+        )
+        for part in parts
+    ]
+    apart += [lora_kernel.fused_add(x, [part], scale) for part in parts]
+    mx.eval(apart)
+    for (g,), w, part in zip(apart, want + want, parts + parts):
+        assert_close_rounded(g, w, part.base(), mx.bfloat16)
 
 
-def test_each_thread_has_its_own_tile_counts() -> None:
-    """The counts at which a tile's blocks meet (`fused_add`, the fold) are made once a thread
-    (MLX gives each thread its own stream: two threads' launches may run at once), zeros: a
-    count for each of MAX_TILES tiles of each of MAX_PARTS parts, then the ticket counter."""
-    here = lora_kernel.tile_counts()
-    assert lora_kernel.tile_counts() is here
-    assert lora_kernel.TICKET == lora_kernel.MAX_PARTS * lora_kernel.MAX_TILES
-    assert here.shape == (lora_kernel.TICKET + 1,) and not np.array(here).any()
-    other: list[bool] = []
+def test_a_forwards_counts_are_zeros_each_launch_its_own() -> None:
+    """`Counts` gives each launch of a forward its own stretch of zeros, from one fill until it
+    is used up; a launch refuses counts too few or not int32."""
+    counts = lora_kernel.Counts()
+    first, second = counts.take(100), counts.take(lora_kernel.Counts.CHUNK - 100)
+    assert first.shape == (100,) and first.dtype == mx.int32
+    assert not np.array(first).any() and not np.array(second).any()
+    third = counts.take(7)  # past the first fill: a new one
+    assert third.shape == (7,) and not np.array(third).any()
+    big = counts.take(lora_kernel.Counts.CHUNK * 2)
+    assert big.shape == (lora_kernel.Counts.CHUNK * 2,)
+    assert lora_kernel.launch_counts(None, 9).shape == (9,)
+    assert lora_kernel.launch_counts(first, 100) is first
+    with pytest.raises(ValueError, match="needs 101 int32 counts"):
+        lora_kernel.launch_counts(first, 101)
+    with pytest.raises(ValueError, match="int32"):
+        lora_kernel.launch_counts(mx.zeros((200,), mx.float32), 100)
 
-    def launching_thread() -> None:
-        counts = lora_kernel.tile_counts()
-        other.append(counts is not here and counts is lora_kernel.tile_counts())
-        del counts
-        mx.clear_streams()  # what MLX asks of a thread that used it, before it ends
 
-    worker = threading.Thread(target=launching_thread)
-    worker.start()
-    worker.join()
-    assert other == [True]
+def test_a_launchs_counts_cover_its_blocks() -> None:
+    """A `fused_add` launch's counts: its ticket counter and one for each of its blocks (tiles
+    times each part's blocks); a fold's the same with SLICES blocks a tile."""
+    parts = [
+        lora_kernel.Part(
+            mx.zeros((64, 6144)), mx.zeros((9, 16, 8)), mx.zeros((9, 16, w)), mx.zeros(64)
+        )
+        for w in (4096, 1024, 1024)
+    ]
+    tiles = lora_kernel.tiles(64, 9)
+    assert tiles == 8 + 8
+    want = 1 + tiles * sum(lora_kernel.blocks(w) for w in (4096, 1024, 1024))
+    assert lora_kernel.fused_counts(64, parts) == want
+    assert residual_norm.fold_counts(64, parts[0]) == 1 + tiles * residual_norm.SLICES
 
 
 @cuda_only
@@ -457,9 +478,9 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     calls: list[int] = []
     real = lora_kernel.fused_add
 
-    def spy(x: mx.array, parts, scale: mx.array) -> list[mx.array]:
+    def spy(x: mx.array, parts, scale: mx.array, counts=None) -> list[mx.array]:
         calls.append(len(parts))
-        return real(x, parts, scale)
+        return real(x, parts, scale, counts)
 
     with monkeypatch.context() as patch:
         patch.setattr(lora_kernel, "fused_add", spy)

@@ -295,10 +295,9 @@ def test_a_fold_larger_than_the_gpu_holds_completes() -> None:
     """Thousands of rows at the 8B's down_proj: more blocks than the GPU holds at once, those of
     a tile meeting twice at its count (tickets keep a waiting block from holding a place its
     tile's others need). The launch ends, its numbers are the separate kernels' as above, and
-    the counts are back at zero."""
+    the fold and `fused_add` beside it (no data between them, so they may run at once) each
+    meet at counts of their own."""
     _check_fold(2048, mx.bfloat16, 4096, 14336, 16, False)
-    mx.synchronize()
-    assert not np.array(lora_kernel.tile_counts()).any()
 
 
 def _check_fold(rows: int, dtype: mx.Dtype, width: int, inner: int, rank: int, wide: bool) -> None:
@@ -326,8 +325,8 @@ def test_a_folded_rows_numbers_are_the_same_whatever_shares_its_batch(
     width: int, inner: int, rank: int, wide: bool
 ) -> None:
     """A row's h and norm from the fold are those it gets alone, bit for bit, whatever rows share
-    its tile; and launch after launch (tiles of other counts between: each launch's blocks set
-    their tiles' counts back to zero), the same batch gives the same numbers."""
+    its tile; and launch after launch (tiles of other counts between), the same batch gives the
+    same numbers."""
     x, update, weight = _fold_case(21, width, inner, rank, mx.bfloat16, wide)
     h, y = residual_norm.add_update_rms_norm(x, update, weight, 1e-5)
     mx.eval(h, y)
@@ -344,8 +343,6 @@ def test_a_folded_rows_numbers_are_the_same_whatever_shares_its_batch(
         again = residual_norm.add_update_rms_norm(x, update, weight, 1e-5)
         assert_same(again[0], h, "h again")
         assert_same(again[1], y, "y again")
-    mx.synchronize()
-    assert not np.array(lora_kernel.tile_counts()).any()  # every launch took its counts back
 
 
 @pytest.mark.skipif(cuda_source.nvcc() is None, reason="no nvcc on this machine")

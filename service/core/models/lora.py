@@ -93,6 +93,8 @@ class RowAdapters:
         self._scales: dict[tuple[int, int, mx.Dtype], mx.array] = {}
         self._tokens: dict[tuple[int, int], tuple[mx.array | None, mx.array]] = {}
         self._token_scales: dict[tuple[int, int, int], mx.array] = {}
+        # Zeros for the CUDA kernels' launches in this forward, one fill for them all.
+        self.counts = lora_kernel.Counts()
 
     def scales(self, table: _Scales, dtype: mx.Dtype) -> mx.array:
         key = (id(table), table.version, dtype)
@@ -707,10 +709,13 @@ class MultiLoRALinear(nn.Module):
                 if several:
                     (out,) = lora_kernel.rows_add(x, [part], scale, x.shape[1])
                 else:
-                    (out,) = lora_kernel.fused_add(x, [part], scale)
+                    tokens = x.size // x.shape[-1]
+                    counts = rows.counts.take(lora_kernel.fused_counts(tokens, [part]))
+                    (out,) = lora_kernel.fused_add(x, [part], scale, counts)
                     # A residual add of out next (o_proj's, down_proj's) makes the update in
                     # its own kernel instead, and this one is never run.
-                    residual_norm.defer(out, lora_kernel.Deferred(x, part, scale))
+                    fold = rows.counts.take(residual_norm.fold_counts(tokens, part))
+                    residual_norm.defer(out, lora_kernel.Deferred(x, part, scale, fold))
             return out
         y = self.linear(x)
         # The LM head sees [rows, H]: one token per row.
@@ -801,7 +806,9 @@ class _Group(SharedInput):
         # the kernel reads in place.
         bases = projections.columns([m.linear for m in ready], x)
         shares = [m.part(x, y, start, rows) for m, (y, start) in zip(ready, bases)]
-        outs = lora_kernel.fused_add(x, [part for part, _ in shares], shares[0][1])
+        parts = [part for part, _ in shares]
+        counts = rows.counts.take(lora_kernel.fused_counts(x.size // x.shape[-1], parts))
+        outs = lora_kernel.fused_add(x, parts, shares[0][1], counts)
         own = None
         siblings: dict[int, mx.array] = {}
         for m, out in zip(ready, outs):
@@ -824,8 +831,6 @@ class AdapterSet:
         (EngineConfig.lora_kernel; elsewhere their MLX-op reference, for tests)."""
         self.model = model
         self.kernel = kernel
-        if kernel and lora_kernel.available():
-            lora_kernel.tile_counts()  # on the thread that loads and serves, before any trace
         self._slots: dict[str, int] = {}
         # What GetModelInfo says of each; the weights themselves live in the stacks only.
         self._described: dict[str, AdapterDescription] = {}

@@ -11,7 +11,7 @@ lora groups them), each with its own stacks, slots and output.
 A tile of up to TILE tokens of one slot s of one module is taken by `blocks(out)` blocks, each
 writing up to BLOCK_OUTPUTS of the module's outputs. They split z = x[t] @ A[s] for the tile's
 tokens between them, each summing a slice of the input (float32) and writing it out; they meet at
-the tile's count (`tile_counts`: docs/lora.md says how, and why not through a thread block
+the tile's count (`Counts`: docs/lora.md says how, and why not through a thread block
 cluster), and each adds the slices in slice order and writes its share of the outputs,
 y + scale * z @ B[s] cast as mlx-lm casts it. So each element of A and B is read once for the
 tile. The tiles are found in the kernel from the tokens' slots (a token leads a tile when the
@@ -32,7 +32,6 @@ exercise, and what the GPU tests hold the kernels to.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -164,8 +163,6 @@ BLOCK_OUTPUTS = FUSED_WARPS * 32 * VEC
 # Blocks a tile of a module takes at least: a narrow module's z is split over them, so that a
 # tile's sums are not one block's long loop over the input.
 MIN_BLOCKS = 4
-MAX_PARTS = 3  # modules a `fused_add` call takes (attention's q, k and v)
-MAX_TILES = 1 << 14  # tiles a module may have in a launch (`tiles`): counts for each
 
 _LOADS_HEADER = """
 // E elements of p as floats. With V (the caller checked that p starts on 16 bytes), one 16-byte
@@ -218,37 +215,35 @@ __device__ __forceinline__ float mlxserve_ldcg(const T* p) {
   }
 }
 
-// The launch's blocks in the order they start: block i of the grid takes ticket i of this launch
-// (the counter wraps back to zero with the last ticket, ready for the next launch). A block that
-// waits for others of its tile (mlxserve_tile_wait) then only waits for blocks with lower tickets,
-// which have started, or for blocks of its own tile, which start as soon as any block ends: a
-// launch cannot stall with every resident block waiting for one that is not.
-__device__ __forceinline__ int mlxserve_ticket(unsigned int* ticket) {
+// The launch's blocks in the order they start: the first to start takes ticket 0 (counts[0] of
+// the launch's own zeroed counts), the next 1, and so on. A block that waits for others of its
+// tile (mlxserve_tile_wait) then only waits for blocks with lower tickets, which have started, or
+// for blocks of its own tile, which start as soon as any block ends: a launch cannot stall with
+// every resident block waiting for one that is not.
+__device__ __forceinline__ int mlxserve_ticket(unsigned int* counts) {
   __shared__ int mine;
-  if (threadIdx.x == 0) mine = (int)atomicInc(ticket, gridDim.x - 1);
+  if (threadIdx.x == 0) mine = (int)atomicAdd(counts, 1u);
   __syncthreads();
   return mine;
 }
 
-// The block's arrival at its tile's count: after the block's writes, visible to the device.
-__device__ __forceinline__ void mlxserve_tile_arrive(unsigned int* count, const unsigned int wrap) {
+// Arrive at the tile's count after the block's writes (made visible to the device first), then
+// wait until it reaches `target`, every block of the tile having arrived as often; what those
+// blocks wrote before arriving is then to be read from L2 (__ldcg). A count that never gets
+// there (a broken launch) ends the kernel with an error rather than hanging the process.
+__device__ __forceinline__ void mlxserve_tile_wait(unsigned int* count, const unsigned int target) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    atomicInc(count, wrap);
-  }
-}
-
-// Arrive, then wait until the tile's count reaches `target` (every block of the tile arrived as
-// often); what those blocks wrote before arriving is then to be read from L2 (__ldcg).
-__device__ __forceinline__ void mlxserve_tile_wait(
-    unsigned int* count, const unsigned int wrap, const unsigned int target) {
-  mlxserve_tile_arrive(count, wrap);
-  if (threadIdx.x == 0) {
+    atomicAdd(count, 1u);
     unsigned int seen;
-    do {
+    unsigned int polls = 0;
+    while (true) {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
-    } while (seen < target);
+      if (seen >= target) break;
+      if (++polls == (1u << 26)) __trap();
+      __nanosleep(32);
+    }
   }
   __syncthreads();
 }
@@ -470,13 +465,12 @@ __device__ __forceinline__ void mlxserve_lora_z(
 }
 
 // One block's share of a LoRA update: tile `tile` of one module's tokens (those of one slot s),
-// this block the tile's `rank`-th of CS. With CS = 1 it sums z = x[t] @ A[s] for the tile's
-// tokens (`mlxserve_lora_z`); else it sums z over its slice `rank` of the inputs into zp[rank]
-// (zp: the tile's slices, ZS floats each), meets the tile's other blocks at its count, and adds
-// the slices' sums in slice order (the same z in every block). Then it writes its OC outputs of
-// out[t] = y[t] + (scale[t] * z @ B[s]) cast to TY before the add (mlx-lm's `y + (scale *
-// z).astype(x.dtype)`), and arrives at the count a last time (the last arrival takes it back to
-// zero). x [T, IN], out [T, OUT], y [T, YW] of which this module's outputs are columns
+// this block the tile's `rank`-th of CS. It sums z = x[t] @ A[s] for the tile's tokens over its
+// slice `rank` of the inputs (`mlxserve_lora_z`) into zp[rank] (zp: the tile's slices, ZS floats
+// each), meets the tile's other blocks at its count, and adds the slices' sums in slice order (the
+// same z in every block). Then it writes its OC outputs of out[t] = y[t] + (scale[t] * z @ B[s])
+// cast to TY before the add (mlx-lm's `y + (scale * z).astype(x.dtype)`). x [T, IN], out [T, OUT],
+// y [T, YW] of which this module's outputs are columns
 // [COL, COL + OUT) (a fused projection's whole product: read in place, not copied out first),
 // a_t [S, R, IN] (A transposed: a thread's EI inputs are consecutive), b [S, R, OUT].
 template <typename TX, typename TY, typename TA, typename TB, int IN, int R, int OUT, int YW,
@@ -505,24 +499,19 @@ __device__ __forceinline__ void mlxserve_lora_block(
     }
     return;
   }
-  constexpr unsigned int WRAP = 2 * CS - 1;
-  if constexpr (CS == 1) {
-    mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, 0, IN, zw, z);
-  } else {
-    constexpr int SLICE = ((IN + CS - 1) / CS + EI - 1) / EI * EI;
-    const int lo = rank * SLICE < IN ? rank * SLICE : IN;
-    const int hi = lo + SLICE < IN ? lo + SLICE : IN;
-    mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, lo, hi, zw, z);
-    float* mine = zp + (size_t)rank * ZS;
-    for (int e = tid; e < TT * R; e += THREADS) mine[e] = z[e];
-    mlxserve_tile_wait(count, WRAP, CS);
-    for (int e = tid; e < TT * R; e += THREADS) {
-      float v = __ldcg(zp + e);
-      for (int p = 1; p < CS; ++p) v += __ldcg(zp + (size_t)p * ZS + e);
-      z[e] = v;
-    }
-    __syncthreads();
+  constexpr int SLICE = ((IN + CS - 1) / CS + EI - 1) / EI * EI;
+  const int lo = rank * SLICE < IN ? rank * SLICE : IN;
+  const int hi = lo + SLICE < IN ? lo + SLICE : IN;
+  mlxserve_lora_z<TX, TA, IN, R, WARPS, EI, TT>(x, toks, n, a_t, s, lo, hi, zw, z);
+  float* mine = zp + (size_t)rank * ZS;
+  for (int e = tid; e < TT * R; e += THREADS) mine[e] = z[e];
+  mlxserve_tile_wait(count, CS);
+  for (int e = tid; e < TT * R; e += THREADS) {
+    float v = __ldcg(zp + e);
+    for (int p = 1; p < CS; ++p) v += __ldcg(zp + (size_t)p * ZS + e);
+    z[e] = v;
   }
+  __syncthreads();
   const TB* bs = b + (size_t)s * R * OUT;
   auto put = [&](const size_t t, const int o, const TY (&r)[EO]) {
 #pragma unroll
@@ -534,9 +523,6 @@ __device__ __forceinline__ void mlxserve_lora_block(
   } else {
     mlxserve_lora_rows<false, TY, TB, R, OUT, YW, COL, THREADS, EO, TT>(
         z, toks, n, bs, y, scale, true, first, last, put);
-  }
-  if constexpr (CS > 1) {
-    mlxserve_tile_arrive(count, WRAP);
   }
 }
 """
@@ -550,15 +536,15 @@ def kernel_header(extra: str = "") -> str:
 def _fused_source(parts: int) -> str:
     """The kernel body for `parts` modules: the blocks of part p follow those of the parts before
     it, CS{p} for each of its tiles (`tiles`: how many there can be), in ticket order
-    (`mlxserve_ticket`); part p's tile i counts at counts[p * MAX_TILES + i]."""
+    (`mlxserve_ticket`); a tile's blocks meet at counts[1 + its first ticket]."""
     lines = [
         "    const int T = idx0_shape[0];",
         "    __shared__ float zw[WARPS * 64];",
         "    __shared__ float z[TT * RMAX];",
-        "    // counts are the kernel's to change (`tile_counts`): MLX passes inputs as const.",
+        "    // counts are the launch's own to change (`Counts`): MLX passes inputs as const.",
         "    unsigned int* count =",
         "        const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counts));",
-        "    const int ticket = mlxserve_ticket(count + TICKET);",
+        "    const int ticket = mlxserve_ticket(count);",
         "    int block = ticket;",
     ]
     for p in range(parts):
@@ -573,7 +559,7 @@ def _fused_source(parts: int) -> str:
             f"                                YW{p}, COL{p}, OC{p}, CS{p}, TT * RMAX,",
             f"                                WARPS, EI, EO{p}, TT>(",
             f"                x, y{p}, a{p}, b{p}, idx{p}, scale, T, tile, rank,",
-            f"                count + {p} * MAX_TILES + tile,",
+            "                count + 1 + (ticket - rank),",
             "                zp + (size_t)(ticket - rank) * TT * RMAX,",
             f"                out{p}, zw, z);",
             "            return;",
@@ -617,6 +603,7 @@ class Deferred:
     x: mx.array
     part: Part
     scale: mx.array
+    counts: mx.array | None = None  # zeros for the fold's launch (`Counts`); None: its own
 
 
 def _columns(y: mx.array, start: int, width: int) -> mx.array:
@@ -657,20 +644,20 @@ def share(width: int) -> int:
     return -(-per_block // vec) * vec
 
 
-def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
+def fused_add(
+    x: mx.array, parts: Sequence[Part], scale: mx.array, counts: mx.array | None = None
+) -> list[mx.array]:
     """Each part's base output plus each token's update scale[t] * (x[t] @ A[idx[t]]) @
     B[idx[t]], in its dtype: one kernel for all parts. x [..., in] (tokens = its rows); scale
-    float32 [tokens]. Parts may share one y, each reading its own columns."""
+    float32 [tokens]. Parts may share one y, each reading its own columns. `counts`: int32 zeros,
+    at least `fused_counts(tokens, parts)` of them, for this launch alone (`Counts`); by default
+    the launch makes its own."""
     if not available():
         return reference_fused_add(x, parts, scale)
     width = x.shape[-1]
     tokens = x.size // width
     if tokens == 0:  # CUDA launches no empty grid
         return [part.base() for part in parts]
-    if len(parts) > MAX_PARTS or any(
-        tiles(tokens, part.a_t.shape[0]) > MAX_TILES for part in parts
-    ):
-        return shrink_expand_add(x, parts, scale)  # more than the counts have room for
     template: list[tuple[str, Any]] = [
         ("TX", x.dtype),
         ("IN", width),
@@ -698,10 +685,8 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
     template += [
         ("TT", TILE),
         ("RMAX", max(part.a_t.shape[1] for part in parts)),
-        ("MAX_TILES", MAX_TILES),
-        ("TICKET", TICKET),
     ]
-    inputs.append(tile_counts())
+    inputs.append(launch_counts(counts, block_count + 1))
     threads = FUSED_WARPS * 32
     *outs, _ = _fused(len(parts))(
         inputs=inputs,
@@ -717,31 +702,44 @@ def fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.ar
     return outs
 
 
-TICKET = MAX_PARTS * MAX_TILES  # the launches' ticket counter's place in `tile_counts`
+def fused_counts(tokens: int, parts: Sequence[Part]) -> int:
+    """The counts a `fused_add` launch over `tokens` tokens uses: its ticket counter, then one for
+    each of its blocks (a tile's blocks meet at that of its first)."""
+    return 1 + sum(tiles(tokens, part.a_t.shape[0]) * blocks(part.width) for part in parts)
 
 
-class _PerThread(threading.local):
-    def __init__(self) -> None:
-        self.counts: mx.array | None = None
-
-
-_PER_THREAD = _PerThread()
-
-
-def tile_counts() -> mx.array:
-    """This thread's counts for the kernels whose tiles' blocks meet (`fused_add`, the fold of
-    service.core.models.residual_norm): one a tile of each part, then the launch's ticket counter.
-    Zeros between launches (each launch's last arrivals take them back to zero), so made once
-    rather than filled at every launch (a fill is a kernel of its own). One a thread: MLX gives
-    each thread its own stream, and two launches running at once must not share counts. Made on
-    the thread's first launch, or earlier by `service.core.models.lora.AdapterSet` and
-    `residual_norm.install` on the thread that loads and then serves: a compiled function's trace
-    may not evaluate, so a thread's first launch must not be traced."""
-    counts = _PER_THREAD.counts
+def launch_counts(counts: mx.array | None, size: int) -> mx.array:
+    """`counts` for a launch that uses `size` of them, or zeros of its own."""
     if counts is None:
-        counts = _PER_THREAD.counts = mx.zeros((TICKET + 1,), mx.int32)
-        mx.eval(counts)
+        return mx.zeros((size,), mx.int32)
+    if counts.size < size or counts.dtype != mx.int32:
+        raise ValueError(f"a launch needs {size} int32 counts, given {counts.size} {counts.dtype}")
     return counts
+
+
+class Counts:
+    """Zeroed counts for the launches of one forward whose blocks meet (`fused_add`, the fold
+    of service.core.models.residual_norm), each its own stretch of one array: one fill for all
+    of them, not one a launch. Each launch's counts must be its own: MLX runs a graph's kernels
+    in the order of their data only, so two launches with none between them (q, k and v each
+    on one x) may run at once."""
+
+    # Counts a fill makes: room for a decode step of an 8B-sized model's 64 rows (a forward that
+    # needs more takes another fill).
+    CHUNK = 1 << 16
+
+    def __init__(self) -> None:
+        self._zeros: mx.array | None = None
+        self._used = 0
+
+    def take(self, size: int) -> mx.array:
+        """`size` zeros no other launch of this forward is given."""
+        if self._zeros is None or self._used + size > self._zeros.size:
+            self._zeros = mx.zeros((max(size, self.CHUNK),), mx.int32)
+            self._used = 0
+        out = self._zeros[self._used : self._used + size]
+        self._used += size
+        return out
 
 
 def reference_shrink(x: mx.array, a_t: mx.array, idx: mx.array) -> mx.array:

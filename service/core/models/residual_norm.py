@@ -25,7 +25,7 @@ A LoRA row's update to the projection before an add (attention's o_proj, the MLP
 made here too, when the projection deferred it (`defer`: service.core.models.lora, one token a
 row): `add_update_rms_norm` computes base + update, the sum and its norm in one kernel, one kernel
 a projection fewer than the update's own `fused_add` then this add. A tile's SLICES blocks each
-sum z over a slice of the input, meet (`lora_kernel.tile_counts`), each make a share of the
+sum z over a slice of the input, meet (`lora_kernel.Counts`), each make a share of the
 columns of r and h, meet again, and each make every token's sum of squares over its whole row of
 h (read back) in `add_rms_norm`'s order and the norm of its columns. So z differs from
 `fused_add`'s in the order of its sum (float tolerance), a token's numbers do not depend on the
@@ -175,9 +175,8 @@ __device__ __forceinline__ void mlxserve_fold_rows(
 // the tile's rows of r and h. Once all have, each makes every token's sum of squares over the
 // whole h row in add_rms_norm's order (on its first NT threads: thread tid takes elements tid,
 // tid + NT, ...; lanes, then warps in order), the same in every block, and the norm of its own
-// columns. The count goes 0 .. 3 * SPLIT: two meetings, then each block's last arrival, the last
-// of which takes it back to zero for the next launch. A tile without an adapter (s = 0) needs no
-// z, and still meets before the norm.
+// columns. The count (the launch's own, from zero) goes to SPLIT, then 2 * SPLIT. A tile without
+// an adapter (s = 0) needs no z, and still meets before the norm.
 template <typename T, typename TX, typename TA, typename TB, int D, int IN, int R, int YW,
           int COL, int WARPS, int EI, int EO, int TT, int NT, int SPLIT, int EPS_BITS>
 __device__ __forceinline__ void mlxserve_fold_block(
@@ -188,7 +187,6 @@ __device__ __forceinline__ void mlxserve_fold_block(
   static_assert(THREADS >= NT && NT % 32 == 0, "the norm's sums run on add_rms_norm's threads");
   constexpr int SLICE = ((IN + SPLIT - 1) / SPLIT + EI - 1) / EI * EI;
   constexpr int COLS = ((D + SPLIT - 1) / SPLIT + EO - 1) / EO * EO;
-  constexpr unsigned int WRAP = 3 * SPLIT - 1;
   __shared__ int toks[TT];
   __shared__ int info[3];
   __shared__ float warp_sums[TT * (NT / 32)];
@@ -199,7 +197,6 @@ __device__ __forceinline__ void mlxserve_fold_block(
   }
   const int n = info[2];
   const int tid = threadIdx.x;
-  unsigned int* c = count + tile;
   if (s != 0) {
     const int lo = q * SLICE < IN ? q * SLICE : IN;
     const int hi = lo + SLICE < IN ? lo + SLICE : IN;
@@ -207,7 +204,7 @@ __device__ __forceinline__ void mlxserve_fold_block(
     float* mine = zp + ((size_t)tile * SPLIT + q) * TT * R;
     for (int e = tid; e < TT * R; e += THREADS) mine[e] = z[e];
   }
-  mlxserve_tile_wait(c, WRAP, SPLIT);
+  mlxserve_tile_wait(count, SPLIT);
   if (s != 0) {
     const float* slices = zp + (size_t)tile * SPLIT * TT * R;
     for (int e = tid; e < TT * R; e += THREADS) {
@@ -227,7 +224,7 @@ __device__ __forceinline__ void mlxserve_fold_block(
     mlxserve_fold_rows<false, T, TB, R, D, YW, COL, THREADS, EO, TT>(
         x, base, bs, scale, s, z, toks, n, first, last, h);
   }
-  mlxserve_tile_wait(c, WRAP, 2 * SPLIT);
+  mlxserve_tile_wait(count, 2 * SPLIT);
   // Each token's sum of squares in add_rms_norm's order, the tile's tokens side by side so that
   // their loads overlap and two barriers serve them all.
   constexpr int PER = (D + NT - 1) / NT;
@@ -273,7 +270,6 @@ __device__ __forceinline__ void mlxserve_fold_block(
       out[at] = w[i] * static_cast<T>(mlxserve_ldcg(h + at) * normalizer);
     }
   }
-  mlxserve_tile_arrive(c, WRAP);
 }
 """
 
@@ -281,12 +277,13 @@ _FOLD_SOURCE = """
     const int tokens = idx_shape[0];
     __shared__ float zw[WARPS * 64];
     __shared__ float z[TT * R];
-    // counts are the kernel's to change (`tile_counts`): MLX passes every input as const.
+    // counts are the launch's own to change (`lora_kernel.Counts`): MLX passes inputs as const.
     unsigned int* count = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counts));
-    const int ticket = mlxserve_ticket(count + TICKET);
+    const int ticket = mlxserve_ticket(count);
+    // A tile's blocks meet at the count after its first's ticket.
     mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, WARPS, EI, EO, TT, NT, SPLIT, EPS_BITS>(
-        x, base, lx, a_t, b, idx, scale, w, count, tokens, ticket / SPLIT, ticket % SPLIT,
-        h, out, zp, zw, z);
+        x, base, lx, a_t, b, idx, scale, w, count + 1 + ticket / SPLIT * SPLIT, tokens,
+        ticket / SPLIT, ticket % SPLIT, h, out, zp, zw, z);
 """
 
 SLICES = 8  # blocks a fold's tile takes, each summing z over a slice of the input
@@ -307,8 +304,8 @@ def _fold_kernel() -> Any:
 
 def foldable(x: mx.array, update: lora_kernel.Deferred, weight: mx.array) -> bool:
     """Whether `add_update_rms_norm` takes x and the update: the dtypes and width `supported`
-    asks of an add, the update's output as wide as x, one of its tokens for each of x's rows
-    and no more tiles of them than `lora_kernel.MAX_TILES`, and `fused_add`'s kernel here."""
+    asks of an add, the update's output as wide as x, one of its tokens for each of x's rows,
+    and `fused_add`'s kernel here."""
     part = update.part
     width = x.shape[-1]
     rows = x.size // width
@@ -318,7 +315,6 @@ def foldable(x: mx.array, update: lora_kernel.Deferred, weight: mx.array) -> boo
         and part.y.dtype == x.dtype
         and part.width == width
         and update.x.size // update.x.shape[-1] == rows == part.idx.size
-        and lora_kernel.tiles(rows, part.a_t.shape[0]) <= lora_kernel.MAX_TILES
     )
 
 
@@ -330,7 +326,7 @@ def add_update_rms_norm(
     inside the same kernel where `foldable`; elsewhere from the update's own ops."""
     part = update.part
     if not foldable(x, update, weight):
-        (r,) = lora_kernel.fused_add(update.x, [part], update.scale)
+        (r,) = lora_kernel.fused_add(update.x, [part], update.scale)  # its own counts
         return add_rms_norm(x, r.reshape(x.shape), weight, eps)
     width = x.shape[-1]
     rows = x.size // width
@@ -344,7 +340,7 @@ def add_update_rms_norm(
     h, y, _ = _fold_kernel()(
         inputs=[
             *(x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight),
-            lora_kernel.tile_counts(),
+            lora_kernel.launch_counts(update.counts, fold_counts(rows, part)),
         ],
         template=[
             ("T", x.dtype),
@@ -363,7 +359,6 @@ def add_update_rms_norm(
             ("NT", THREADS),
             ("SPLIT", SLICES),
             ("EPS_BITS", float_bits(eps)),
-            ("TICKET", lora_kernel.TICKET),
         ],
         grid=(tile_count * SLICES * threads, 1, 1),
         threadgroup=(threads, 1, 1),
@@ -371,6 +366,12 @@ def add_update_rms_norm(
         output_dtypes=[x.dtype, x.dtype, mx.float32],
     )
     return h, y
+
+
+def fold_counts(rows: int, part: lora_kernel.Part) -> int:
+    """The counts a fold of `rows` rows uses: its ticket counter, then one for each of its blocks
+    (a tile's blocks meet at that of its first)."""
+    return 1 + lora_kernel.tiles(rows, part.a_t.shape[0]) * SLICES
 
 
 P = TypeVar("P")
@@ -451,8 +452,6 @@ def install(model: Any) -> int:
         if _is_plain_block(module):
             module.__class__ = _fused(type(module))
             swapped += 1
-    if swapped and available():
-        lora_kernel.tile_counts()  # now, before a compiled step traces a fold
     return swapped
 
 
