@@ -709,13 +709,10 @@ class MultiLoRALinear(nn.Module):
                 if several:
                     (out,) = lora_kernel.rows_add(x, [part], scale, x.shape[1])
                 else:
-                    tokens = x.size // x.shape[-1]
-                    counts = rows.counts.take(lora_kernel.fused_counts(tokens, [part]))
-                    (out,) = lora_kernel.fused_add(x, [part], scale, counts)
+                    (out,) = lora_kernel.fused_add(x, [part], scale, rows.counts)
                     # A residual add of out next (o_proj's, down_proj's) makes the update in
                     # its own kernel instead, and this one is never run.
-                    fold = rows.counts.take(residual_norm.fold_counts(tokens, part))
-                    residual_norm.defer(out, lora_kernel.Deferred(x, part, scale, fold))
+                    residual_norm.defer(out, lora_kernel.Deferred(x, part, scale, rows.counts))
             return out
         y = self.linear(x)
         # The LM head sees [rows, H]: one token per row.
@@ -807,8 +804,7 @@ class _Group(SharedInput):
         bases = projections.columns([m.linear for m in ready], x)
         shares = [m.part(x, y, start, rows) for m, (y, start) in zip(ready, bases)]
         parts = [part for part, _ in shares]
-        counts = rows.counts.take(lora_kernel.fused_counts(x.size // x.shape[-1], parts))
-        outs = lora_kernel.fused_add(x, parts, shares[0][1], counts)
+        outs = lora_kernel.fused_add(x, parts, shares[0][1], rows.counts)
         own = None
         siblings: dict[int, mx.array] = {}
         for m, out in zip(ready, outs):

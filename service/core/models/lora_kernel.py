@@ -32,6 +32,7 @@ exercise, and what the GPU tests hold the kernels to.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -603,7 +604,7 @@ class Deferred:
     x: mx.array
     part: Part
     scale: mx.array
-    counts: mx.array | None = None  # zeros for the fold's launch (`Counts`); None: its own
+    counts: Counts | None = None  # the forward's, for the fold's launch; None: a fill of its own
 
 
 def _columns(y: mx.array, start: int, width: int) -> mx.array:
@@ -645,13 +646,12 @@ def share(width: int) -> int:
 
 
 def fused_add(
-    x: mx.array, parts: Sequence[Part], scale: mx.array, counts: mx.array | None = None
+    x: mx.array, parts: Sequence[Part], scale: mx.array, counts: Counts | None = None
 ) -> list[mx.array]:
     """Each part's base output plus each token's update scale[t] * (x[t] @ A[idx[t]]) @
     B[idx[t]], in its dtype: one kernel for all parts. x [..., in] (tokens = its rows); scale
-    float32 [tokens]. Parts may share one y, each reading its own columns. `counts`: int32 zeros,
-    at least `fused_counts(tokens, parts)` of them, for this launch alone (`Counts`); by default
-    the launch makes its own."""
+    float32 [tokens]. Parts may share one y, each reading its own columns. `counts`: the
+    forward's, of which the launch takes a stretch; by default it fills its own."""
     if not available():
         return reference_fused_add(x, parts, scale)
     width = x.shape[-1]
@@ -686,7 +686,7 @@ def fused_add(
         ("TT", TILE),
         ("RMAX", max(part.a_t.shape[1] for part in parts)),
     ]
-    inputs.append(launch_counts(counts, block_count + 1))
+    inputs.append(take_counts(counts, block_count + 1))
     threads = FUSED_WARPS * 32
     *outs, _ = _fused(len(parts))(
         inputs=inputs,
@@ -708,13 +708,23 @@ def fused_counts(tokens: int, parts: Sequence[Part]) -> int:
     return 1 + sum(tiles(tokens, part.a_t.shape[0]) * blocks(part.width) for part in parts)
 
 
-def launch_counts(counts: mx.array | None, size: int) -> mx.array:
-    """`counts` for a launch that uses `size` of them, or zeros of its own."""
-    if counts is None:
-        return mx.zeros((size,), mx.int32)
-    if counts.size < size or counts.dtype != mx.int32:
-        raise ValueError(f"a launch needs {size} int32 counts, given {counts.size} {counts.dtype}")
-    return counts
+# Fills of distinct lengths: mx.compile merges identical operations of a trace, two fills of one
+# length into one array, and each launch's counts must be its own. Lengths are whole multiples of
+# FILLS plus a serial below it, so that no two of the last FILLS fills (more than a trace makes)
+# have one length.
+FILLS = 1 << 12
+_FILL_SERIALS = itertools.count()
+
+
+def zeros(size: int) -> mx.array:
+    """At least `size` int32 zeros, of a length unlike that of the FILLS fills before."""
+    serial = next(_FILL_SERIALS) % FILLS
+    return mx.zeros((-(-size // FILLS) * FILLS + serial,), mx.int32)
+
+
+def take_counts(counts: Counts | None, size: int) -> mx.array:
+    """`size` zeros for one launch: a stretch of the forward's `counts`, or a fill of its own."""
+    return zeros(size) if counts is None else counts.take(size)
 
 
 class Counts:
@@ -722,7 +732,9 @@ class Counts:
     of service.core.models.residual_norm), each its own stretch of one array: one fill for all
     of them, not one a launch. Each launch's counts must be its own: MLX runs a graph's kernels
     in the order of their data only, so two launches with none between them (q, k and v each
-    on one x) may run at once."""
+    on one x) may run at once. Nothing in a traced forward may evaluate them: an array
+    evaluated while tracing becomes a constant of the compiled graph, the same array at every
+    step."""
 
     # Counts a fill makes: room for a decode step of an 8B-sized model's 64 rows (a forward that
     # needs more takes another fill).
@@ -735,7 +747,7 @@ class Counts:
     def take(self, size: int) -> mx.array:
         """`size` zeros no other launch of this forward is given."""
         if self._zeros is None or self._used + size > self._zeros.size:
-            self._zeros = mx.zeros((max(size, self.CHUNK),), mx.int32)
+            self._zeros = zeros(max(size, self.CHUNK))
             self._used = 0
         out = self._zeros[self._used : self._used + size]
         self._used += size

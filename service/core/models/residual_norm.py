@@ -326,7 +326,7 @@ def add_update_rms_norm(
     inside the same kernel where `foldable`; elsewhere from the update's own ops."""
     part = update.part
     if not foldable(x, update, weight):
-        (r,) = lora_kernel.fused_add(update.x, [part], update.scale)  # its own counts
+        (r,) = lora_kernel.fused_add(update.x, [part], update.scale, update.counts)
         return add_rms_norm(x, r.reshape(x.shape), weight, eps)
     width = x.shape[-1]
     rows = x.size // width
@@ -340,7 +340,7 @@ def add_update_rms_norm(
     h, y, _ = _fold_kernel()(
         inputs=[
             *(x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight),
-            lora_kernel.launch_counts(update.counts, fold_counts(rows, part)),
+            lora_kernel.take_counts(update.counts, fold_counts(rows, part)),
         ],
         template=[
             ("T", x.dtype),
