@@ -64,6 +64,22 @@ from service.core.models.presets import preset_config  # noqa: E402
 FusedAdd = Callable[[mx.array, list[lora_kernel.Part], mx.array], list[mx.array]]
 
 
+class Stepped:
+    """This revision's `fused_add` with a forward's counts as the server gives them: one
+    `Counts` a step (`fresh`), its launches each taking a stretch."""
+
+    def __init__(self) -> None:
+        self.counts = lora_kernel.Counts()
+
+    def fresh(self) -> None:
+        self.counts = lora_kernel.Counts()
+
+    def __call__(
+        self, x: mx.array, parts: list[lora_kernel.Part], scale: mx.array
+    ) -> list[mx.array]:
+        return lora_kernel.fused_add(x, parts, scale, self.counts)
+
+
 def kernel_of(rev: str) -> FusedAdd:
     """`fused_add` as it was at git revision `rev`, or from a copy of lora_kernel.py at that
     path (for a checkout whose history is not there)."""
@@ -137,6 +153,8 @@ def forward(layers: list[dict[str, Any]], kernel: FusedAdd | None, idx, scale) -
         return kernel(h, parts, scale)
 
     def step(x: mx.array) -> mx.array:
+        if isinstance(kernel, Stepped):
+            kernel.fresh()  # a forward's counts, one fill for its launches
         for layer in layers:
             h = norm(x)
             q, k, v = project(layer, h, ["q", "k", "v"])
@@ -380,7 +398,7 @@ def main() -> None:
     # Row r's tokens take slot r % slots (slot 0: the base model).
     idx = mx.array([(t // args.row_tokens) % slots for t in range(args.tokens)], mx.int32)
     scale = mx.full((args.tokens,), 2.0, mx.float32)
-    kernels: dict[str, FusedAdd | None] = {"base": None, "kernel": lora_kernel.fused_add}
+    kernels: dict[str, FusedAdd | None] = {"base": None, "kernel": Stepped()}
     for rev in args.against:
         kernels[f"kernel@{rev}"] = kernel_of(rev)
     if args.floor:

@@ -343,12 +343,7 @@ def test_a_grid_larger_than_the_gpu_holds_completes() -> None:
     for g, w, part in zip(got, want, parts):
         assert_close_rounded(g, w, part.base(), mx.bfloat16)
     counts = lora_kernel.Counts()
-    apart = [
-        lora_kernel.fused_add(
-            x, [part], scale, counts.take(lora_kernel.fused_counts(tokens, [part]))
-        )
-        for part in parts
-    ]
+    apart = [lora_kernel.fused_add(x, [part], scale, counts) for part in parts]
     apart += [lora_kernel.fused_add(x, [part], scale) for part in parts]
     mx.eval(apart)
     for (g,), w, part in zip(apart, want + want, parts + parts):
@@ -362,11 +357,13 @@ def test_a_forwards_counts_are_zeros_each_launch_its_own() -> None:
     first, second = counts.take(100), counts.take(lora_kernel.Counts.CHUNK - 100)
     assert first.shape == (100,) and first.dtype == mx.int32
     assert not np.array(first).any() and not np.array(second).any()
-    third = counts.take(7)  # past the first fill: a new one
+    third = counts.take(7)  # past the first fill's CHUNK: a new one
     assert third.shape == (7,) and not np.array(third).any()
     assert counts.take(lora_kernel.Counts.CHUNK * 2).shape == (lora_kernel.Counts.CHUNK * 2,)
     own = lora_kernel.take_counts(None, 9)
     assert own.size >= 9 and own.dtype == mx.int32 and not np.array(own).any()
+    with pytest.raises(TypeError, match="Counts, not an array"):
+        lora_kernel.take_counts(own, 9)
 
 
 def test_fills_stay_apart_in_a_compiled_graph(tmp_path: Path) -> None:

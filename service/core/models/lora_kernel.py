@@ -686,7 +686,7 @@ def fused_add(
         ("TT", TILE),
         ("RMAX", max(part.a_t.shape[1] for part in parts)),
     ]
-    inputs.append(take_counts(counts, block_count + 1))
+    inputs.append(take_counts(counts, fused_counts(tokens, parts)))
     threads = FUSED_WARPS * 32
     *outs, _ = _fused(len(parts))(
         inputs=inputs,
@@ -724,6 +724,8 @@ def zeros(size: int) -> mx.array:
 
 def take_counts(counts: Counts | None, size: int) -> mx.array:
     """`size` zeros for one launch: a stretch of the forward's `counts`, or a fill of its own."""
+    if isinstance(counts, mx.array):
+        raise TypeError("counts: a forward's Counts, not an array")
     return zeros(size) if counts is None else counts.take(size)
 
 
@@ -742,12 +744,14 @@ class Counts:
 
     def __init__(self) -> None:
         self._zeros: mx.array | None = None
+        self._room = 0  # of the fill: CHUNK, or a launch's size past it (a fill may be longer)
         self._used = 0
 
     def take(self, size: int) -> mx.array:
         """`size` zeros no other launch of this forward is given."""
-        if self._zeros is None or self._used + size > self._zeros.size:
-            self._zeros = zeros(max(size, self.CHUNK))
+        if self._zeros is None or self._used + size > self._room:
+            self._room = max(size, self.CHUNK)
+            self._zeros = zeros(self._room)
             self._used = 0
         out = self._zeros[self._used : self._used + size]
         self._used += size
