@@ -285,6 +285,15 @@ SLOT_PATTERNS = {  # tokens -> each token's local slot, over stacks of 9 slots
 }
 
 
+def slot_stacks(slots: int, rank: int, width: int, out: int) -> tuple[mx.array, mx.array]:
+    """Random float32 stacks A (as [slots, rank, width]) and B, slot 0 zeros (no adapter)."""
+    a_t = mx.random.normal((slots, rank, width)) * width**-0.5
+    b = mx.random.normal((slots, rank, out)) * rank**-0.5
+    a_t[0] = 0
+    b[0] = 0
+    return a_t, b
+
+
 @cuda_only
 @pytest.mark.parametrize("tokens", [1, 9, 17, 64, 130])
 @pytest.mark.parametrize("pattern", SLOT_PATTERNS)
@@ -300,10 +309,7 @@ def test_a_tokens_update_is_the_same_whatever_shares_its_batch(pattern: str, tok
     scale = mx.array(np.linspace(0.5, 2.0, tokens, dtype=np.float32))
     parts = []
     for out in outs:
-        a_t = mx.random.normal((9, rank, width)) * width**-0.5
-        b = mx.random.normal((9, rank, out)) * rank**-0.5
-        a_t[0] = 0
-        b[0] = 0
+        a_t, b = slot_stacks(9, rank, width, out)
         y = mx.random.normal((tokens, out)).astype(mx.bfloat16)
         parts.append(lora_kernel.Part(y, a_t, b, mx.array(slots)))
     got = lora_kernel.fused_add(x, parts, scale)
@@ -333,10 +339,7 @@ def test_a_grid_larger_than_the_gpu_holds_completes() -> None:
     y = mx.random.normal((tokens, sum(outs))).astype(mx.bfloat16)
     parts = []
     for p, out in enumerate(outs):
-        a_t = mx.random.normal((9, rank, width)) * width**-0.5
-        b = mx.random.normal((9, rank, out)) * rank**-0.5
-        a_t[0] = 0
-        b[0] = 0
+        a_t, b = slot_stacks(9, rank, width, out)
         parts.append(lora_kernel.Part(y, a_t, b, mx.array(slots), p * outs[0]))
     got = lora_kernel.fused_add(x, parts, scale)
     want = lora_kernel.reference_fused_add(x, parts, scale)
