@@ -392,8 +392,9 @@ def test_fills_stay_apart_in_a_compiled_graph(tmp_path: Path) -> None:
 
 
 def test_a_launchs_counts_cover_its_blocks() -> None:
-    """A `fused_add` launch's counts: its ticket counter and one for each of its blocks (tiles
-    times each part's blocks); a fold's the same with SLICES blocks a tile."""
+    """A `fused_add` launch's words: its ticket counter and a count for each of its blocks
+    (tiles times each part's blocks), then a z slice a block (TILE tokens by the largest rank);
+    a fold's the same with SLICES blocks a tile."""
     parts = [
         lora_kernel.Part(
             mx.zeros((64, 6144)), mx.zeros((9, 16, 8)), mx.zeros((9, 16, w)), mx.zeros(64)
@@ -402,9 +403,15 @@ def test_a_launchs_counts_cover_its_blocks() -> None:
     ]
     tiles = lora_kernel.tiles(64, 9)
     assert tiles == 8 + 8
-    want = 1 + tiles * sum(lora_kernel.blocks(w) for w in (4096, 1024, 1024))
-    assert lora_kernel.fused_counts(64, parts) == want
-    assert residual_norm.fold_counts(64, parts[0]) == 1 + tiles * residual_norm.SLICES
+    block_count = tiles * sum(lora_kernel.blocks(w) for w in (4096, 1024, 1024))
+    slice_words = lora_kernel.TILE * 16
+    assert lora_kernel.fused_counts(64, parts) == 1 + block_count * (1 + slice_words)
+    fold_blocks = tiles * residual_norm.SLICES
+    assert residual_norm.fold_counts(64, parts[0]) == 1 + fold_blocks * (1 + slice_words)
+    # A decode step of the 8B's shape at 64 rows (four launches a layer, 32 layers) takes one fill.
+    gate_up = tiles * 2 * lora_kernel.blocks(14336)
+    layer = sum(1 + b * (1 + slice_words) for b in (block_count, gate_up, fold_blocks, fold_blocks))
+    assert 32 * layer <= lora_kernel.Counts.CHUNK
 
 
 @cuda_only

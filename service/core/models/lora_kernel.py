@@ -10,16 +10,16 @@ lora groups them), each with its own stacks, slots and output.
 
 A tile of up to TILE tokens of one slot s of one module is taken by `blocks(out)` blocks, each
 writing up to BLOCK_OUTPUTS of the module's outputs. They split z = x[t] @ A[s] for the tile's
-tokens between them, each summing a slice of the input (float32) and writing it out; they meet at
-the tile's count (`Counts`: docs/lora.md says how, and why not through a thread block
-cluster), and each adds the slices in slice order and writes its share of the outputs,
-y + scale * z @ B[s] cast as mlx-lm casts it. So each element of A and B is read once for the
-tile. The tiles are found in the kernel from the tokens' slots (a token leads a tile when the
-tokens of its slot before it are a multiple of TILE); the grid holds as many as there can be
-(`tiles`) and the blocks past the last return. A token's sums run over the same threads in the
-same order whatever its tile holds, so its numbers do not depend on the batch. The shares and
-slices depend on the module's shape only, not on the number of tokens: a template value that
-changed with the tokens would compile a kernel variant at the first step of each new size, a
+tokens between them, each summing a slice of the input (float32) and writing it out (after the
+launch's counts, in the same array); they meet at the tile's count (`Counts`: docs/lora.md says
+how, and why not through a thread block cluster), and each adds the slices in slice order and
+writes its share of the outputs, y + scale * z @ B[s] cast as mlx-lm casts it. So each element of A
+and B is read once for the tile. The tiles are found in the kernel from the tokens' slots (a token
+leads a tile when the tokens of its slot before it are a multiple of TILE); the grid holds as many
+as there can be (`tiles`) and the blocks past the last return. A token's sums run over the same
+threads in the same order whatever its tile holds, so its numbers do not depend on the batch. The
+shares and slices depend on the module's shape only, not on the number of tokens: a template value
+that changed with the tokens would compile a kernel variant at the first step of each new size, a
 stall in the middle of serving.
 
 Under tensor parallel a sharded-to-all layer sums z over the group between the two products, so
@@ -545,6 +545,8 @@ def _fused_source(parts: int) -> str:
         "    // counts are the launch's own to change (`Counts`): MLX passes inputs as const.",
         "    unsigned int* count =",
         "        const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counts));",
+        "    // After the counts (one a block and the ticket counter), each block's z slice.",
+        "    float* zp = reinterpret_cast<float*>(count + 1 + gridDim.x);",
         "    const int ticket = mlxserve_ticket(count);",
         "    int block = ticket;",
     ]
@@ -620,7 +622,7 @@ def _fused(parts: int) -> Any:
         # template arguments, not its source.
         name=f"mlxserve_lora_fused{parts}",
         input_names=["x", "scale", *names, "counts"],
-        output_names=[*(f"out{p}" for p in range(parts)), "zp"],
+        output_names=[f"out{p}" for p in range(parts)],
         source=_fused_source(parts),
         header=kernel_header(),
     )
@@ -688,24 +690,31 @@ def fused_add(
     ]
     inputs.append(take_counts(counts, fused_counts(tokens, parts)))
     threads = FUSED_WARPS * 32
-    *outs, _ = _fused(len(parts))(
+    return _fused(len(parts))(
         inputs=inputs,
         template=template,
         grid=(block_count * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[
-            *((*part.y.shape[:-1], part.width) for part in parts),
-            (block_count * TILE * max(part.a_t.shape[1] for part in parts),),
-        ],
-        output_dtypes=[*(part.y.dtype for part in parts), mx.float32],
+        output_shapes=[(*part.y.shape[:-1], part.width) for part in parts],
+        output_dtypes=[part.y.dtype for part in parts],
     )
-    return outs
 
 
 def fused_counts(tokens: int, parts: Sequence[Part]) -> int:
-    """The counts a `fused_add` launch over `tokens` tokens uses: its ticket counter, then one for
-    each of its blocks (a tile's blocks meet at that of its first)."""
-    return 1 + sum(tiles(tokens, part.a_t.shape[0]) * blocks(part.width) for part in parts)
+    """The int32 words a `fused_add` launch over `tokens` tokens uses: its ticket counter, one
+    count for each of its blocks (a tile's blocks meet at that of its first), then each block's
+    float32 z slice (`workspace`)."""
+    block_count = sum(tiles(tokens, part.a_t.shape[0]) * blocks(part.width) for part in parts)
+    return workspace(block_count, max(part.a_t.shape[1] for part in parts))
+
+
+def workspace(block_count: int, rank: int) -> int:
+    """The int32 words of a launch of `block_count` blocks whose tiles meet: the ticket counter and
+    a count a block, then a block's z slice (TILE tokens by `rank`, float32) each. Only the counts
+    need be zero; the slices are written before they are read. In one array with the counts, the
+    slices cost the launch no output of its own (an output's host work is more than the fill's
+    device work)."""
+    return 1 + block_count + block_count * TILE * rank
 
 
 # Fills of distinct lengths: mx.compile merges identical operations of a trace, two fills of one
@@ -738,9 +747,9 @@ class Counts:
     evaluated while tracing becomes a constant of the compiled graph, the same array at every
     step."""
 
-    # Counts a fill makes: room for a decode step of an 8B-sized model's 64 rows (a forward that
-    # needs more takes another fill).
-    CHUNK = 1 << 16
+    # Words a fill makes (16 MiB): room for the counts and z slices of a decode step of an
+    # 8B-sized model's 64 rows (a forward that needs more takes another fill).
+    CHUNK = 1 << 22
 
     def __init__(self) -> None:
         self._zeros: mx.array | None = None

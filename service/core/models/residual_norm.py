@@ -279,6 +279,8 @@ _FOLD_SOURCE = """
     __shared__ float z[TT * R];
     // counts are the launch's own to change (`lora_kernel.Counts`): MLX passes inputs as const.
     unsigned int* count = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(counts));
+    // After the counts (one a block and the ticket counter), each block's z slice.
+    float* zp = reinterpret_cast<float*>(count + 1 + gridDim.x);
     const int ticket = mlxserve_ticket(count);
     // A tile's blocks meet at the count after its first's ticket.
     mlxserve_fold_block<T, TX, TA, TB, D, IN, R, YW, COL, WARPS, EI, EO, TT, NT, SPLIT, EPS_BITS>(
@@ -296,7 +298,7 @@ def _fold_kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="mlxserve_add_update_rms_norm",
         input_names=["x", "base", "lx", "a_t", "b", "idx", "scale", "w", "counts"],
-        output_names=["h", "out", "zp"],
+        output_names=["h", "out"],
         source=_FOLD_SOURCE,
         header=lora_kernel.kernel_header(_FOLD_HEADER),
     )
@@ -337,7 +339,7 @@ def add_update_rms_norm(
     rank = part.a_t.shape[1]
     threads = FOLD_WARPS * 32
     tile_count = lora_kernel.tiles(rows, part.a_t.shape[0])
-    h, y, _ = _fold_kernel()(
+    h, y = _fold_kernel()(
         inputs=[
             *(x, part.y, lx, part.a_t, part.b, part.idx, update.scale, weight),
             lora_kernel.take_counts(update.counts, fold_counts(rows, part)),
@@ -362,16 +364,18 @@ def add_update_rms_norm(
         ],
         grid=(tile_count * SLICES * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[x.shape, x.shape, (tile_count * SLICES * lora_kernel.TILE * rank,)],
-        output_dtypes=[x.dtype, x.dtype, mx.float32],
+        output_shapes=[x.shape, x.shape],
+        output_dtypes=[x.dtype, x.dtype],
     )
     return h, y
 
 
 def fold_counts(rows: int, part: lora_kernel.Part) -> int:
-    """The counts a fold of `rows` rows uses: its ticket counter, then one for each of its blocks
-    (a tile's blocks meet at that of its first)."""
-    return 1 + lora_kernel.tiles(rows, part.a_t.shape[0]) * SLICES
+    """The int32 words a fold of `rows` rows uses: its ticket counter, one count for each of its
+    blocks (a tile's blocks meet at that of its first), then their z slices
+    (`lora_kernel.workspace`)."""
+    block_count = lora_kernel.tiles(rows, part.a_t.shape[0]) * SLICES
+    return lora_kernel.workspace(block_count, part.a_t.shape[1])
 
 
 P = TypeVar("P")
