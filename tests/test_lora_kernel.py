@@ -394,24 +394,29 @@ def test_fills_stay_apart_in_a_compiled_graph(tmp_path: Path) -> None:
 def test_a_launchs_counts_cover_its_blocks() -> None:
     """A `fused_add` launch's words: its ticket counter and a count for each of its blocks
     (tiles times each part's blocks), then a z slice a block (TILE tokens by the largest rank);
-    a fold's the same with SLICES blocks a tile."""
+    a fold's the same with SLICES blocks a tile. A decode step of the 8B's shape at 64 rows fits
+    one fill: per layer the q/k/v and gate/up launches, and o's and down's `fused_add` (taken, then
+    replaced by the fold) and fold."""
     parts = [
         lora_kernel.Part(
-            mx.zeros((64, 6144)), mx.zeros((9, 16, 8)), mx.zeros((9, 16, w)), mx.zeros(64)
+            mx.zeros((64, 6144)), mx.zeros((9, rank, 8)), mx.zeros((9, rank, w)), mx.zeros(64)
         )
-        for w in (4096, 1024, 1024)
+        for w, rank in ((4096, 16), (1024, 8), (1024, 16))
     ]
     tiles = lora_kernel.tiles(64, 9)
-    assert tiles == 8 + 8
+    assert tiles == -(-64 // lora_kernel.TILE) + 8
     block_count = tiles * sum(lora_kernel.blocks(w) for w in (4096, 1024, 1024))
-    slice_words = lora_kernel.TILE * 16
-    assert lora_kernel.fused_counts(64, parts) == 1 + block_count * (1 + slice_words)
+    words = 1 + lora_kernel.TILE * 16  # a block's count and z slice, at the largest rank
+    assert lora_kernel.fused_counts(64, parts) == 1 + block_count * words
+    assert lora_kernel.fused_counts(64, parts[1:2]) == 1 + tiles * lora_kernel.blocks(1024) * (
+        1 + lora_kernel.TILE * 8
+    )
     fold_blocks = tiles * residual_norm.SLICES
-    assert residual_norm.fold_counts(64, parts[0]) == 1 + fold_blocks * (1 + slice_words)
-    # A decode step of the 8B's shape at 64 rows (four launches a layer, 32 layers) takes one fill.
+    assert residual_norm.fold_counts(64, parts[0]) == 1 + fold_blocks * words
     gate_up = tiles * 2 * lora_kernel.blocks(14336)
-    layer = sum(1 + b * (1 + slice_words) for b in (block_count, gate_up, fold_blocks, fold_blocks))
-    assert 32 * layer <= lora_kernel.Counts.CHUNK
+    one_part = tiles * lora_kernel.blocks(4096)
+    launches = (block_count, gate_up, one_part, fold_blocks, one_part, fold_blocks)
+    assert 32 * sum(1 + b * words for b in launches) <= lora_kernel.Counts.CHUNK
 
 
 @cuda_only

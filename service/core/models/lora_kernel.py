@@ -747,9 +747,11 @@ class Counts:
     evaluated while tracing becomes a constant of the compiled graph, the same array at every
     step."""
 
-    # Words a fill makes (16 MiB): room for the counts and z slices of a decode step of an
-    # 8B-sized model's 64 rows (a forward that needs more takes another fill).
-    CHUNK = 1 << 22
+    # Words a fill makes (32 MiB): room for the counts and z slices of a decode step of an
+    # 8B-sized model's 64 rows (o's and down's launches take stretches twice: their `fused_add`,
+    # which a fold replaces, then the fold), with room to spare for other kernel settings; a
+    # forward that needs more takes another fill.
+    CHUNK = 1 << 23
 
     def __init__(self) -> None:
         self._zeros: mx.array | None = None
