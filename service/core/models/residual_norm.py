@@ -149,6 +149,9 @@ def add_rms_norm(
 
 
 _FOLD_HEADER = """
+// Shared memory a fold's block stages its tile's h rows through for the norm's sums.
+constexpr int MLXSERVE_STAGE_BYTES = 16384;
+
 // The h of a tile's tokens at columns [first, last): h = T(x + r) as add_rms_norm rounds it, for
 // r the projection's output with its update (mlxserve_lora_rows: base where s is 0).
 template <bool V, typename T, typename TB, int R, int D, int YW, int COL, int THREADS, int EO,
@@ -225,26 +228,69 @@ __device__ __forceinline__ void mlxserve_fold_block(
         x, base, bs, scale, s, z, toks, n, first, last, h);
   }
   mlxserve_tile_wait(count, 2 * SPLIT);
-  // Each token's sum of squares in add_rms_norm's order, the tile's tokens side by side so that
-  // their loads overlap and two barriers serve them all.
-  constexpr int PER = (D + NT - 1) / NT;
-  if (tid < NT) {  // whole warps
-    float squares[TT];
+  // Each token's sum of squares in add_rms_norm's order: thread tid < NT adds elements tid,
+  // tid + NT, ... of each row in turn. The tile's rows come through shared memory a stretch of
+  // STAGE columns at a time, loaded by all the block's threads in 16-byte loads side by side (a
+  // thread's own elements one load after another would leave L2's latency unhidden).
+  constexpr int STAGE = (MLXSERVE_STAGE_BYTES / (TT * (int)sizeof(T))) / NT * NT;
+  static_assert(STAGE >= NT, "a stage holds at least one element a thread");
+  constexpr int PER = STAGE / NT;
+  constexpr int EV = 16 / (int)sizeof(T);  // elements a 16-byte load
+  __shared__ __align__(16) T stage[TT * STAGE];
+  float squares[TT];
 #pragma unroll
-    for (int j = 0; j < TT; ++j) squares[j] = 0.0f;
-#pragma unroll 4
-    for (int k = 0; k < PER; ++k) {
-      const int i = tid + k * NT;
-      if (i < D) {
+  for (int j = 0; j < TT; ++j) squares[j] = 0.0f;
+  const bool wide = D % EV == 0 && STAGE % EV == 0 && mlxserve_aligned(h, D);
+  for (int c0 = 0; c0 < D; c0 += STAGE) {
+    const int width = D - c0 < STAGE ? D - c0 : STAGE;
+    if (wide) {  // every load issued before the first store
+      constexpr int LOADS = (TT * STAGE / EV + THREADS - 1) / THREADS;
+      uint4 v[LOADS];
 #pragma unroll
-        for (int j = 0; j < TT; ++j) {
-          if (j < n) {
-            const float v = mlxserve_ldcg(h + (size_t)toks[j] * D + i);
-            squares[j] += v * v;
+      for (int l = 0; l < LOADS; ++l) {
+        const int e = (tid + l * THREADS) * EV;
+        const int j = e / STAGE;
+        const int c = e - j * STAGE;
+        if (j < n && c < width) {
+          v[l] = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)toks[j] * D + c0 + c));
+        }
+      }
+#pragma unroll
+      for (int l = 0; l < LOADS; ++l) {
+        const int e = (tid + l * THREADS) * EV;
+        const int j = e / STAGE;
+        if (j < n && e - j * STAGE < width) {
+          *reinterpret_cast<uint4*>(stage + e) = v[l];
+        }
+      }
+    } else {
+      for (int e = tid; e < n * STAGE; e += THREADS) {
+        const int j = e / STAGE;
+        const int c = e - j * STAGE;
+        if (c < width) {
+          stage[e] = static_cast<T>(mlxserve_ldcg(h + (size_t)toks[j] * D + c0 + c));
+        }
+      }
+    }
+    __syncthreads();
+    if (tid < NT) {  // whole warps
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        const int c = tid + k * NT;
+        if (c < width) {
+#pragma unroll
+          for (int j = 0; j < TT; ++j) {
+            if (j < n) {
+              const float v = static_cast<float>(stage[j * STAGE + c]);
+              squares[j] += v * v;
+            }
           }
         }
       }
     }
+    __syncthreads();
+  }
+  if (tid < NT) {
 #pragma unroll
     for (int j = 0; j < TT; ++j) {
       for (int offset = 16; offset > 0; offset /= 2) {
