@@ -156,7 +156,7 @@ def expand_add(y: mx.array, z: mx.array, b: mx.array, idx: mx.array, scale: mx.a
     return out
 
 
-FUSED_WARPS = 4  # warps per block in `fused_add`
+FUSED_WARPS = 8  # warps per block in `fused_add`
 VEC = 8  # elements per load in `fused_add` where a row's width allows (16 bytes of bf16)
 TILE = 8  # tokens of one slot a block takes: each element of A and B it reads serves them all
 # Outputs of a module a block of `fused_add` takes at most: one pass of its threads' loads.

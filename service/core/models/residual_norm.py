@@ -336,7 +336,7 @@ _FOLD_SOURCE = """
 
 SLICES = 8  # blocks a fold's tile takes, each summing z over a slice of the input
 # Warps of a fold's block: the norm's sums run on add_rms_norm's THREADS threads.
-FOLD_WARPS = 4
+FOLD_WARPS = 8
 
 
 @cache
