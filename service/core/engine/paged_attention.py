@@ -39,6 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from service.core.engine.device_memory import float_bits
+from service.core.engine.kernel_source import cuda_kernel
 from service.core.models.rope import Rotation
 
 WARPS = 16  # warps per (row, head): each takes every WARPS-th key, then they merge
@@ -221,7 +222,7 @@ def kernel_available() -> bool:
 
 @cache
 def _kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_paged_decode_attention",
         # `after`: the layer's in-place K/V write (or any array): only orders the kernels.
         input_names=[
@@ -374,7 +375,7 @@ _STORE_SOURCE = """
 
 @cache
 def _store_kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_store_decode_kv",
         input_names=[
             "k_pool",

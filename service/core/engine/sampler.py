@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from service.core.engine.kernel_source import cuda_kernel
 from service.core.engine.paged_attention import kernel_available
 from service.protocol import SamplingParams
 
@@ -186,7 +187,7 @@ MASKED_ARGMAX_BLOCK = 256
 
 @cache
 def _masked_argmax_kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_masked_argmax",
         input_names=["logits", "words"],
         output_names=["out"],

@@ -37,6 +37,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.activations import swiglu
 
+from service.core.engine.kernel_source import cuda_kernel
 from service.core.engine.paged_attention import kernel_available as available
 from service.core.models import projections
 
@@ -208,7 +209,7 @@ _SOURCE = """
 
 @cache
 def _kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_decode_gemm",
         input_names=["x", "w"],
         output_names=["y"],

@@ -42,6 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from service.core.engine.device_memory import resident
+from service.core.engine.kernel_source import cuda_kernel
 
 # The same condition as the decode attention kernel's: MLX's CUDA backend, the GPU the default.
 from service.core.engine.paged_attention import kernel_available as available
@@ -95,7 +96,7 @@ _EXPAND_ADD = """
 
 @cache
 def _shrink() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_lora_shrink",
         input_names=["x", "a_t", "idx"],
         output_names=["z"],
@@ -105,7 +106,7 @@ def _shrink() -> Any:
 
 @cache
 def _expand_add() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_lora_expand_add",
         input_names=["y", "z", "b", "idx", "scale"],
         output_names=["out"],
@@ -617,7 +618,7 @@ def _columns(y: mx.array, start: int, width: int) -> mx.array:
 @cache
 def _fused(parts: int) -> Any:
     names = [f"{n}{p}" for p in range(parts) for n in ("y", "a", "b", "idx")]
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         # One name per source: MLX before 0.32.1 caches a compiled kernel by its name and
         # template arguments, not its source.
         name=f"mlxserve_lora_fused{parts}",
@@ -1009,7 +1010,7 @@ _EXPAND_ADD_ROWS = """
 
 @cache
 def _shrink_rows() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_lora_shrink_rows",
         input_names=["x", "a_t", "idx", "rows"],
         output_names=["z"],
@@ -1020,7 +1021,7 @@ def _shrink_rows() -> Any:
 
 @cache
 def _expand_add_rows() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_lora_expand_add_rows",
         input_names=["y", "z", "b", "idx", "scale", "rows"],
         output_names=["out"],

@@ -44,6 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from service.core.engine.device_memory import float_bits
+from service.core.engine.kernel_source import cuda_kernel
 from service.core.engine.paged_attention import kernel_available as available
 from service.core.models import lora_kernel
 
@@ -95,7 +96,7 @@ _SOURCE = """
 
 @cache
 def _kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_add_rms_norm",
         input_names=["x", "r", "w"],
         output_names=["h", "y"],
@@ -341,7 +342,7 @@ FOLD_WARPS = 8
 
 @cache
 def _fold_kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_add_update_rms_norm",
         input_names=["x", "base", "lx", "a_t", "b", "idx", "scale", "w", "counts"],
         output_names=["h", "out"],

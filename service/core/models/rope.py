@@ -43,6 +43,7 @@ import numpy as np
 from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, Llama3RoPE
 
 from service.core.engine.device_memory import resident
+from service.core.engine.kernel_source import cuda_kernel
 from service.core.models.swap import swap_modules
 
 # The new tokens of each row of the forward being built (set by the engine around it).
@@ -263,7 +264,7 @@ _INV_FREQS_SOURCE = """
 
 @functools.cache
 def _inv_freqs_kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxserve_rope_inv_freqs",
         input_names=["log2_base"],
         output_names=["inv_freqs"],

@@ -1,0 +1,46 @@
+"""Custom CUDA kernels as MLX gets them: their sources without comments or indentation.
+
+MLX's CUDA backend hashes a custom kernel's whole source, its header included, at every launch
+to find the compiled module (mlx/backend/cuda/custom_kernel.cpp), and the decode step launches
+custom kernels hundreds of times: every byte of a source is host time at every step. The sources
+in this package keep their comments for the reader; `cuda_kernel` hands MLX the code alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+# String and character literals first, so that a `//` inside one is not taken for a comment.
+_TOKEN = re.compile(r"""("(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*')|//[^\n]*|/\*.*?\*/""", re.DOTALL)
+
+
+def compact(source: str) -> str:
+    """`source` without its comments, indentation, trailing blanks or empty lines. Lines stay
+    lines: preprocessor directives need their own."""
+    code = _TOKEN.sub(lambda m: m.group(1) or " ", source)
+    lines = (line.strip() for line in code.splitlines())
+    return "".join(f"{line}\n" for line in lines if line)
+
+
+def cuda_kernel(
+    *,
+    name: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    source: str,
+    header: str = "",
+    ensure_row_contiguous: bool = True,
+) -> Any:
+    """`mx.fast.cuda_kernel` of the compacted source and header."""
+    return mx.fast.cuda_kernel(
+        name=name,
+        input_names=list(input_names),
+        output_names=list(output_names),
+        source=compact(source),
+        header=compact(header),
+        ensure_row_contiguous=ensure_row_contiguous,
+    )
