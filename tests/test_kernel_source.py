@@ -8,8 +8,9 @@ import re
 
 import pytest
 
+from service.core.engine import paged_attention, sampler
 from service.core.engine.kernel_source import compact, cuda_kernel
-from service.core.models import lora_kernel, residual_norm
+from service.core.models import decode_gemm, lora_kernel, residual_norm, rope
 
 
 def test_compact_drops_comments_and_indentation_and_keeps_lines():
@@ -37,15 +38,42 @@ def test_compact_keeps_literals_that_look_like_comments():
     )
 
 
+def _sources() -> list[str]:
+    """Every served kernel's source and header, as its module holds them."""
+    return [
+        lora_kernel.kernel_header(residual_norm._FOLD_HEADER),
+        lora_kernel._fused_source(3),
+        lora_kernel._SHRINK,
+        lora_kernel._EXPAND_ADD,
+        lora_kernel._LOADS_HEADER + lora_kernel._TILE_HEADER,
+        lora_kernel._SHRINK_ROWS,
+        lora_kernel._EXPAND_ADD_ROWS,
+        residual_norm._SOURCE,
+        residual_norm._FOLD_SOURCE,
+        paged_attention._ROPE_HEADER,
+        paged_attention._SOURCE,
+        paged_attention._STORE_SOURCE,
+        sampler._MASKED_ARGMAX_HEADER,
+        sampler._MASKED_ARGMAX,
+        decode_gemm._HEADER,
+        decode_gemm._SOURCE,
+        rope._INV_FREQS_SOURCE,
+    ]
+
+
 def test_compact_code_only_changes_whitespace():
     # Every kernel's source, comments gone: the code tokens are the same, in the same order.
     strip = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
-    for source in (
-        lora_kernel.kernel_header(residual_norm._FOLD_HEADER),
-        lora_kernel._fused_source(3),
-    ):
+    for source in _sources():
         assert compact(source).split() == strip.sub(" ", source).split()
-        assert len(compact(source)) < 0.8 * len(source)
+    fold = lora_kernel.kernel_header(residual_norm._FOLD_HEADER)
+    assert len(compact(fold)) < 0.8 * len(fold)
+
+
+@pytest.mark.parametrize("source", ["int a;  // a comment \\\nint b;\n", 'auto s = R"(// x)";\n'])
+def test_compact_refuses_what_it_would_get_wrong(source):
+    with pytest.raises(ValueError, match="does not handle"):
+        compact(source)
 
 
 @pytest.mark.parametrize("header", ["", "// only a comment\n"])

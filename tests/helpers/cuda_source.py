@@ -88,8 +88,8 @@ class Recorder:
 
     def compile(self, workdir: Path) -> Compiled:
         """Every recorded launch, each its own `__global__` function: one nvcc run for each
-        header, which comes first in its file as in MLX's (a header may redefine what the
-        declaration after it means: `__global__`, for a cluster's shape)."""
+        header, which comes first in its file as in MLX's (headers may define the same device
+        functions: `lora_kernel`'s loads are in `fused_add`'s header and the row kernels' both)."""
         groups: dict[str, list[str]] = {}
         for i, launch in enumerate(self.launches):
             groups.setdefault(launch.header, []).append(wrap(f"k{i}", launch))

@@ -16,11 +16,18 @@ import mlx.core as mx
 
 # String and character literals first, so that a `//` inside one is not taken for a comment.
 _TOKEN = re.compile(r"""("(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*')|//[^\n]*|/\*.*?\*/""", re.DOTALL)
+# What a line-by-line pass would get wrong: line continuations and raw string literals.
+_UNSAFE = re.compile(r'\\\n|\bR"')
 
 
 def compact(source: str) -> str:
     """`source` without its comments, indentation, trailing blanks or empty lines. Lines stay
-    lines: preprocessor directives need their own."""
+    lines: preprocessor directives need their own. A line continuation (a comment's would join
+    the next line to it, a macro's would lose its comment-only lines) or a raw string literal
+    is refused: the kernels here have none, and this is not a C++ lexer."""
+    unsafe = _UNSAFE.search(source)
+    if unsafe:
+        raise ValueError(f"compact: the source has {unsafe.group()!r}, which it does not handle")
     code = _TOKEN.sub(lambda m: m.group(1) or " ", source)
     lines = (line.strip() for line in code.splitlines())
     return "".join(f"{line}\n" for line in lines if line)

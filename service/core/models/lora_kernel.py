@@ -790,9 +790,9 @@ def reference_fused_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> 
 
 
 def shrink_expand_add(x: mx.array, parts: Sequence[Part], scale: mx.array) -> list[mx.array]:
-    """`fused_add`'s update from two kernels a part (`shrink`, then `expand_add`), which compute
-    each token's x @ A once where `fused_add` computes it in every block of the token's outputs
-    (bench/lora_kernel.py --pair times the two forms)."""
+    """`fused_add`'s update from two kernels a part (`shrink`, then `expand_add`): each token's
+    x @ A made by one kernel and read by the other, where `fused_add`'s blocks of a tile split it
+    and meet (bench/lora_kernel.py --pair times the two forms)."""
     return _two_steps(x, parts, scale, shrink, _on_columns(expand_add))
 
 
