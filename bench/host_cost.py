@@ -116,6 +116,7 @@ def op_chains(batch: int, dtype: mx.Dtype, n: int) -> dict[str, tuple]:
         # Arrays a kernel takes and never reads (as the LoRA kernel takes its adapter stacks).
         extra = tuple(mx.zeros((8, 16, 4096), dtype) for _ in range(7))
         mx.eval(extra)
+        from service.core.engine.kernel_source import cuda_kernel
         from service.core.models import lora_kernel
 
         def make(unread: int, outputs: int, header: str = "") -> Callable[..., list[mx.array]]:
@@ -124,7 +125,7 @@ def op_chains(batch: int, dtype: mx.Dtype, n: int) -> dict[str, tuple]:
                 f"out{o}[e] = static_cast<T>(static_cast<float>(x[e]) * 0.999f);"
                 for o in range(outputs)
             )
-            kernel = mx.fast.cuda_kernel(
+            kernel = cuda_kernel(
                 name=f"host_cost_scale_{unread}_{outputs}_{len(header)}",
                 input_names=["x", *(f"unread{i}" for i in range(unread))],
                 output_names=[f"out{o}" for o in range(outputs)],
@@ -146,9 +147,10 @@ def op_chains(batch: int, dtype: mx.Dtype, n: int) -> dict[str, tuple]:
             return call
 
         # What a launch's outputs and its source's length cost (MLX hashes a custom kernel's
-        # whole source at each launch to find its compiled module).
+        # whole source at each launch to find its compiled module); sources compacted as the
+        # service's are (kernel_source.cuda_kernel).
         plain, wide, three = make(0, 1), make(len(extra), 1), make(0, 3)
-        long_source = make(0, 1, lora_kernel._LOADS_HEADER + lora_kernel._FUSED_HEADER)
+        long_source = make(0, 1, lora_kernel.kernel_header())
 
         def custom(x: mx.array, unread: tuple[mx.array, ...] = ()) -> mx.array:
             return (wide if unread else plain)(x, *unread)[0]

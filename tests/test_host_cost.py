@@ -10,6 +10,7 @@ import pytest
 
 from bench import host_cost
 from bench.decode_primitives import primitives
+from service.core.engine.kernel_source import compact
 from service.core.models import lora_kernel
 from tests.helpers import cuda_source
 
@@ -64,7 +65,7 @@ def test_the_cuda_cases_launch_what_they_name(
     assert [len(launch.inputs) for launch in launches] == [1, 8, 1, 1]
     assert [len(launch.output_names) for launch in launches] == [1, 1, 3, 1]
     assert [launch.header for launch in launches[:3]] == ["", "", ""]
-    assert launches[3].header == lora_kernel._LOADS_HEADER + lora_kernel._FUSED_HEADER
+    assert launches[3].header == compact(lora_kernel.kernel_header())
     if cuda_source.nvcc() is not None:
         compiled = recorder.compile(tmp_path)
         assert len(compiled.registers) == 4, compiled.log
